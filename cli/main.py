@@ -1,0 +1,5 @@
+import typer
+app = typer.Typer()
+@app.command()
+def info():
+    print("hi")

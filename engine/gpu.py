@@ -1,0 +1,453 @@
+"""WebGPU runtime: adapter choice, shader/pipeline cache, pooled buffers, dispatch recording.
+
+Conventions every kernel wrapper follows:
+
+* A `Tensor` is a view of a pooled `wgpu` buffer: shape, element type ("f32", "u32",
+  "i32"), byte offset.  Elements are 4 bytes, row-major.
+* Shaders live in `memengine/shaders/<op>.wgsl`, one file per op, entry points
+  `<op>_forward` / `<op>_backward` (and helpers).  A module is compiled once and every
+  (shader, entry, constants) pipeline is cached.
+* A dispatch names its bindings explicitly: ``{binding_index: Tensor | Uniform}``.
+  Pipelines use ``layout="auto"``, so the dict must hold exactly the bindings the entry
+  point uses.  Bind groups are cached by (pipeline, buffers, offsets, sizes).
+* Uniform blocks are small byte strings; `Runtime.uniform(data)` returns a buffer cached by
+  content, so a step that repeats its shapes creates no buffers.  Per-step values
+  (AdamW's b1^t) go through `Runtime.write` into a buffer made once.
+* Grids larger than 65535 workgroups are folded into (x, y): kernels compute their
+  linear workgroup id as ``wid.x + wid.y * nwg.x`` and bounds-check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Iterable
+
+import numpy as np
+
+from .errors import MemengineError, NoAdapterError
+
+_DTYPES = {"f32": np.float32, "u32": np.uint32, "i32": np.int32}
+MAX_GROUPS = 65535
+
+
+def _quiet_environment(verbose: bool) -> None:
+    """Keep driver chatter off stderr unless the user asked for it."""
+    if verbose:
+        logging.getLogger("wgpu").setLevel(logging.INFO)
+        return
+    logging.getLogger("wgpu").setLevel(logging.ERROR)
+    # Mesa prints "XDG_RUNTIME_DIR is invalid or not set" when it is unset/invalid.
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if not xdg or not os.path.isdir(xdg):
+        d = os.path.join(tempfile.gettempdir(), f"memengine-runtime-{os.getuid()}")
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(d, 0o700)
+        os.environ["XDG_RUNTIME_DIR"] = d
+
+
+@contextlib.contextmanager
+def _silence_fd2(enabled: bool):
+    """Drop anything native code writes on fd 2 (driver banners) while enabled."""
+    if not enabled:
+        yield
+        return
+    import sys
+
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@dataclass(eq=False)
+class Tensor:
+    """A typed, shaped view of a GPU buffer (4-byte elements, row-major)."""
+
+    buffer: object
+    shape: tuple
+    dtype: str = "f32"
+    offset: int = 0  # bytes
+    name: str = ""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.numel
+
+    def view(self, shape: tuple, offset_elems: int = 0) -> "Tensor":
+        t = Tensor(self.buffer, tuple(shape), self.dtype, self.offset + 4 * offset_elems)
+        assert t.offset + t.nbytes <= self.offset + self.nbytes or t.offset + t.nbytes <= self.buffer.size
+        return t
+
+
+@dataclass(eq=False)
+class Uniform:
+    buffer: object
+    offset: int = 0
+    size: int = 0
+
+
+def _wgsl_path(name: str):
+    return resources.files("memengine.shaders").joinpath(f"{name}.wgsl")
+
+
+def list_adapters() -> list:
+    import wgpu
+
+    return list(wgpu.gpu.enumerate_adapters_sync())
+
+
+def _adapter_kind(info) -> str:
+    return str(info.get("adapter_type", "")).lower()
+
+
+def choose_adapter(request: str = "auto", verbose: bool = False):
+    """Pick an adapter: 'auto' (best), 'gpu' (real GPU only), 'cpu' (software), or a
+    case-insensitive substring of the adapter's name."""
+    _quiet_environment(verbose)
+    try:
+        import wgpu  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        raise NoAdapterError(f"cannot import wgpu ({e}); install memengine's dependencies") from e
+    request = (request or "auto").strip()
+    with _silence_fd2(not verbose):
+        try:
+            adapters = list_adapters()
+        except Exception as e:
+            adapters = []
+            if verbose:
+                logging.getLogger("memengine").warning("adapter enumeration failed: %s", e)
+    hint = (
+        "no WebGPU adapter found; on a machine without a GPU install Mesa's software "
+        "Vulkan driver (Debian/Ubuntu: apt-get install -y mesa-vulkan-drivers)"
+    )
+    if not adapters:
+        raise NoAdapterError(hint)
+
+    def score(a):
+        info = a.info
+        kind = _adapter_kind(info)
+        backend = str(info.get("backend_type", "")).lower()
+        s = {"discretegpu": 40, "integratedgpu": 30, "virtualgpu": 20, "cpu": 10}.get(kind, 0)
+        s += {"vulkan": 5, "metal": 5, "d3d12": 4, "opengl": 1}.get(backend, 0)
+        return s
+
+    req = request.lower()
+    if req == "auto":
+        cands = adapters
+    elif req == "gpu":
+        cands = [a for a in adapters if _adapter_kind(a.info) != "cpu"]
+        if not cands:
+            names = ", ".join(sorted({a.info.get("device", "?") for a in adapters}))
+            raise NoAdapterError(f"--device gpu: no hardware GPU adapter (found: {names}); use --device auto or cpu")
+    elif req == "cpu":
+        cands = [a for a in adapters if _adapter_kind(a.info) == "cpu"]
+        if not cands:
+            raise NoAdapterError("--device cpu: no software adapter found; " + hint.split("; ", 1)[1])
+    else:
+        cands = [a for a in adapters if req in str(a.info.get("device", "")).lower()
+                 or req in str(a.info.get("description", "")).lower()
+                 or req in str(a.info.get("vendor", "")).lower()]
+        if not cands:
+            names = ", ".join(sorted({a.info.get("device", "?") for a in adapters}))
+            raise NoAdapterError(f"--device {request!r} matches no adapter (found: {names})")
+    return max(cands, key=score)
+
+
+class Runtime:
+    """One WebGPU device plus caches. Create with `get_runtime()`."""
+
+    def __init__(self, device: str = "auto", verbose: bool = False):
+        import wgpu
+
+        self.wgpu = wgpu
+        self.verbose = verbose
+        self.adapter = choose_adapter(device, verbose)
+        info = self.adapter.info
+        self.adapter_name = str(info.get("device", "unknown"))
+        self.backend = str(info.get("backend_type", "unknown"))
+        self.adapter_type = str(info.get("adapter_type", "unknown"))
+        alim = self.adapter.limits
+        want = {}
+        for key in ("max-buffer-size", "max-storage-buffer-binding-size",
+                    "max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup",
+                    "max-compute-workgroup-size-x", "max-compute-workgroup-size-y"):
+            if key in alim:
+                want[key] = alim[key]
+        want["max-storage-buffers-per-shader-stage"] = min(alim.get("max-storage-buffers-per-shader-stage", 8), 10)
+        feats = []
+        self.has_timestamps = "timestamp-query" in self.adapter.features
+        if self.has_timestamps:
+            feats.append("timestamp-query")
+        self.features = set(self.adapter.features)
+        with _silence_fd2(not verbose):
+            self.device = self.adapter.request_device_sync(required_features=feats, required_limits=want)
+        self.limits = dict(self.device.limits)
+        self.max_binding = int(self.limits["max-storage-buffer-binding-size"])
+        self.max_buffer = int(self.limits["max-buffer-size"])
+        self.uniform_align = int(self.limits.get("min-uniform-buffer-offset-alignment", 256))
+        self._modules: dict = {}
+        self._pipelines: dict = {}
+        self._bind_groups: dict = {}
+        self._uniforms: dict = {}
+        self._pool: dict[tuple, list] = {}
+        self._scratch: dict = {}
+        self.bytes_allocated = 0
+        self.peak_bytes = 0
+
+    # ------------------------------------------------------------------ description
+    def describe(self) -> str:
+        return f"{self.adapter_name} ({self.backend}, {self.adapter_type})"
+
+    # ------------------------------------------------------------------ shaders
+    def module(self, name: str):
+        mod = self._modules.get(name)
+        if mod is None:
+            path = _wgsl_path(name)
+            try:
+                code = path.read_text()
+            except FileNotFoundError as e:
+                raise RuntimeError(f"shader file not found: shaders/{name}.wgsl") from e
+            try:
+                mod = self.device.create_shader_module(label=name, code=code)
+            except Exception as e:
+                raise RuntimeError(f"WGSL compile error in shaders/{name}.wgsl: {e}") from e
+            self._modules[name] = mod
+        return mod
+
+    def pipeline(self, shader: str, entry: str, constants: dict | None = None):
+        key = (shader, entry, tuple(sorted((constants or {}).items())))
+        p = self._pipelines.get(key)
+        if p is None:
+            stage = {"module": self.module(shader), "entry_point": entry}
+            if constants:
+                stage["constants"] = {k: float(v) for k, v in constants.items()}
+            try:
+                p = self.device.create_compute_pipeline(label=f"{shader}.{entry}", layout="auto", compute=stage)
+            except Exception as e:
+                raise RuntimeError(f"pipeline error in shaders/{shader}.wgsl entry {entry}: {e}") from e
+            self._pipelines[key] = p
+        return p
+
+    # ------------------------------------------------------------------ buffers
+    def _usage(self):
+        u = self.wgpu.BufferUsage
+        return u.STORAGE | u.COPY_SRC | u.COPY_DST
+
+    def check_size(self, nbytes: int, what: str = "tensor") -> None:
+        if nbytes > self.max_binding:
+            raise MemengineError(
+                f"{what} needs {nbytes / 2**20:.1f} MiB in one GPU buffer but the adapter allows "
+                f"{self.max_binding / 2**20:.1f} MiB per storage binding; use a smaller --seq-len or --batch-size"
+            )
+
+    def empty(self, shape, dtype: str = "f32", name: str = "") -> Tensor:
+        shape = tuple(int(s) for s in shape)
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = max(16, ((4 * n + 15) // 16) * 16)
+        self.check_size(nbytes, name or "tensor")
+        key = (nbytes,)
+        free = self._pool.get(key)
+        if free:
+            buf = free.pop()
+        else:
+            buf = self.device.create_buffer(label=name, size=nbytes, usage=self._usage())
+            self.bytes_allocated += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
+        return Tensor(buf, shape, dtype, 0, name)
+
+    def zeros(self, shape, dtype: str = "f32", name: str = "") -> Tensor:
+        t = self.empty(shape, dtype, name)
+        enc = self.device.create_command_encoder()
+        enc.clear_buffer(t.buffer, 0, t.buffer.size)
+        self.device.queue.submit([enc.finish()])
+        return t
+
+    def scratch(self, key, shape, dtype: str = "f32") -> Tensor:
+        """A persistent scratch tensor, created once per (key, shape, dtype) and reused."""
+        k = (key, tuple(int(x) for x in shape), dtype)
+        t = self._scratch.get(k)
+        if t is None:
+            t = self.empty(shape, dtype, name=str(key))
+            self._scratch[k] = t
+        return t
+
+    def free(self, t: Tensor) -> None:
+        """Return a tensor's buffer to the pool (the tensor must not be used again)."""
+        if t is None:
+            return
+        self._pool.setdefault((t.buffer.size,), []).append(t.buffer)
+
+    def upload(self, array, dtype: str | None = None, name: str = "") -> Tensor:
+        a = np.asarray(array)
+        if dtype is None:
+            dtype = {np.dtype(np.float32): "f32", np.dtype(np.uint32): "u32", np.dtype(np.int32): "i32"}.get(a.dtype, "f32")
+        a = np.ascontiguousarray(a, dtype=_DTYPES[dtype])
+        t = self.empty(a.shape, dtype, name)
+        self.write(t, a)
+        return t
+
+    def write(self, t: Tensor, array) -> None:
+        a = np.ascontiguousarray(array, dtype=_DTYPES[t.dtype])
+        assert a.size == t.numel, (a.shape, t.shape)
+        if a.size:
+            self.device.queue.write_buffer(t.buffer, t.offset, a.tobytes())
+
+    def read(self, t: Tensor) -> np.ndarray:
+        raw = self.device.queue.read_buffer(t.buffer, t.offset, t.nbytes)
+        return np.frombuffer(raw, dtype=_DTYPES[t.dtype]).copy().reshape(t.shape)
+
+    def uniform(self, data: bytes) -> Uniform:
+        """A uniform buffer holding `data`, cached by content (created once per shape)."""
+        if len(data) % 16:
+            data = data + b"\0" * (16 - len(data) % 16)
+        u = self._uniforms.get(data)
+        if u is None:
+            u = self.wgpu.BufferUsage
+            buf = self.device.create_buffer_with_data(data=data, usage=u.UNIFORM | u.COPY_DST)
+            u = Uniform(buf, 0, len(data))
+            self._uniforms[data] = u
+        return u
+
+    def uniform_buffer(self, size: int) -> object:
+        """A writable uniform buffer (for values that change per step)."""
+        u = self.wgpu.BufferUsage
+        return self.device.create_buffer(size=max(16, size), usage=u.UNIFORM | u.COPY_DST)
+
+    # ------------------------------------------------------------------ binding
+    def bind_group(self, pipeline, bindings: dict):
+        key = (id(pipeline),) + tuple(
+            (i, id(r.buffer), r.offset, (r.nbytes if isinstance(r, Tensor) else r.size))
+            for i, r in sorted(bindings.items())
+        )
+        bg = self._bind_groups.get(key)
+        if bg is None:
+            entries = []
+            for i, r in sorted(bindings.items()):
+                size = r.nbytes if isinstance(r, Tensor) else r.size
+                if isinstance(r, Tensor):
+                    size = max(4, size)
+                entries.append({"binding": i, "resource": {"buffer": r.buffer, "offset": r.offset, "size": size}})
+            bg = self.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
+            self._bind_groups[key] = (bg, pipeline, bindings)  # keep referents alive
+        else:
+            bg = bg
+        return self._bind_groups[key][0]
+
+    def recorder(self) -> "Recorder":
+        return Recorder(self)
+
+    def sync(self) -> None:
+        """Wait until all submitted work is done."""
+        self.device.queue.on_submitted_work_done_sync()
+
+
+def grid(n_groups: int) -> tuple[int, int, int]:
+    """Fold a 1-D count of workgroups into (x, y, 1) within the 65535 limit."""
+    n_groups = max(1, int(n_groups))
+    if n_groups <= MAX_GROUPS:
+        return (n_groups, 1, 1)
+    y = (n_groups + MAX_GROUPS - 1) // MAX_GROUPS
+    x = (n_groups + y - 1) // y
+    return (x, y, 1)
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def pack(fmt: str, *values) -> bytes:
+    """struct.pack with 16-byte padding, for uniform blocks ('I' = u32, 'f' = f32, 'i' = i32)."""
+    data = struct.pack("<" + fmt, *values)
+    if len(data) % 16:
+        data += b"\0" * (16 - len(data) % 16)
+    return data
+
+
+class Recorder:
+    """Records dispatches into one command encoder; `submit()` sends them as one batch."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.encoder = rt.device.create_command_encoder()
+        self._pass = None
+        self.dispatches = 0
+
+    def _compute_pass(self):
+        if self._pass is None:
+            self._pass = self.encoder.begin_compute_pass()
+        return self._pass
+
+    def _end_pass(self):
+        if self._pass is not None:
+            self._pass.end()
+            self._pass = None
+
+    def dispatch(self, shader: str, entry: str, bindings: dict, groups, constants: dict | None = None):
+        if isinstance(groups, int):
+            groups = grid(groups)
+        groups = tuple(int(g) for g in groups) + (1,) * (3 - len(groups))
+        if min(groups) <= 0:
+            return
+        pl = self.rt.pipeline(shader, entry, constants)
+        bg = self.rt.bind_group(pl, bindings)
+        p = self._compute_pass()
+        p.set_pipeline(pl)
+        p.set_bind_group(0, bg)
+        p.dispatch_workgroups(*groups)
+        self.dispatches += 1
+
+    def clear(self, t: Tensor):
+        self._end_pass()
+        if t.nbytes:
+            size = t.nbytes
+            if (t.offset % 4) or (size % 4):
+                raise ValueError("clear needs 4-byte alignment")
+            self.encoder.clear_buffer(t.buffer, t.offset, size)
+
+    def copy(self, src: Tensor, dst: Tensor):
+        self._end_pass()
+        assert src.nbytes == dst.nbytes
+        if src.nbytes:
+            self.encoder.copy_buffer_to_buffer(src.buffer, src.offset, dst.buffer, dst.offset, src.nbytes)
+
+    def submit(self):
+        self._end_pass()
+        self.rt.device.queue.submit([self.encoder.finish()])
+        self.encoder = self.rt.device.create_command_encoder()
+        self.dispatches = 0
+
+
+_RUNTIMES: dict = {}
+
+
+def get_runtime(device: str | None = None, verbose: bool = False) -> Runtime:
+    """The process-wide runtime for a device request (MEMENGINE_DEVICE when None)."""
+    request = device or os.environ.get("MEMENGINE_DEVICE", "auto")
+    rt = _RUNTIMES.get(request)
+    if rt is None:
+        rt = Runtime(request, verbose)
+        _RUNTIMES[request] = rt
+    return rt
