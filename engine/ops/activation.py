@@ -1,0 +1,67 @@
+"""Standalone activations (shaders/activation.wgsl): SiLU and the stable softplus.
+
+Forward entry points WRITE their output; backward entry points ACCUMULATE (dx += ...).
+This module also holds `bound`, the helper every op in this family uses to bind a tensor
+view whose byte offset is not a multiple of the adapter's storage-offset alignment
+(parameter views into one flat buffer): the binding starts at the aligned-down offset
+and the kernel adds the returned element offset.
+"""
+
+from __future__ import annotations
+
+from ..gpu import Recorder, Tensor, cdiv, pack
+
+WG = 256
+
+
+def bound(rt, t: Tensor) -> tuple[Tensor, int]:
+    """(tensor bound from an aligned offset, element offset of `t` inside that binding)."""
+    align = int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
+    base = (t.offset // align) * align
+    extra = (t.offset - base) // 4
+    if extra == 0:
+        return Tensor(t.buffer, (max(1, t.numel),), t.dtype, t.offset), 0
+    return Tensor(t.buffer, (extra + t.numel,), t.dtype, base), extra
+
+
+def _unary(rec: Recorder, entry: str, out: Tensor, x: Tensor) -> None:
+    n = x.numel
+    assert out.numel == n, (out.shape, x.shape)
+    if n == 0:
+        return
+    bo, oo = bound(rec.rt, out)
+    bx, ox = bound(rec.rt, x)
+    u = rec.rt.uniform(pack("4I", n, oo, ox, 0))
+    rec.dispatch("activation", entry, {0: bo, 1: bx, 2: u}, cdiv(n, WG))
+
+
+def _unary_backward(rec: Recorder, entry: str, dx: Tensor, dout: Tensor, x: Tensor) -> None:
+    n = x.numel
+    assert dx.numel == n and dout.numel == n, (dx.shape, dout.shape, x.shape)
+    if n == 0:
+        return
+    bd, od = bound(rec.rt, dx)
+    bg, og = bound(rec.rt, dout)
+    bx, ox = bound(rec.rt, x)
+    u = rec.rt.uniform(pack("4I", n, od, og, ox))
+    rec.dispatch("activation", entry, {0: bd, 1: bg, 2: bx, 3: u}, cdiv(n, WG))
+
+
+def silu_forward(rec: Recorder, out: Tensor, x: Tensor) -> None:
+    """out = x * sigmoid(x) (WRITE)."""
+    _unary(rec, "silu_forward", out, x)
+
+
+def silu_backward(rec: Recorder, dx: Tensor, dout: Tensor, x: Tensor) -> None:
+    """dx += dout * sigmoid(x) * (1 + x * (1 - sigmoid(x))) (ACC)."""
+    _unary_backward(rec, "silu_backward", dx, dout, x)
+
+
+def softplus_forward(rec: Recorder, out: Tensor, x: Tensor) -> None:
+    """out = x if x > 20 else log1p(exp(x)) (WRITE; torch's threshold=20)."""
+    _unary(rec, "softplus_forward", out, x)
+
+
+def softplus_backward(rec: Recorder, dx: Tensor, dout: Tensor, x: Tensor) -> None:
+    """dx += dout * (1 if x > 20 else sigmoid(x)) (ACC)."""
+    _unary_backward(rec, "softplus_backward", dx, dout, x)

@@ -1,0 +1,73 @@
+// Standalone activations and their backward passes (the reference for fused versions).
+//   silu(x)     = x * sigmoid(x)
+//   softplus(x) = x                 for x > 20 (torch threshold=20)
+//               = log1p(exp(x))     otherwise (log1p computed accurately, see below)
+// Backward entry points ACCUMULATE: dx += dout * f'(x).
+// Every tensor is bound from a 32/256-byte aligned offset; P.o_* are element offsets.
+struct Params { n: u32, o_a: u32, o_b: u32, o_c: u32 }
+
+@group(0) @binding(0) var<storage, read_write> out: array<f32>;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<uniform> P: Params;
+
+@group(0) @binding(0) var<storage, read_write> dx: array<f32>;
+@group(0) @binding(1) var<storage, read> dout: array<f32>;
+@group(0) @binding(2) var<storage, read> xb: array<f32>;
+@group(0) @binding(3) var<uniform> PB: Params;
+
+fn sigmoid(v: f32) -> f32 { return 1.0 / (1.0 + exp(-v)); }
+
+// log(1 + e) without cancellation for tiny e (Goldberg's trick): when u = 1 + e rounds,
+// log(u) * e / (u - 1) corrects the rounding error of u exactly to first order.
+fn log1p_(e: f32) -> f32 {
+    let u = 1.0 + e;
+    if (u == 1.0) { return e; }
+    return log(u) * (e / (u - 1.0));
+}
+
+fn softplus(v: f32) -> f32 {
+    if (v > 20.0) { return v; }
+    return log1p_(exp(v));
+}
+
+fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
+    return (wid.x + wid.y * nwg.x) * 256u + lid.x;
+}
+
+@compute @workgroup_size(256)
+fn silu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = lin(wid, nwg, lid);
+    if (i >= P.n) { return; }
+    let v = x[P.o_b + i];
+    out[P.o_a + i] = v * sigmoid(v);
+}
+
+@compute @workgroup_size(256)
+fn silu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = lin(wid, nwg, lid);
+    if (i >= PB.n) { return; }
+    let v = xb[PB.o_c + i];
+    let s = sigmoid(v);
+    dx[PB.o_a + i] += dout[PB.o_b + i] * (s * (1.0 + v * (1.0 - s)));
+}
+
+@compute @workgroup_size(256)
+fn softplus_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = lin(wid, nwg, lid);
+    if (i >= P.n) { return; }
+    out[P.o_a + i] = softplus(x[P.o_b + i]);
+}
+
+@compute @workgroup_size(256)
+fn softplus_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = lin(wid, nwg, lid);
+    if (i >= PB.n) { return; }
+    let v = xb[PB.o_c + i];
+    var g = 1.0;
+    if (v <= 20.0) { g = sigmoid(v); }
+    dx[PB.o_a + i] += dout[PB.o_b + i] * g;
+}
