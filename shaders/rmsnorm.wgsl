@@ -1,0 +1,117 @@
+// RMSNorm as transformers' MambaRMSNorm computes it (f32):
+//   rstd[m] = 1 / sqrt(mean_e x[m,e]^2 + eps);   out[m,e] = weight[e] * (x[m,e] * rstd[m])
+// Backward, with xh = x * rstd and g = dout * weight:
+//   dx[m,e]   += rstd[m] * (g[m,e] - xh[m,e] * mean_e(g * xh))          (ACC)
+//   dweight[e] += sum_m dout[m,e] * xh[m,e]                              (ACC, two stages:
+//   rmsnorm_dweight_partial sums fixed row chunks into scratch, rmsnorm_dweight_reduce
+//   adds the chunk sums in order; every element has one writer).
+// One workgroup per row for the row kernels; P.o_* are element offsets of the bindings.
+const WG: u32 = 128u;
+
+struct Params { M: u32, E: u32, eps: f32, rows_per_chunk: u32,
+                o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, nchunks: u32, _p0: u32, _p1: u32 }
+
+var<workgroup> red: array<f32, WG>;
+
+fn wg_sum(v: f32, l: u32) -> f32 {
+    red[l] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+        if (l < s) { red[l] = red[l] + red[l + s]; }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+// ---------------------------------------------------------------- forward
+@group(0) @binding(0) var<storage, read_write> out: array<f32>;
+@group(0) @binding(1) var<storage, read_write> rstd: array<f32>;
+@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(3) var<storage, read> weight: array<f32>;
+@group(0) @binding(4) var<uniform> P: Params;
+
+@compute @workgroup_size(128)
+fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_id) lid: vec3<u32>) {
+    let m = wid.x + wid.y * nwg.x;
+    if (m >= P.M) { return; }
+    let l = lid.x;
+    let xb = P.o_c + m * P.E;
+    var ss = 0.0;
+    for (var e = l; e < P.E; e = e + WG) { let v = x[xb + e]; ss = ss + v * v; }
+    let tot = wg_sum(ss, l);
+    let r = 1.0 / sqrt(tot / f32(P.E) + P.eps);
+    if (l == 0u) { rstd[P.o_b + m] = r; }
+    let ob = P.o_a + m * P.E;
+    for (var e = l; e < P.E; e = e + WG) { out[ob + e] = weight[P.o_d + e] * (x[xb + e] * r); }
+}
+
+// ---------------------------------------------------------------- backward: dx
+@group(0) @binding(0) var<storage, read_write> dx: array<f32>;
+@group(0) @binding(1) var<storage, read> dout: array<f32>;
+@group(0) @binding(2) var<storage, read> xg: array<f32>;
+@group(0) @binding(3) var<storage, read> wg_: array<f32>;
+@group(0) @binding(4) var<storage, read> rs: array<f32>;
+@group(0) @binding(5) var<uniform> PB: Params;
+
+@compute @workgroup_size(128)
+fn rmsnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_id) lid: vec3<u32>) {
+    let m = wid.x + wid.y * nwg.x;
+    if (m >= PB.M) { return; }
+    let l = lid.x;
+    let r = rs[PB.o_e + m];
+    let gb = PB.o_b + m * PB.E;
+    let xb = PB.o_c + m * PB.E;
+    var d = 0.0;
+    for (var e = l; e < PB.E; e = e + WG) { d = d + dout[gb + e] * wg_[PB.o_d + e] * xg[xb + e]; }
+    let c = wg_sum(d, l) * r / f32(PB.E);           // mean(g * xh)
+    let db = PB.o_a + m * PB.E;
+    for (var e = l; e < PB.E; e = e + WG) {
+        let g = dout[gb + e] * wg_[PB.o_d + e];
+        let xh = xg[xb + e] * r;
+        dx[db + e] = dx[db + e] + r * (g - xh * c);
+    }
+}
+
+// ---------------------------------------------------------------- backward: dweight
+// partial[p, e] = sum over rows p*rpc .. (p+1)*rpc of dout * x * rstd. Workgroup (column
+// block of 64, chunk p) = linear id p * nblk + block.
+@group(0) @binding(0) var<storage, read_write> partial: array<f32>;
+@group(0) @binding(1) var<storage, read> dout2: array<f32>;
+@group(0) @binding(2) var<storage, read> x2: array<f32>;
+@group(0) @binding(3) var<storage, read> rs2: array<f32>;
+@group(0) @binding(4) var<uniform> P2: Params;
+
+@compute @workgroup_size(64)
+fn rmsnorm_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                           @builtin(local_invocation_id) lid: vec3<u32>) {
+    let g = wid.x + wid.y * nwg.x;
+    let nblk = (P2.E + 63u) / 64u;
+    let p = g / nblk;
+    let e = (g - p * nblk) * 64u + lid.x;
+    if (p >= P2.nchunks || e >= P2.E) { return; }
+    let m0 = p * P2.rows_per_chunk;
+    let m1 = min(P2.M, m0 + P2.rows_per_chunk);
+    var acc = 0.0;
+    for (var m = m0; m < m1; m = m + 1u) {
+        acc = acc + dout2[P2.o_b + m * P2.E + e] * (x2[P2.o_c + m * P2.E + e] * rs2[P2.o_e + m]);
+    }
+    partial[p * P2.E + e] = acc;
+}
+
+@group(0) @binding(0) var<storage, read_write> dweight: array<f32>;
+@group(0) @binding(1) var<storage, read> partial3: array<f32>;
+@group(0) @binding(2) var<uniform> P3: Params;
+
+@compute @workgroup_size(64)
+fn rmsnorm_dweight_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                          @builtin(local_invocation_id) lid: vec3<u32>) {
+    let e = (wid.x + wid.y * nwg.x) * 64u + lid.x;
+    if (e >= P3.E) { return; }
+    var acc = 0.0;
+    for (var p = 0u; p < P3.nchunks; p = p + 1u) { acc = acc + partial3[p * P3.E + e]; }
+    dweight[P3.o_a + e] = dweight[P3.o_a + e] + acc;
+}
