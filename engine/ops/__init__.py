@@ -1,0 +1,1 @@
+"""Python wrappers that record each shaders/<op>.wgsl kernel into a Recorder."""

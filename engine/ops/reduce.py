@@ -1,0 +1,120 @@
+"""Deterministic GPU reductions (shaders/reduce.wgsl).
+
+Two stages, no atomics, no racing writes:
+
+1. ``reduce_partial``: workgroup ``w`` reduces a fixed chunk of ``256 * per_thread`` elements
+   and writes its own slot ``partials[pbase + w]`` (a persistent ``rt.scratch`` buffer).
+2. ``reduce_finish``: one workgroup folds all partials and one thread does ``out[i] += ...``.
+
+The chunking depends only on the element count, so a given input always produces the same
+bits.  Inputs may be views at any 4-byte offset: they are bound from the offset rounded
+down to the adapter's storage-offset alignment and the remainder is passed as an element
+index.  Inputs larger than one storage binding are reduced in several stage-1 dispatches
+that write disjoint partial ranges.
+
+API::
+
+    sum_into(rec, out, x, *, scale=1.0, scale_tensor=None)  # out[0] += scale * scale_tensor[0] * sum(x)
+    sumsq_into(rec, out, x)                                 # out[0] += sum(x * x)
+
+Lower-level pieces (used by the gradient clipper): ``plan``, ``record_partials``,
+``partials_scratch``.
+"""
+
+from __future__ import annotations
+
+from ..gpu import Tensor, cdiv, grid, pack
+
+SHADER = "reduce"
+WG = 256
+MIN_PER_THREAD = 8
+MAX_PARTIALS = 32768  # per reduction; stage 2 folds at most this many per 256 threads
+
+
+def _storage_align(rt) -> int:
+    return int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
+
+
+def _bind_view(rt, t: Tensor, n: int | None = None) -> tuple[Tensor, int]:
+    """A Tensor bindable at an aligned offset covering `t`'s first `n` elements, and the
+    element index of t[0] inside it."""
+    if t.offset % 4:
+        raise ValueError("tensor offset must be a multiple of 4 bytes")
+    n = t.numel if n is None else n
+    al = _storage_align(rt)
+    start = (t.offset // al) * al
+    base = (t.offset - start) // 4
+    return Tensor(t.buffer, (base + max(n, 1),), t.dtype, start), base
+
+
+def plan(n: int) -> tuple[int, int]:
+    """(per_thread, groups) of stage 1 for n elements; groups <= MAX_PARTIALS."""
+    per_thread = max(MIN_PER_THREAD, cdiv(n, WG * MAX_PARTIALS))
+    return per_thread, cdiv(n, WG * per_thread)
+
+
+def _pieces(rt, x: Tensor):
+    """Split x into (element_start, count) pieces that each fit one storage binding."""
+    n = x.numel
+    al = _storage_align(rt)
+    cap = ((rt.max_binding - al) // (4 * WG)) * WG  # elements per piece, multiple of 256
+    cap = max(WG, cap)
+    return [(s, min(cap, n - s)) for s in range(0, n, cap)]
+
+
+def count_partials(rt, x: Tensor) -> int:
+    return sum(plan(c)[1] for _, c in _pieces(rt, x))
+
+
+def partials_scratch(rt, count: int, key: str = "reduce.partials") -> Tensor:
+    """Persistent partials buffer with at least `count` slots (sized to a power of two)."""
+    cap = 1024
+    while cap < count:
+        cap *= 2
+    return rt.scratch(key, (cap,))
+
+
+def record_partials(rec, x: Tensor, partials: Tensor, pbase: int, *, square: bool) -> int:
+    """Stage 1 over all of x, writing partials[pbase : pbase + k]; returns k."""
+    rt = rec.rt
+    written = 0
+    for s, c in _pieces(rt, x):
+        per_thread, groups = plan(c)
+        view = Tensor(x.buffer, (c,), x.dtype, x.offset + 4 * s)
+        xb, base = _bind_view(rt, view, c)
+        u = rt.uniform(pack("IIIIIIIIffff", c, base, per_thread, pbase + written,
+                            1 if square else 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0))
+        rec.dispatch(SHADER, "reduce_partial", {0: xb, 1: partials, 2: u}, grid(groups))
+        written += groups
+    return written
+
+
+def _reduce_into(rec, out: Tensor, x: Tensor, *, square: bool, scale: float = 1.0,
+                 scale_tensor: Tensor | None = None) -> None:
+    rt = rec.rt
+    if x.numel == 0:
+        return
+    if out.numel < 1:
+        raise ValueError("out must hold at least one element")
+    partials = partials_scratch(rt, count_partials(rt, x))
+    k = record_partials(rec, x, partials, 0, square=square)
+    ob, oi = _bind_view(rt, out, 1)
+    bindings = {1: partials, 3: ob}
+    si = 0
+    if scale_tensor is not None:
+        sb, si = _bind_view(rt, scale_tensor, 1)
+        bindings[4] = sb
+    u = rt.uniform(pack("IIIIIIIIffff", k, 0, 0, 0, 0, oi, si, 0, float(scale), 0.0, 0.0, 0.0))
+    bindings[2] = u
+    entry = "reduce_finish" if scale_tensor is None else "reduce_finish_scaled"
+    rec.dispatch(SHADER, entry, bindings, 1)
+
+
+def sum_into(rec, out: Tensor, x: Tensor, *, scale: float = 1.0, scale_tensor: Tensor | None = None) -> None:
+    """ACC: out[0] += scale * (scale_tensor[0] if given) * sum(x).  Deterministic."""
+    _reduce_into(rec, out, x, square=False, scale=scale, scale_tensor=scale_tensor)
+
+
+def sumsq_into(rec, out: Tensor, x: Tensor) -> None:
+    """ACC: out[0] += sum(x * x).  Deterministic."""
+    _reduce_into(rec, out, x, square=True)

@@ -1,0 +1,246 @@
+"""Optimizer side of a training step, all on the GPU, no readback inside a step.
+
+* `GradClipper` – global L2 norm over every trainable gradient (a deterministic two-stage
+  reduction, shaders/reduce.wgsl), the clip factor, and an epoch accumulator of the norm.
+* `AdamW` – one fused kernel dispatch per parameter (shaders/adamw.wgsl), moments keyed by
+  parameter NAME (SPEC section 4), per-step uniforms in one persistent uniform buffer.
+
+Typical step (one `Recorder`, one submit per step)::
+
+    clipper.record(rec, list(grads.values()), max_grad_norm)
+    opt.record_step(rec, params, grads, clipper.factor)
+    rec.submit()
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from .gpu import Tensor, Uniform, cdiv, grid, pack
+from .ops.reduce import count_partials, partials_scratch, record_partials
+
+_ADAM_FMT = "<I11f"  # u32 count, f32 lr b1 b2 eps wd b1^t b2^t max_delta, 3 f32 pad
+_ADAM_BYTES = 48
+assert struct.calcsize(_ADAM_FMT) == _ADAM_BYTES
+
+
+def _storage_align(rt) -> int:
+    return int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
+
+
+class GradClipper:
+    """Global gradient L2 norm and clip factor, computed on the GPU.
+
+    After `record` (and a submit): ``factor[0]`` = max/norm when max > 0 and norm > max,
+    else 1 (also 1 when the norm is NaN/Inf: AdamW then zeroes the non-finite steps);
+    ``norm[0]`` = this step's pre-clip norm; ``norm_sum[0]`` += norm (the epoch accumulator,
+    cleared by `reset_epoch`).  `mean_norm()` reads it back (one sync, once per epoch).
+    """
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.factor: Tensor = rt.upload(np.ones(1, np.float32), name="clip.factor")
+        self.norm_sum: Tensor = rt.zeros((1,), name="clip.norm_sum")
+        self.norm: Tensor = rt.zeros((1,), name="clip.norm")
+        self.steps = 0  # record() calls since the last reset_epoch
+
+    def record(self, rec, grads: list[Tensor], max_grad_norm: float) -> None:
+        rt = self.rt
+        grads = [g for g in grads if g is not None and g.numel > 0]
+        total = sum(count_partials(rt, g) for g in grads)
+        partials = partials_scratch(rt, max(total, 1), key="clip.partials")
+        k = 0
+        for g in grads:
+            k += record_partials(rec, g, partials, k, square=True)
+        u = rt.uniform(pack("IIIIIIIIffff", k, 0, 0, 0, 0, 0, 0, 0, 0.0, float(max_grad_norm or 0.0), 0.0, 0.0))
+        rec.dispatch("reduce", "clip_finish",
+                     {1: partials, 2: u, 3: self.factor, 5: self.norm_sum, 6: self.norm}, 1)
+        self.steps += 1
+
+    def reset_epoch(self, rec) -> None:
+        rec.clear(self.norm_sum)
+        self.steps = 0
+
+    def mean_norm(self) -> float:
+        """Mean pre-clip norm over the steps since reset_epoch (reads back: a sync point)."""
+        if self.steps == 0:
+            return 0.0
+        return float(self.rt.read(self.norm_sum)[0]) / self.steps
+
+
+class AdamW:
+    """AdamW with decoupled weight decay and an optional trust region (SPEC section 4).
+
+    `moments[name] = (exp_avg, exp_avg_sq)`, created as zeros the first time `name` is
+    stepped, reused whenever the same name comes back (whatever the order or subset of the
+    parameter dict).  `step_count` is the global t; bias correction uses b1^t, b2^t with t
+    counted after the increment.  `lr`, `betas`, `eps`, `weight_decay`, `max_delta` may be
+    changed between steps.
+
+    Per-step uniforms: one 48-byte block per parameter name (a fixed slot), all in ONE uniform
+    buffer created once (re-created larger only when a new name appears beyond its
+    capacity) at offsets aligned to ``rt.uniform_align``, filled by one
+    ``queue.write_buffer`` per step.  Because that write happens at record time, a recorder
+    must be submitted between two `record_step` calls (checked).
+    """
+
+    def __init__(self, rt, *, lr: float = 1e-4, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, max_delta: float = 0.0):
+        self.rt = rt
+        self.lr = float(lr)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.max_delta = float(max_delta)
+        self.moments: dict[str, tuple[Tensor, Tensor]] = {}
+        self.step_count = 0
+        self._slots: dict[str, int] = {}
+        self._stride = cdiv(_ADAM_BYTES, rt.uniform_align) * rt.uniform_align
+        self._ubuf = None
+        self._ucap = 0  # slots
+        self._uniforms: dict[int, Uniform] = {}
+        self._ones: Tensor | None = None
+        self._last_encoder = None
+        self.uniform_buffers_created = 0  # for tests / diagnostics
+
+    # ------------------------------------------------------------------ state
+    def _moment(self, name: str, p: Tensor) -> tuple[Tensor, Tensor]:
+        mv = self.moments.get(name)
+        if mv is None:
+            mv = (self.rt.zeros(p.shape, name=f"{name}.exp_avg"),
+                  self.rt.zeros(p.shape, name=f"{name}.exp_avg_sq"))
+            self.moments[name] = mv
+        elif mv[0].numel != p.numel:
+            raise ValueError(f"AdamW: parameter {name!r} has {p.numel} elements but its moments "
+                             f"have {mv[0].numel}")
+        return mv
+
+    def _slot(self, name: str) -> int:
+        s = self._slots.get(name)
+        if s is None:
+            s = len(self._slots)
+            self._slots[name] = s
+        return s
+
+    def _ensure_uniform_capacity(self) -> None:
+        need = len(self._slots)
+        if self._ubuf is not None and need <= self._ucap:
+            return
+        cap = max(8, self._ucap)
+        while cap < need:
+            cap *= 2
+        self._ubuf = self.rt.uniform_buffer(cap * self._stride)
+        self._ucap = cap
+        self._uniforms = {}
+        self.uniform_buffers_created += 1
+
+    def _uniform(self, slot: int) -> Uniform:
+        u = self._uniforms.get(slot)
+        if u is None:
+            u = Uniform(self._ubuf, slot * self._stride, _ADAM_BYTES)
+            self._uniforms[slot] = u
+        return u
+
+    def _ones_tensor(self) -> Tensor:
+        if self._ones is None:
+            self._ones = self.rt.upload(np.ones(1, np.float32), name="adamw.one")
+        return self._ones
+
+    # ------------------------------------------------------------------ step
+    def record_step(self, rec, params: dict[str, Tensor], grads: dict[str, Tensor],
+                    clip_factor: Tensor | None = None) -> None:
+        """Record one AdamW step for every parameter in `params` (grads by the same names).
+        `clip_factor`: a [1] f32 tensor multiplied into every gradient (None: 1)."""
+        rt = self.rt
+        if rec.encoder is self._last_encoder:
+            raise RuntimeError("AdamW.record_step called twice on one recorder without submit(); "
+                               "its per-step uniforms are written at record time")
+        missing = [n for n in params if n not in grads]
+        if missing:
+            raise KeyError(f"AdamW: no gradient for {missing}")
+        al = _storage_align(rt)
+        for name, p in params.items():
+            g = grads[name]
+            if p.numel != g.numel:
+                raise ValueError(f"AdamW: {name!r}: parameter has {p.numel} elements, gradient {g.numel}")
+            if p.dtype != "f32" or g.dtype != "f32":
+                raise ValueError(f"AdamW: {name!r}: f32 tensors expected")
+            for what, t in (("parameter", p), ("gradient", g)):
+                if t.offset % al:
+                    raise ValueError(f"AdamW: {name!r}: {what} view offset {t.offset} is not a multiple "
+                                     f"of the storage-offset alignment {al}")
+            self._moment(name, p)
+            self._slot(name)
+        self._ensure_uniform_capacity()
+
+        self.step_count += 1
+        t = self.step_count
+        b1, b2 = self.betas
+        data = bytearray(len(self._slots) * self._stride)
+        for name, p in params.items():
+            struct.pack_into(_ADAM_FMT, data, self._slots[name] * self._stride,
+                             p.numel, self.lr, b1, b2, self.eps, self.weight_decay,
+                             b1 ** t, b2 ** t, self.max_delta, 0.0, 0.0, 0.0)
+        rt.device.queue.write_buffer(self._ubuf, 0, bytes(data))
+
+        clip = clip_factor if clip_factor is not None else self._ones_tensor()
+        for name, p in params.items():
+            if p.numel == 0:
+                continue
+            m, v = self.moments[name]
+            rec.dispatch("adamw", "adamw_step",
+                         {0: p, 1: grads[name], 2: m, 3: v, 4: clip, 5: self._uniform(self._slots[name])},
+                         grid(cdiv(p.numel, 256)))
+        self._last_encoder = rec.encoder
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Moments read back by name ("<name>.exp_avg", "<name>.exp_avg_sq") plus "__step__"."""
+        out: dict[str, np.ndarray] = {}
+        for name, (m, v) in self.moments.items():
+            out[f"{name}.exp_avg"] = self.rt.read(m)
+            out[f"{name}.exp_avg_sq"] = self.rt.read(v)
+        out["__step__"] = np.array([self.step_count], dtype=np.int64)
+        return out
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Replace moments and step count with `state` (as produced by `state_dict`)."""
+        new: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for key, arr in state.items():
+            if key == "__step__":
+                continue
+            if key.endswith(".exp_avg"):
+                name = key[: -len(".exp_avg")]
+                sq = state.get(f"{name}.exp_avg_sq")
+                if sq is None:
+                    raise ValueError(f"optimizer state: {key} without {name}.exp_avg_sq")
+                a = np.asarray(arr, dtype=np.float32)
+                sq = np.asarray(sq, dtype=np.float32)
+                if a.shape != sq.shape:
+                    raise ValueError(f"optimizer state: {name}: exp_avg {a.shape} vs exp_avg_sq {sq.shape}")
+                new[name] = (a, sq)
+            elif key.endswith(".exp_avg_sq"):
+                if f"{key[: -len('.exp_avg_sq')]}.exp_avg" not in state:
+                    raise ValueError(f"optimizer state: {key} without its exp_avg")
+            else:
+                raise ValueError(f"optimizer state: unexpected entry {key!r}")
+        for name in list(self.moments):
+            if name not in new:
+                m, v = self.moments.pop(name)
+                self.rt.free(m)
+                self.rt.free(v)
+        for name, (a, sq) in new.items():
+            cur = self.moments.get(name)
+            if cur is None or cur[0].numel != a.size:
+                if cur is not None:
+                    self.rt.free(cur[0])
+                    self.rt.free(cur[1])
+                cur = (self.rt.empty(a.shape, name=f"{name}.exp_avg"),
+                       self.rt.empty(a.shape, name=f"{name}.exp_avg_sq"))
+                self.moments[name] = cur
+            self.rt.write(cur[0], a.reshape(cur[0].shape))
+            self.rt.write(cur[1], sq.reshape(cur[1].shape))
+        step = state.get("__step__")
+        self.step_count = int(np.asarray(step).reshape(-1)[0]) if step is not None else 0

@@ -1,0 +1,66 @@
+// adamw: one fused AdamW update per parameter (SPEC section 4).
+//
+//   g = grad * clip[0]
+//   m = b1 m + (1-b1) g ;  v = b2 v + (1-b2) g^2
+//   step = lr (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
+//   step not finite -> 0 ;  max_delta > 0 -> step = clamp(step, -max_delta, max_delta)
+//   p = p (1 - lr wd) - step
+//
+// Non-finite handling (documented choice): an element whose new m or v would be non-finite
+// (NaN/Inf gradient, or g^2 overflowing) keeps its OLD m and v and gets step 0, as if that
+// gradient element had not arrived; NaN/Inf therefore never enters the moments or the weight.
+// Weight decay still applies (p * (1 - lr wd)), exactly as the SPEC formula says; with wd = 0
+// the weight is unchanged.  A finite m/v whose step is still non-finite (e.g. eps = 0 and
+// v = 0) keeps the new moments and gets step 0.
+
+struct Adam {
+    count: u32,
+    lr: f32,
+    b1: f32,
+    b2: f32,
+    eps: f32,
+    wd: f32,
+    b1t: f32,        // b1^t
+    b2t: f32,        // b2^t
+    max_delta: f32,  // trust region; 0 disables
+    _p0: f32,
+    _p1: f32,
+    _p2: f32,
+}
+
+@group(0) @binding(0) var<storage, read_write> p: array<f32>;
+@group(0) @binding(1) var<storage, read> g: array<f32>;
+@group(0) @binding(2) var<storage, read_write> m: array<f32>;
+@group(0) @binding(3) var<storage, read_write> v: array<f32>;
+@group(0) @binding(4) var<storage, read> clip: array<f32>;
+@group(0) @binding(5) var<uniform> U: Adam;
+
+fn is_finite(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+@compute @workgroup_size(256)
+fn adamw_step(@builtin(local_invocation_index) lid: u32,
+              @builtin(workgroup_id) wid: vec3<u32>,
+              @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (i >= U.count) {
+        return;
+    }
+    let gi = g[i] * clip[0];
+    let m1 = U.b1 * m[i] + (1.0 - U.b1) * gi;
+    let v1 = U.b2 * v[i] + (1.0 - U.b2) * (gi * gi);
+    let ok = is_finite(m1) && is_finite(v1);
+    var step = U.lr * (m1 / (1.0 - U.b1t)) / (sqrt(v1 / (1.0 - U.b2t)) + U.eps);
+    if (!ok || !is_finite(step)) {
+        step = 0.0;
+    }
+    if (ok) {
+        m[i] = m1;
+        v[i] = v1;
+    }
+    if (U.max_delta > 0.0) {
+        step = clamp(step, -U.max_delta, U.max_delta);
+    }
+    p[i] = p[i] * (1.0 - U.lr * U.wd) - step;
+}

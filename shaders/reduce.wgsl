@@ -1,0 +1,121 @@
+// reduce: deterministic two-stage reductions (sum, sum of squares) and the gradient-clip finish.
+//
+// Stage 1 (reduce_partial): workgroup w owns the fixed chunk [w*256*per_thread, (w+1)*256*per_thread)
+//   of x; each thread sums its strided elements (coalesced: k*256 + lid), the workgroup folds the
+//   256 values with a shared-memory tree and ONE thread writes partials[pbase + w].  Every slot has
+//   exactly one writer: no races, no atomics.
+// Stage 2 (reduce_finish*, clip_finish): one workgroup folds partials[0..n) the same way and one
+//   thread writes the scalar result.  The partition depends only on n, so results are bit-identical
+//   from run to run.
+//
+// Views: x / out / scale_t are bound from an offset rounded down to the storage-offset alignment;
+// `base`, `out_index`, `scale_index` give the element offset inside the binding.
+
+struct Params {
+    n: u32,            // stage 1: elements of x; stage 2: number of partials
+    base: u32,         // stage 1: first element of x inside its binding
+    per_thread: u32,   // stage 1: elements per thread (chunk = 256 * per_thread)
+    pbase: u32,        // stage 1: first partial slot written by this dispatch
+    square: u32,       // stage 1: 1 -> sum of x*x, 0 -> sum of x
+    out_index: u32,    // stage 2: element of `out` that receives the result
+    scale_index: u32,  // reduce_finish_scaled: element of scale_t that multiplies the result
+    _p0: u32,
+    scale: f32,        // reduce_finish*: out[out_index] += scale * total
+    max_norm: f32,     // clip_finish: max_grad_norm (0 disables clipping)
+    _p1: f32,
+    _p2: f32,
+}
+
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> partials: array<f32>;
+@group(0) @binding(2) var<uniform> P: Params;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(4) var<storage, read> scale_t: array<f32>;
+@group(0) @binding(5) var<storage, read_write> norm_sum: array<f32>;
+@group(0) @binding(6) var<storage, read_write> norm_last: array<f32>;
+
+var<workgroup> sh: array<f32, 256>;
+
+fn is_finite(v: f32) -> bool {
+    return (bitcast<u32>(v) & 0x7f800000u) != 0x7f800000u;
+}
+
+// Tree-fold sh[0..256) into sh[0]; every invocation of the workgroup must call it.
+fn fold(lid: u32, acc: f32) -> f32 {
+    sh[lid] = acc;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s = s >> 1u) {
+        if (lid < s) {
+            sh[lid] = sh[lid] + sh[lid + s];
+        }
+        workgroupBarrier();
+    }
+    return sh[0];
+}
+
+@compute @workgroup_size(256)
+fn reduce_partial(@builtin(local_invocation_index) lid: u32,
+                  @builtin(workgroup_id) wid: vec3<u32>,
+                  @builtin(num_workgroups) nwg: vec3<u32>) {
+    let w = wid.x + wid.y * nwg.x;
+    let start = w * 256u * P.per_thread;
+    var acc = 0.0;
+    if (start < P.n) {
+        for (var k = 0u; k < P.per_thread; k = k + 1u) {
+            let i = start + k * 256u + lid;
+            if (i < P.n) {
+                let v = x[P.base + i];
+                if (P.square != 0u) {
+                    acc = acc + v * v;
+                } else {
+                    acc = acc + v;
+                }
+            }
+        }
+    }
+    let total = fold(lid, acc);
+    if (lid == 0u && start < P.n) {
+        partials[P.pbase + w] = total;
+    }
+}
+
+fn sum_partials(lid: u32) -> f32 {
+    var acc = 0.0;
+    for (var i = lid; i < P.n; i = i + 256u) {
+        acc = acc + partials[i];
+    }
+    return fold(lid, acc);
+}
+
+@compute @workgroup_size(256)
+fn reduce_finish(@builtin(local_invocation_index) lid: u32) {
+    let total = sum_partials(lid);
+    if (lid == 0u) {
+        out[P.out_index] = out[P.out_index] + P.scale * total;
+    }
+}
+
+@compute @workgroup_size(256)
+fn reduce_finish_scaled(@builtin(local_invocation_index) lid: u32) {
+    let total = sum_partials(lid);
+    if (lid == 0u) {
+        out[P.out_index] = out[P.out_index] + (P.scale * scale_t[P.scale_index]) * total;
+    }
+}
+
+// Gradient clipping: partials hold the per-chunk sums of squares of every gradient view.
+// out[0] <- clip factor; norm_sum[0] += norm (epoch accumulator); norm_last[0] <- norm.
+@compute @workgroup_size(256)
+fn clip_finish(@builtin(local_invocation_index) lid: u32) {
+    let total = sum_partials(lid);
+    if (lid == 0u) {
+        let norm = sqrt(total);
+        var factor = 1.0;
+        if (P.max_norm > 0.0 && is_finite(norm) && norm > P.max_norm) {
+            factor = P.max_norm / norm;
+        }
+        out[0] = factor;
+        norm_sum[0] = norm_sum[0] + norm;
+        norm_last[0] = norm;
+    }
+}
