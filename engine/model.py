@@ -1,0 +1,362 @@
+"""Mamba-1 (S6) language model on the GPU: parameters, forward and backward.
+
+Names are the checkpoint's (`in_proj`, `x_proj`, `dt_proj`, `A_log`, `D`); see the
+glossary in DEVELOPERS.md for the letters.  The computation is exactly SPEC section 2
+(transformers' MambaForCausalLM slow path):
+
+    h = embeddings[ids]
+    per layer:  u = rmsnorm(h); xz = in_proj(u); xc = silu(conv(x)); xdbl = x_proj(xc)
+                delta = dt_proj.weight @ dt_low; y = scan(xc, delta, A_log, B, C, D, z)
+                h = h + out_proj(y)
+    logits = lm_head(rmsnorm(h))          loss = mean CE(logits, targets)
+
+All parameters live in one flat f32 buffer (`Params`), all gradients in another of the
+same layout (the same dataclass of views), so the gradient buffer is cleared with one
+command and the optimizer addresses both by name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from .config import MambaConfig, expected_shapes
+from .errors import MemengineError
+from .gpu import Recorder, Runtime, Tensor
+from .ops.conv1d import conv1d_backward, conv1d_forward
+from .ops.cross_entropy import cross_entropy
+from .ops.embedding import EmbeddingBackward, embedding_forward
+from .ops.matmul import linear_backward, linear_forward, matmul
+from .ops.reduce import sum_into
+from .ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
+from .ops.scan import scan_state_shape, selective_scan_backward, selective_scan_forward
+
+
+@dataclass
+class LayerParams:
+    norm_weight: Tensor                 # [E]
+    in_proj_weight: Tensor              # [2Di, E]   rows [x ; z]
+    in_proj_bias: Tensor | None         # [2Di]      when use_bias
+    conv1d_weight: Tensor               # [Di, K]    (checkpoint [Di, 1, K])
+    conv1d_bias: Tensor | None          # [Di]       when use_conv_bias
+    x_proj_weight: Tensor               # [R+2N, Di]
+    dt_proj_weight: Tensor              # [Di, R]
+    dt_proj_bias: Tensor                # [Di]
+    A_log: Tensor                       # [Di, N]
+    D: Tensor                           # [Di]
+    out_proj_weight: Tensor             # [E, Di]
+    out_proj_bias: Tensor | None        # [E]        when use_bias
+
+
+@dataclass
+class Params:
+    embeddings: Tensor                  # [V, E]
+    layers: list                        # [LayerParams] * n_layers
+    norm_f: Tensor                      # [E]
+    lm_head: Tensor | None              # [V, E] when untied (else the embeddings)
+
+
+_LAYER_FIELDS = {
+    "norm.weight": "norm_weight",
+    "mixer.in_proj.weight": "in_proj_weight",
+    "mixer.in_proj.bias": "in_proj_bias",
+    "mixer.conv1d.weight": "conv1d_weight",
+    "mixer.conv1d.bias": "conv1d_bias",
+    "mixer.x_proj.weight": "x_proj_weight",
+    "mixer.dt_proj.weight": "dt_proj_weight",
+    "mixer.dt_proj.bias": "dt_proj_bias",
+    "mixer.A_log": "A_log",
+    "mixer.D": "D",
+    "mixer.out_proj.weight": "out_proj_weight",
+    "mixer.out_proj.bias": "out_proj_bias",
+}
+
+
+class FlatStore:
+    """Named views into one flat f32 buffer, each aligned for binding."""
+
+    def __init__(self, rt: Runtime, shapes: dict, label: str):
+        align = int(rt.limits.get("min-storage-buffer-offset-alignment", 256)) // 4
+        self.offsets: dict[str, int] = {}
+        off = 0
+        for name, shape in shapes.items():
+            off = (off + align - 1) // align * align
+            self.offsets[name] = off
+            off += int(np.prod(shape)) if len(shape) else 1
+        self.numel = max(off, 1)
+        if 4 * self.numel > rt.max_buffer:
+            raise MemengineError(
+                f"{label}: {4 * self.numel / 2**20:.0f} MiB exceeds the adapter's largest buffer "
+                f"({rt.max_buffer / 2**20:.0f} MiB)")
+        buf = rt.device.create_buffer(label=label, size=4 * self.numel,
+                                      usage=rt.wgpu.BufferUsage.STORAGE | rt.wgpu.BufferUsage.COPY_SRC
+                                      | rt.wgpu.BufferUsage.COPY_DST)
+        self.flat = Tensor(buf, (self.numel,), "f32", 0, label)
+        self.views = {name: Tensor(buf, tuple(shape), "f32", 4 * self.offsets[name], name)
+                      for name, shape in shapes.items()}
+        for name, t in self.views.items():
+            rt.check_size(t.nbytes, f"tensor {name}")
+
+
+def _structured(cfg: MambaConfig, views: dict) -> Params:
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        kw = {f: None for f in _LAYER_FIELDS.values()}
+        for suffix, field in _LAYER_FIELDS.items():
+            kw[field] = views.get(f"backbone.layers.{i}.{suffix}")
+        layers.append(LayerParams(**kw))
+    return Params(embeddings=views["backbone.embeddings.weight"], layers=layers,
+                  norm_f=views["backbone.norm_f.weight"], lm_head=views.get("lm_head.weight"))
+
+
+class Workspace:
+    """Activations for one (B, L): allocated once, kept for the backward."""
+
+    def __init__(self, model: "MambaModel", B: int, L: int):
+        rt, c = model.rt, model.cfg
+        E, Di, N, R, V = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.vocab_size
+        M = B * L
+        self.B, self.L, self.M = B, L, M
+        e = rt.empty
+        self.ids = e((M,), "i32", "ids")
+        self.targets = e((M,), "i32", "targets")
+        self.scale = e((1,), "f32", "loss_scale")
+        self.loss_rows = e((M,), "f32", "loss_rows")
+        nl = c.num_hidden_layers
+        self.h = [e((M, E), name=f"h{i}") for i in range(nl + 1)]
+        self.un = [e((M, E), name=f"un{i}") for i in range(nl)]
+        self.rstd = [e((M,), name=f"rstd{i}") for i in range(nl)]
+        self.xz = [e((M, 2 * Di), name=f"xz{i}") for i in range(nl)]
+        self.pre = [e((M, Di), name=f"pre{i}") for i in range(nl)]
+        self.xc = [e((M, Di), name=f"xc{i}") for i in range(nl)]
+        self.xdbl = [e((M, R + 2 * N), name=f"xdbl{i}") for i in range(nl)]
+        self.delta = [e((M, Di), name=f"delta{i}") for i in range(nl)]
+        self.y = [e((M, Di), name=f"y{i}") for i in range(nl)]
+        self.states = [e(scan_state_shape(B, L, Di, N), name=f"states{i}") for i in range(nl)]
+        self.rstd_f = e((M,), name="rstd_f")
+        self.hf = e((M, E), name="hf")
+        # backward scratch (shared by all layers)
+        self.dh = e((M, E), name="dh")
+        self.dhf = e((M, E), name="dhf")
+        self.dy = e((M, Di), name="dy")
+        self.du = e((M, Di), name="du")
+        self.ddelta = e((M, Di), name="ddelta")
+        self.dxdbl = e((M, R + 2 * N), name="dxdbl")
+        self.dxz = e((M, 2 * Di), name="dxz")
+        self.dun = e((M, E), name="dun")
+        self.ones = rt.upload(np.ones(M, np.float32), name="ones")
+        # logits are produced in row chunks that fit one storage binding
+        budget = min(rt.max_binding, 256 * 2**20)
+        self.chunk = max(1, min(M, budget // (4 * V)))
+        self.logits = e((self.chunk, V), name="logits")
+        self.emb_back = EmbeddingBackward(rt, M)
+
+
+class MambaModel:
+    """A Mamba-1 causal LM whose parameters live on the GPU."""
+
+    def __init__(self, rt: Runtime, config: MambaConfig, tensors: dict):
+        self.rt = rt
+        self.cfg = config
+        self.shapes = dict(expected_shapes(config))
+        if "backbone.embedding.weight" in tensors and "backbone.embeddings.weight" not in tensors:
+            tensors = dict(tensors)
+            tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
+        self.names = list(self.shapes)
+        # conv1d weight is stored [Di, 1, K] in the checkpoint, [Di, K] on the GPU
+        self.gpu_shapes = {n: (tuple(s[:1]) + tuple(s[2:]) if n.endswith("conv1d.weight") else tuple(s))
+                           for n, s in self.shapes.items()}
+        self.P = FlatStore(rt, self.gpu_shapes, "params")
+        self.G = FlatStore(rt, self.gpu_shapes, "grads")
+        self.params = _structured(config, self.P.views)
+        self.grads = _structured(config, self.G.views)
+        self.load_state_dict(tensors)
+        self._ws: dict = {}
+        self._acc = rt.empty((4,), name="accumulators")
+
+    @classmethod
+    def from_checkpoint(cls, rt: Runtime, ckpt) -> "MambaModel":
+        return cls(rt, ckpt.config, ckpt.tensors)
+
+    # ------------------------------------------------------------------ weights
+    def load_state_dict(self, tensors: dict) -> None:
+        flat = np.zeros(self.P.numel, np.float32)
+        for name, shape in self.shapes.items():
+            if name not in tensors:
+                raise MemengineError(f"missing tensor {name}")
+            a = np.asarray(tensors[name], dtype=np.float32)
+            if tuple(a.shape) != tuple(shape):
+                raise MemengineError(f"tensor {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+            off = self.P.offsets[name]
+            flat[off:off + a.size] = a.reshape(-1)
+        self.rt.write(self.P.flat, flat)
+
+    def _unflatten(self, flat: np.ndarray) -> dict:
+        out = {}
+        for name, shape in self.shapes.items():
+            off = self.P.offsets[name]
+            n = int(np.prod(shape))
+            out[name] = flat[off:off + n].reshape(shape).copy()
+        return out
+
+    def state_dict(self) -> dict:
+        return self._unflatten(self.rt.read(self.P.flat))
+
+    def grad_dict(self) -> dict:
+        return self._unflatten(self.rt.read(self.G.flat))
+
+    def trainable_names(self, wsla: bool = False) -> list:
+        if not wsla:
+            return list(self.names)
+        return [n for n in self.names if ".mixer.x_proj." in n]
+
+    # ------------------------------------------------------------------ workspace
+    def workspace(self, B: int, L: int) -> Workspace:
+        ws = self._ws.get((B, L))
+        if ws is None:
+            ws = Workspace(self, B, L)
+            self._ws[(B, L)] = ws
+        return ws
+
+    def write_batch(self, ws: Workspace, ids: np.ndarray, targets: np.ndarray | None = None) -> int:
+        """Upload a batch (ids [B, L], targets [B, L] with -1 = ignore). Returns #targets."""
+        ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
+        V = self.cfg.vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= V):
+            bad = int(ids[(ids < 0) | (ids >= V)][0])
+            raise MemengineError(f"token id {bad} is outside the model's vocabulary (size {V})")
+        self.rt.write(ws.ids, ids)
+        n = 0
+        if targets is not None:
+            t = np.ascontiguousarray(targets, np.int32).reshape(-1)
+            if t.size and t.max() >= V:
+                raise MemengineError(f"target token id {int(t.max())} is outside the model's vocabulary (size {V})")
+            n = int((t >= 0).sum())
+            self.rt.write(ws.targets, t)
+            self.rt.write(ws.scale, np.array([1.0 / max(n, 1)], np.float32))
+        return n
+
+    # ------------------------------------------------------------------ forward
+    def record_forward(self, rec: Recorder, ws: Workspace) -> None:
+        """Residual stream through every layer and the final norm (activations kept)."""
+        c, p = self.cfg, self.params
+        E, Di, N, R, K = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.conv_kernel
+        M, B, L = ws.M, ws.B, ws.L
+        embedding_forward(rec, ws.h[0], ws.ids, p.embeddings)
+        for i, lp in enumerate(p.layers):
+            h, hn = ws.h[i], ws.h[i + 1]
+            rmsnorm_forward(rec, ws.un[i], ws.rstd[i], h, lp.norm_weight, c.layer_norm_epsilon)
+            linear_forward(rec, ws.xz[i], ws.un[i], lp.in_proj_weight, lp.in_proj_bias, M=M, N=2 * Di, K=E)
+            conv1d_forward(rec, ws.xc[i], ws.pre[i], ws.xz[i], lp.conv1d_weight, lp.conv1d_bias,
+                           B=B, L=L, Di=Di, K=K)
+            linear_forward(rec, ws.xdbl[i], ws.xc[i], lp.x_proj_weight, None, M=M, N=R + 2 * N, K=Di)
+            linear_forward(rec, ws.delta[i], ws.xdbl[i], lp.dt_proj_weight, None, M=M, N=Di, K=R,
+                           ldx=R + 2 * N)
+            selective_scan_forward(rec, ws.y[i], ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias,
+                                   lp.A_log, lp.D, ws.xdbl[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
+            rec.copy(h, hn)
+            linear_forward(rec, hn, ws.y[i], lp.out_proj_weight, lp.out_proj_bias, M=M, N=E, K=Di, acc=True)
+        rmsnorm_forward(rec, ws.hf, ws.rstd_f, ws.h[-1], p.norm_f, c.layer_norm_epsilon)
+
+    def _head(self) -> Tensor:
+        return self.params.lm_head if self.params.lm_head is not None else self.params.embeddings
+
+    def _dhead(self) -> Tensor:
+        return self.grads.lm_head if self.grads.lm_head is not None else self.grads.embeddings
+
+    def record_loss(self, rec: Recorder, ws: Workspace, *, want_grad: bool, train_head: bool = True) -> None:
+        """LM head + cross-entropy in row chunks; with want_grad also dhf and d(lm_head)."""
+        E, V, M = self.cfg.hidden_size, self.cfg.vocab_size, ws.M
+        W, dW = self._head(), self._dhead()
+        for r0 in range(0, M, ws.chunk):
+            mc = min(ws.chunk, M - r0)
+            logits = ws.logits.view((mc, V))
+            hf = ws.hf.view((mc, E), r0 * E)
+            linear_forward(rec, logits, hf, W, None, M=mc, N=V, K=E)
+            cross_entropy(rec, ws.loss_rows.view((mc,), r0), logits, ws.targets.view((mc,), r0),
+                          ws.scale, want_grad=want_grad)
+            if want_grad:
+                linear_backward(rec, ws.dhf.view((mc, E), r0 * E), dW if train_head else None, None,
+                                logits, hf, W, M=mc, N=V, K=E)
+
+    def record_backward(self, rec: Recorder, ws: Workspace, trainable: set) -> None:
+        """Gradients of the mean loss for every parameter (dW skipped for frozen ones)."""
+        c, p, g = self.cfg, self.params, self.grads
+        E, Di, N, R, K = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.conv_kernel
+        M, B, L = ws.M, ws.B, ws.L
+        want = (lambda name: name in trainable)
+        rec.clear(ws.dh)
+        rmsnorm_backward(rec, ws.dh, g.norm_f, ws.dhf, ws.h[-1], p.norm_f, ws.rstd_f)
+        for i in reversed(range(c.num_hidden_layers)):
+            lp, lg = p.layers[i], g.layers[i]
+            pre = f"backbone.layers.{i}."
+            linear_backward(rec, ws.dy, lg.out_proj_weight if want(pre + "mixer.out_proj.weight") else None,
+                            lg.out_proj_bias if want(pre + "mixer.out_proj.bias") else None,
+                            ws.dh, ws.y[i], lp.out_proj_weight, ws.ones, M=M, N=E, K=Di)
+            selective_scan_backward(rec, ws.du, ws.ddelta, lg.dt_proj_bias, lg.A_log, lg.D, ws.dxdbl, ws.dxz,
+                                    ws.dy, ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias, lp.A_log,
+                                    lp.D, ws.xdbl[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
+            linear_backward(rec, ws.dxdbl, lg.dt_proj_weight if want(pre + "mixer.dt_proj.weight") else None,
+                            None, ws.ddelta, ws.xdbl[i], lp.dt_proj_weight, M=M, N=Di, K=R,
+                            ldx=R + 2 * N, lddx=R + 2 * N)
+            linear_backward(rec, ws.du, lg.x_proj_weight if want(pre + "mixer.x_proj.weight") else None,
+                            None, ws.dxdbl, ws.xc[i], lp.x_proj_weight, M=M, N=R + 2 * N, K=Di, dx_acc=True)
+            conv1d_backward(rec, ws.dxz, lg.conv1d_weight, lg.conv1d_bias, ws.du, ws.pre[i], ws.xz[i],
+                            lp.conv1d_weight, B=B, L=L, Di=Di, K=K)
+            linear_backward(rec, ws.dun, lg.in_proj_weight if want(pre + "mixer.in_proj.weight") else None,
+                            lg.in_proj_bias if want(pre + "mixer.in_proj.bias") else None,
+                            ws.dxz, ws.un[i], lp.in_proj_weight, ws.ones, M=M, N=2 * Di, K=E)
+            rmsnorm_backward(rec, ws.dh, lg.norm_weight, ws.dun, ws.h[i], lp.norm_weight, ws.rstd[i])
+        if want("backbone.embeddings.weight"):
+            ws.emb_back.record(rec, g.embeddings, ws.dh)
+
+    # ------------------------------------------------------------------ conveniences
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        """Logits [B, L, V] for ids [B, L] (read back chunk by chunk)."""
+        ids = np.atleast_2d(np.asarray(ids))
+        B, L = ids.shape
+        ws = self.workspace(B, L)
+        self.write_batch(ws, ids)
+        rec = self.rt.recorder()
+        self.record_forward(rec, ws)
+        rec.submit()
+        E, V, M = self.cfg.hidden_size, self.cfg.vocab_size, ws.M
+        out = np.empty((M, V), np.float32)
+        for r0 in range(0, M, ws.chunk):
+            mc = min(ws.chunk, M - r0)
+            logits = ws.logits.view((mc, V))
+            rec = self.rt.recorder()
+            linear_forward(rec, logits, ws.hf.view((mc, E), r0 * E), self._head(), None, M=mc, N=V, K=E)
+            rec.submit()
+            out[r0:r0 + mc] = self.rt.read(logits)
+        return out.reshape(B, L, V)
+
+    def loss_and_grads(self, ids: np.ndarray, targets: np.ndarray, trainable=None) -> float:
+        """One forward+backward (no update); gradients left in `self.grads`. For tests."""
+        ids = np.atleast_2d(ids)
+        ws = self.workspace(*ids.shape)
+        self.write_batch(ws, ids, targets)
+        trainable = set(self.names if trainable is None else trainable)
+        if "backbone.embeddings.weight" in trainable:
+            ws.emb_back.prepare(ids)
+        rec = self.rt.recorder()
+        rec.clear(self.G.flat)
+        rec.clear(self._acc)
+        self.record_forward(rec, ws)
+        self.record_loss(rec, ws, want_grad=True, train_head=self._head_name() in trainable)
+        sum_into(rec, self._acc.view((1,)), ws.loss_rows, scale_tensor=ws.scale)
+        self.record_backward(rec, ws, trainable)
+        rec.submit()
+        return float(self.rt.read(self._acc)[0])
+
+    def _head_name(self) -> str:
+        return "lm_head.weight" if self.params.lm_head is not None else "backbone.embeddings.weight"
+
+
+def perplexity(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")

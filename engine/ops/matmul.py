@@ -1,0 +1,74 @@
+"""Matrix products (shaders/matmul.wgsl) and the linear layer built on them.
+
+A linear layer computes Y[M, N] = X[M, K] W[N, K]^T + b.  Its backward is three more
+products of the same kernel: dX = dY W, dW += dY^T X, db += 1^T dY.
+"""
+
+from __future__ import annotations
+
+from ..gpu import Recorder, Tensor, cdiv, pack
+
+
+def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K: int,
+           trans_a: bool = False, trans_b: bool = False,
+           lda: int | None = None, ldb: int | None = None, ldc: int | None = None,
+           a_col: int = 0, b_col: int = 0, c_col: int = 0,
+           acc: bool = False, bias: Tensor | None = None) -> None:
+    """C[:, c_col:c_col+N] (+)= op(A) @ op(B) (+ bias).
+
+    Without transposes A is stored [M, lda] and B is stored [K, ldb]; with trans_a A is
+    stored [K, lda] (we use its transpose), with trans_b B is stored [N, ldb].
+    `a_col`/`b_col`/`c_col` select a column slice of the stored matrix.
+    """
+    if M == 0 or N == 0:
+        return
+    if not trans_a:
+        lda = K if lda is None else lda
+        a_rs, a_cs, a_off = lda, 1, a_col
+    else:
+        lda = M if lda is None else lda
+        a_rs, a_cs, a_off = 1, lda, a_col
+    if not trans_b:
+        ldb = N if ldb is None else ldb
+        b_rs, b_cs, b_off = ldb, 1, b_col
+    else:
+        ldb = K if ldb is None else ldb
+        b_rs, b_cs, b_off = 1, ldb, b_col
+    ldc = N if ldc is None else ldc
+    flags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if a_cs == 1 else 0) | (8 if b_cs == 1 else 0)
+    u = rec.rt.uniform(pack("16I", M, N, K, flags, a_off, a_rs, a_cs, b_off,
+                            b_rs, b_cs, c_col, ldc, 0, 0, 0, 0))
+    rec.dispatch("matmul", "matmul_forward",
+                 {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
+                 (cdiv(N, 64), cdiv(M, 64), 1))
+
+
+def linear_forward(rec: Recorder, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, *,
+                   M: int, N: int, K: int, ldx: int | None = None, x_col: int = 0,
+                   ldo: int | None = None, out_col: int = 0, acc: bool = False) -> None:
+    """out[M, N] (+)= x[M, K] @ weight[N, K]^T + bias."""
+    matmul(rec, out, x, weight, M=M, N=N, K=K, trans_b=True, lda=ldx, ldb=K, ldc=ldo,
+           a_col=x_col, c_col=out_col, acc=acc, bias=bias)
+
+
+def linear_backward(rec: Recorder, dx: Tensor | None, dweight: Tensor | None, dbias: Tensor | None,
+                    dout: Tensor, x: Tensor, weight: Tensor, ones: Tensor | None = None, *,
+                    M: int, N: int, K: int, ldx: int | None = None, x_col: int = 0,
+                    lddo: int | None = None, dout_col: int = 0, lddx: int | None = None,
+                    dx_col: int = 0, dx_acc: bool = False) -> None:
+    """dx (+)= dout @ weight; dweight += dout^T @ x; dbias += column sums of dout.
+
+    dout is [M, N] (row stride lddo), x is [M, K] (row stride ldx), weight [N, K].
+    `ones` is a tensor of at least M ones, needed only for dbias.
+    """
+    if dx is not None:
+        matmul(rec, dx, dout, weight, M=M, N=K, K=N, lda=lddo if lddo is not None else N,
+               a_col=dout_col, ldb=K, ldc=lddx, c_col=dx_col, acc=dx_acc)
+    if dweight is not None:
+        matmul(rec, dweight, dout, x, M=N, N=K, K=M, trans_a=True,
+               lda=lddo if lddo is not None else N, a_col=dout_col,
+               ldb=ldx if ldx is not None else K, b_col=x_col, acc=True)
+    if dbias is not None:
+        assert ones is not None, "dbias needs a ones vector"
+        matmul(rec, dbias, ones, dout, M=1, N=N, K=M, lda=M,
+               ldb=lddo if lddo is not None else N, b_col=dout_col, acc=True)
