@@ -1,0 +1,133 @@
+// Causal depthwise conv1d + SiLU, per sequence of length L (rows m = b*L + t):
+//   pre[m, c] = bias[c] + sum_{k<K} w[c, k] * x[b, t - (K-1) + k, c]   (x = 0 for t' < 0)
+//   out[m, c] = silu(pre[m, c])
+// x is read from columns 0..Di of xz (row stride ld = 2*Di); w is [Di, K] row-major.
+// Backward, with dpre = dout * silu'(pre) (recomputed, no scratch):
+//   dx[b, t, c]  = sum_k w[c, k] * dpre[b, t + (K-1) - k, c]   (t' < L)  -> dxz[:, 0:Di] WRITE
+//   dw[c, k]    += sum_{b,t} dpre[b, t, c] * x[b, t - (K-1) + k, c]        (ACC)
+//   dbias[c]    += sum_{b,t} dpre[b, t, c]                                 (ACC)
+// dw/dbias go through a two-stage reduction (fixed row chunks into scratch, then an
+// ordered sum), so every output element has one writer. K <= 7.
+struct Params { M: u32, L: u32, Di: u32, K: u32, ld: u32, has_bias: u32, rows_per_chunk: u32, nchunks: u32,
+                o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, _p0: u32, _p1: u32, _p2: u32 }
+
+fn sigmoid(v: f32) -> f32 { return 1.0 / (1.0 + exp(-v)); }
+fn dsilu(p: f32) -> f32 { let s = sigmoid(p); return s * (1.0 + p * (1.0 - s)); }
+
+fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
+    return (wid.x + wid.y * nwg.x) * 256u + lid.x;
+}
+
+// ---------------------------------------------------------------- forward
+@group(0) @binding(0) var<storage, read_write> out: array<f32>;
+@group(0) @binding(1) var<storage, read_write> pre: array<f32>;
+@group(0) @binding(2) var<storage, read> xz: array<f32>;
+@group(0) @binding(3) var<storage, read> weight: array<f32>;
+@group(0) @binding(4) var<storage, read> bias: array<f32>;
+@group(0) @binding(5) var<uniform> P: Params;
+
+@compute @workgroup_size(256)
+fn conv1d_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = lin(wid, nwg, lid);
+    if (i >= P.M * P.Di) { return; }
+    let m = i / P.Di;
+    let c = i - m * P.Di;
+    let t = m % P.L;
+    var acc = 0.0;
+    if (P.has_bias != 0u) { acc = bias[P.o_e + c]; }
+    for (var k = 0u; k < P.K; k = k + 1u) {
+        let back = P.K - 1u - k;            // input row m - back
+        if (t >= back) {
+            acc = acc + weight[P.o_d + c * P.K + k] * xz[P.o_c + (m - back) * P.ld + c];
+        }
+    }
+    pre[P.o_b + i] = acc;
+    out[P.o_a + i] = acc * sigmoid(acc);
+}
+
+// ---------------------------------------------------------------- backward: dx
+@group(0) @binding(0) var<storage, read_write> dxz: array<f32>;
+@group(0) @binding(1) var<storage, read> dout: array<f32>;
+@group(0) @binding(2) var<storage, read> preb: array<f32>;
+@group(0) @binding(3) var<storage, read> wb: array<f32>;
+@group(0) @binding(4) var<uniform> PB: Params;
+
+@compute @workgroup_size(256)
+fn conv1d_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = lin(wid, nwg, lid);
+    if (i >= PB.M * PB.Di) { return; }
+    let m = i / PB.Di;
+    let c = i - m * PB.Di;
+    let t = m % PB.L;
+    var acc = 0.0;
+    for (var k = 0u; k < PB.K; k = k + 1u) {
+        let fwd = PB.K - 1u - k;            // output row m + fwd used input m with tap k
+        if (t + fwd < PB.L) {
+            let j = (m + fwd) * PB.Di + c;
+            acc = acc + wb[PB.o_d + c * PB.K + k] * dout[PB.o_b + j] * dsilu(preb[PB.o_c + j]);
+        }
+    }
+    dxz[PB.o_a + m * PB.ld + c] = acc;
+}
+
+// ---------------------------------------------------------------- backward: dw, dbias
+// partial[(p * Di + c) * (K+1) + k]: k < K weight taps, k = K the bias.
+@group(0) @binding(0) var<storage, read_write> partial: array<f32>;
+@group(0) @binding(1) var<storage, read> dout2: array<f32>;
+@group(0) @binding(2) var<storage, read> pre2: array<f32>;
+@group(0) @binding(3) var<storage, read> xz2: array<f32>;
+@group(0) @binding(4) var<uniform> P2: Params;
+
+@compute @workgroup_size(64)
+fn conv1d_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                          @builtin(local_invocation_id) lid: vec3<u32>) {
+    let g = wid.x + wid.y * nwg.x;
+    let nblk = (P2.Di + 63u) / 64u;
+    let p = g / nblk;
+    let c = (g - p * nblk) * 64u + lid.x;
+    if (p >= P2.nchunks || c >= P2.Di) { return; }
+    let m0 = p * P2.rows_per_chunk;
+    let m1 = min(P2.M, m0 + P2.rows_per_chunk);
+    var acc: array<f32, 8>;
+    for (var k = 0u; k < 8u; k = k + 1u) { acc[k] = 0.0; }
+    for (var m = m0; m < m1; m = m + 1u) {
+        let j = m * P2.Di + c;
+        let dp = dout2[P2.o_b + j] * dsilu(pre2[P2.o_c + j]);
+        let t = m % P2.L;
+        for (var k = 0u; k < P2.K; k = k + 1u) {
+            let back = P2.K - 1u - k;
+            if (t >= back) { acc[k] = acc[k] + dp * xz2[P2.o_d + (m - back) * P2.ld + c]; }
+        }
+        acc[P2.K] = acc[P2.K] + dp;
+    }
+    let base = (p * P2.Di + c) * (P2.K + 1u);
+    for (var k = 0u; k <= P2.K; k = k + 1u) { partial[base + k] = acc[k]; }
+}
+
+@group(0) @binding(0) var<storage, read_write> dweight: array<f32>;
+@group(0) @binding(1) var<storage, read_write> dbias: array<f32>;
+@group(0) @binding(2) var<storage, read> partial3: array<f32>;
+@group(0) @binding(3) var<uniform> P3: Params;
+
+@compute @workgroup_size(256)
+fn conv1d_dweight_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                         @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = lin(wid, nwg, lid);                 // i = c * (K+1) + k
+    let K1 = P3.K + 1u;
+    if (i >= P3.Di * K1) { return; }
+    let c = i / K1;
+    let k = i - c * K1;
+    if (k == P3.K && P3.has_bias == 0u) { return; }
+    var acc = 0.0;
+    let stride = P3.Di * K1;
+    for (var p = 0u; p < P3.nchunks; p = p + 1u) { acc = acc + partial3[p * stride + i]; }
+    if (k < P3.K) {
+        let o = P3.o_a + c * P3.K + k;
+        dweight[o] = dweight[o] + acc;
+    } else {
+        let o = P3.o_b + c;
+        dbias[o] = dbias[o] + acc;
+    }
+}
