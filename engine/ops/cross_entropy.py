@@ -1,0 +1,29 @@
+"""Log-softmax + cross-entropy on the GPU (shaders/cross_entropy.wgsl).
+
+Rows may be a chunk of the batch (logits are produced in row chunks): pass views of
+`loss_rows` / `targets` for the chunk.  The mean over the batch is the caller's sum of
+loss_rows times scale (1 / number of valid targets in the whole batch).
+"""
+
+from __future__ import annotations
+
+from ..gpu import Recorder, Tensor, pack
+from .activation import bound
+
+
+def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Tensor, scale: Tensor,
+                  *, want_grad: bool) -> None:
+    """loss_rows[Mc] = -log softmax(logits)[target] (WRITE; 0 where target < 0).
+    With want_grad, logits [Mc, V] is OVERWRITTEN by (softmax - onehot) * scale[0]
+    (a zero row where the target is ignored)."""
+    Mc = int(targets.numel)
+    V = int(logits.shape[-1])
+    assert logits.numel == Mc * V and loss_rows.numel == Mc and scale.numel >= 1, (
+        loss_rows.shape, logits.shape, targets.shape, scale.shape)
+    if Mc == 0:
+        return
+    rt = rec.rt
+    (bl, ol), (bx, ox), (bt, ot), (bs, os_) = (bound(rt, t) for t in (loss_rows, logits, targets, scale))
+    u = rt.uniform(pack("8I", Mc, V, ol, ox, ot, os_, 0, 0))
+    entry = "cross_entropy_backward" if want_grad else "cross_entropy_forward"
+    rec.dispatch("cross_entropy", entry, {0: bl, 1: bx, 2: bt, 3: bs, 4: u}, Mc)

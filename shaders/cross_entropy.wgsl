@@ -1,0 +1,95 @@
+// Log-softmax + cross-entropy over rows of logits [Mc, V] (one workgroup per row).
+//   loss_rows[r] = logsumexp(logits[r, :]) - logits[r, target[r]]      (0 when target < 0 or >= V)
+// cross_entropy_backward also OVERWRITES the row with its gradient:
+//   logits[r, i] = (softmax(logits[r, :])[i] - [i == target]) * scale[0]   (zero row when ignored)
+// Max and sum-exp are workgroup tree reductions (stable: exp(l - max)).
+// Each invocation reads and writes only its own strided columns; the target logit is
+// captured into workgroup memory by its owner before any write, so no storage race.
+const WG: u32 = 256u;
+
+struct Params { Mc: u32, V: u32, o_loss: u32, o_logits: u32, o_tgt: u32, o_scale: u32, _p0: u32, _p1: u32 }
+
+@group(0) @binding(0) var<storage, read_write> loss_rows: array<f32>;
+@group(0) @binding(1) var<storage, read_write> logits: array<f32>;
+@group(0) @binding(2) var<storage, read> targets: array<i32>;
+@group(0) @binding(3) var<storage, read> scale: array<f32>;
+@group(0) @binding(4) var<uniform> P: Params;
+
+var<workgroup> red: array<f32, WG>;
+var<workgroup> tlogit: f32;
+
+fn wg_max(v: f32, l: u32) -> f32 {
+    red[l] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+        if (l < s) { red[l] = max(red[l], red[l + s]); }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+fn wg_sum(v: f32, l: u32) -> f32 {
+    red[l] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+        if (l < s) { red[l] = red[l] + red[l + s]; }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+fn ce_row(row: u32, l: u32, want_grad: bool) {
+    let base = P.o_logits + row * P.V;
+    let t = targets[P.o_tgt + row];
+    let valid = t >= 0 && u32(t) < P.V;
+    if (l == 0u) { tlogit = 0.0; }
+    workgroupBarrier();
+    var mx = -3.4028235e38;
+    for (var i = l; i < P.V; i = i + WG) {
+        let v = logits[base + i];
+        mx = max(mx, v);
+        if (valid && i == u32(t)) { tlogit = v; }
+    }
+    mx = wg_max(mx, l);                      // its barriers also publish tlogit
+    var se = 0.0;
+    for (var i = l; i < P.V; i = i + WG) { se = se + exp(logits[base + i] - mx); }
+    se = wg_sum(se, l);
+    if (l == 0u) {
+        var loss = 0.0;
+        if (valid) { loss = (mx - tlogit) + log(se); }   // no cancellation at large logits
+        loss_rows[P.o_loss + row] = loss;
+    }
+    if (want_grad) {
+        let sc = scale[P.o_scale];
+        let inv = 1.0 / se;
+        for (var i = l; i < P.V; i = i + WG) {
+            var g = 0.0;
+            if (valid) {
+                g = exp(logits[base + i] - mx) * inv;
+                if (i == u32(t)) { g = g - 1.0; }
+                g = g * sc;
+            }
+            logits[base + i] = g;
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn cross_entropy_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                         @builtin(local_invocation_id) lid: vec3<u32>) {
+    let row = wid.x + wid.y * nwg.x;
+    if (row >= P.Mc) { return; }
+    ce_row(row, lid.x, false);
+}
+
+@compute @workgroup_size(256)
+fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                          @builtin(local_invocation_id) lid: vec3<u32>) {
+    let row = wid.x + wid.y * nwg.x;
+    if (row >= P.Mc) { return; }
+    ce_row(row, lid.x, true);
+}
