@@ -1,0 +1,164 @@
+"""Selective scan (shaders/selective_scan.wgsl): Mamba-1's SSM recurrence, forward and backward.
+
+Semantics (SPEC section 2, transformers' MambaMixer.slow_forward), rows m = b*L + t:
+
+    dt  = softplus(delta + dt_bias)          delta [M, Di] is dt_proj's output WITHOUT bias
+    A   = -exp(A_log)                        [Di, N]
+    Bm  = xdbl[:, R:R+N],  Cm = xdbl[:, R+N:R+2N]       xdbl [M, R+2N]
+    z   = xz[:, Di:2Di]                                  xz [M, 2Di]
+    s_t = exp(dt_t*A) * s_{t-1} + dt_t*Bm_t*u_t          (s_{-1} = 0 per batch row)
+    y_t = (sum_n s_t*Cm_t + D*u_t) * silu(z_t)
+
+`selective_scan_forward` saves the state at the start of every chunk of `CHUNK` steps into
+`states` (shape `scan_state_shape`); the backward recomputes each chunk from it.
+
+Backward outputs: du, ddelta WRITE; ddt_bias, dA_log, dD ACC (+=); dxdbl WRITE on columns
+R..R+2N only; dxz WRITE on columns Di..2Di only.  The backward also uses du and ddelta as
+its own intermediate storage (dy*silu(z) and dt) before writing their final values.
+
+Tensors may be views at any 4-byte offset (they are bound from an aligned offset and the
+kernel adds the element offset).  Scratch comes from `rt.scratch`; nothing is allocated per
+call and nothing is read back.
+"""
+
+from __future__ import annotations
+
+from ..gpu import Recorder, Tensor, cdiv, pack
+
+SHADER = "selective_scan"
+WG = 256
+CHUNK = 64   # checkpoint interval (multiple of the kernels' sub-tiles, 8 and 4)
+ROWS = 64    # rows per partial sum in the column reductions
+
+
+def _bound(rt, t: Tensor) -> tuple[Tensor, int]:
+    align = int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
+    base = (t.offset // align) * align
+    extra = (t.offset - base) // 4
+    return Tensor(t.buffer, (extra + max(1, t.numel),), t.dtype, base), extra
+
+
+def scan_state_shape(B, L, Di, N) -> tuple:
+    """Saved-for-backward states: the SSM state before each chunk of CHUNK steps."""
+    return (int(B), cdiv(int(L), CHUNK), int(Di), int(N))
+
+
+def _layout(B, L, Di, N, R):
+    if N < 1 or N > WG:
+        raise ValueError(f"selective scan supports 1 <= state_size <= {WG}, got {N}")
+    M = B * L
+    DB = WG // N
+    nblk = cdiv(Di, DB)
+    nchk = cdiv(L, CHUNK)
+    nRB = cdiv(M, ROWS)
+    nwgs = B * nblk
+    off_ss = Di * N + 2 * Di
+    off_pa = off_ss + CHUNK * nwgs * WG
+    off_colt = off_pa + B * Di * N
+    off_cold = off_colt + nRB * Di
+    work_size = off_cold + nRB * Di
+    return dict(M=M, DB=DB, nblk=nblk, nchk=nchk, nRB=nRB, nwgs=nwgs, off_ss=off_ss,
+                off_pa=off_pa, off_colt=off_colt, off_cold=off_cold, work_size=work_size,
+                pbc_half=M * nblk * N)
+
+
+def _params(rec: Recorder, work: Tensor, dt_bias: Tensor, A_log: Tensor, D: Tensor, Di: int, N: int):
+    assert A_log.numel == Di * N and dt_bias.numel == Di and D.numel == Di
+    rec.copy(A_log, work.view((Di * N,), 0))
+    rec.copy(dt_bias, work.view((Di,), Di * N))
+    rec.copy(D, work.view((Di,), Di * N + Di))
+
+
+def _uniform(rt, B, L, Di, N, R, lay, offs):
+    o = dict(y=0, u=0, delta=0, xdbl=0, xz=0, states=0, dy=0, du=0, ddelta=0, dxdbl=0, dxz=0)
+    o.update(offs)
+    vals = [B, L, Di, N, R, R + 2 * N, CHUNK, lay["nchk"],
+            lay["nblk"], lay["DB"], lay["nRB"], ROWS,
+            lay["off_ss"], lay["off_pa"], lay["off_colt"], lay["off_cold"],
+            o["y"], o["u"], o["delta"], o["xdbl"], o["xz"], o["states"], o["dy"], o["du"],
+            o["ddelta"], o["dxdbl"], o["dxz"], lay["pbc_half"], 0, 0, 0, 0]
+    return rt.uniform(pack("32I", *vals))
+
+
+def _check(B, L, Di, N, R, **shapes):
+    M = B * L
+    want = dict(u=M * Di, delta=M * Di, xdbl=M * (R + 2 * N), xz=M * 2 * Di, y=M * Di, dy=M * Di,
+                du=M * Di, ddelta=M * Di, dxdbl=M * (R + 2 * N), dxz=M * 2 * Di)
+    for k, t in shapes.items():
+        if k in want:
+            assert t.numel == want[k], (k, t.shape, want[k])
+
+
+def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D, xdbl, xz,
+                           *, B, L, Di, N, R, reference: bool = False):
+    """y [M, Di] WRITE; states [scan_state_shape] WRITE (unused when reference=True).
+
+    reference=True runs the plain sequential kernel (one thread per (b, d)), kept as the
+    check for the fast one."""
+    B, L, Di, N, R = int(B), int(L), int(Di), int(N), int(R)
+    rt = rec.rt
+    if B * L * Di == 0:
+        return
+    _check(B, L, Di, N, R, y=y, u=u, delta=delta, xdbl=xdbl, xz=xz)
+    lay = _layout(B, L, Di, N, R)
+    work = rt.scratch("selective_scan.fwd_params", (Di * N + 2 * Di,))
+    _params(rec, work, dt_bias, A_log, D, Di, N)
+    bt = {}
+    offs = {}
+    for name, t in (("y", y), ("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz)):
+        bt[name], offs[name] = _bound(rt, t)
+    if not reference:
+        assert states.numel == cdiv(L, CHUNK) * B * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
+        bt["states"], offs["states"] = _bound(rt, states)
+    uni = _uniform(rt, B, L, Di, N, R, lay, offs)
+    binds = {0: bt["y"], 2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 5: bt["xz"], 6: work, 14: uni}
+    if reference:
+        rec.dispatch(SHADER, "selective_scan_forward_ref", binds, cdiv(B * Di, WG))
+    else:
+        binds[1] = bt["states"]
+        rec.dispatch(SHADER, "selective_scan_forward", binds, lay["nwgs"])
+
+
+def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxdbl, dxz, dy, states,
+                            u, delta, dt_bias, A_log, D, xdbl, xz, *, B, L, Di, N, R):
+    """Gradients of selective_scan_forward; see the module docstring for WRITE/ACC rules."""
+    B, L, Di, N, R = int(B), int(L), int(Di), int(N), int(R)
+    rt = rec.rt
+    if B * L * Di == 0:
+        return
+    _check(B, L, Di, N, R, du=du, ddelta=ddelta, dxdbl=dxdbl, dxz=dxz, dy=dy, u=u, delta=delta,
+           xdbl=xdbl, xz=xz)
+    assert states.numel == cdiv(L, CHUNK) * B * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
+    lay = _layout(B, L, Di, N, R)
+    M = lay["M"]
+    work = rt.scratch("selective_scan.bwd_work", (lay["work_size"],))
+    pbc = rt.scratch("selective_scan.bwd_pbc", (2 * lay["pbc_half"],))
+    _params(rec, work, dt_bias, A_log, D, Di, N)
+    bt = {}
+    offs = {}
+    for name, t in (("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz), ("states", states),
+                    ("dy", dy), ("du", du), ("ddelta", ddelta), ("dxdbl", dxdbl), ("dxz", dxz)):
+        bt[name], offs[name] = _bound(rt, t)
+    uni = _uniform(rt, B, L, Di, N, R, lay, offs)
+    rec.dispatch(SHADER, "selective_scan_backward_prep",
+                 {3: bt["delta"], 5: bt["xz"], 6: work, 7: bt["dy"], 8: bt["du"], 9: bt["ddelta"], 14: uni},
+                 cdiv(M * Di, WG))
+    rec.dispatch(SHADER, "selective_scan_backward",
+                 {1: bt["states"], 2: bt["u"], 4: bt["xdbl"], 6: work, 8: bt["du"], 9: bt["ddelta"],
+                  10: bt["dxz"], 11: pbc, 14: uni},
+                 lay["nwgs"])
+    rec.dispatch(SHADER, "selective_scan_backward_finish",
+                 {3: bt["delta"], 5: bt["xz"], 6: work, 7: bt["dy"], 9: bt["ddelta"], 10: bt["dxz"], 14: uni},
+                 cdiv(M * Di, WG))
+    rec.dispatch(SHADER, "selective_scan_backward_colsum",
+                 {2: bt["u"], 5: bt["xz"], 6: work, 7: bt["dy"], 9: bt["ddelta"], 14: uni},
+                 cdiv(lay["nRB"] * Di, WG))
+    rec.dispatch(SHADER, "selective_scan_backward_dbc", {11: pbc, 12: bt["dxdbl"], 14: uni},
+                 cdiv(M * N, WG))
+    for out, n, K, base, stride in ((ddt_bias, Di, lay["nRB"], lay["off_colt"], Di),
+                                    (dD, Di, lay["nRB"], lay["off_cold"], Di),
+                                    (dA_log, Di * N, B, lay["off_pa"], Di * N)):
+        assert out.numel == n, (out.shape, n)
+        bo, oo = _bound(rt, out)
+        q = rt.uniform(pack("8I", n, K, base, stride, oo, 0, 0, 0))
+        rec.dispatch(SHADER, "selective_scan_accumulate", {6: work, 13: bo, 15: q}, cdiv(n, WG))

@@ -1,0 +1,167 @@
+"""Selective scan kernels vs a numpy float64 sequential oracle (forward) and torch float64
+autograd of the same formula (backward)."""
+
+import numpy as np
+import pytest
+import torch
+
+from memengine.engine.gpu import get_runtime
+from memengine.engine.ops.scan import scan_state_shape, selective_scan_backward, selective_scan_forward
+
+SHAPES = [  # B, L, Di, N, R
+    (1, 1, 37, 5, 3),
+    (2, 7, 37, 16, 3),
+    (3, 300, 19, 5, 2),
+    (1, 130, 40, 16, 1),
+]
+
+
+@pytest.fixture(scope="module")
+def rt():
+    return get_runtime("cpu")
+
+
+def make_inputs(B, L, Di, N, R, seed=0, scale_delta=1.0, bias_shift=0.0):
+    rng = np.random.default_rng(seed)
+    M = B * L
+    return dict(
+        u=rng.standard_normal((M, Di)),
+        delta=rng.standard_normal((M, Di)) * scale_delta,
+        dt_bias=rng.standard_normal(Di) * 0.5 - 2.0 + bias_shift,
+        A_log=np.log(rng.uniform(0.5, 8.0, (Di, N))),
+        D=rng.standard_normal(Di),
+        xdbl=rng.standard_normal((M, R + 2 * N)),
+        xz=rng.standard_normal((M, 2 * Di)) * 2.0,
+    )
+
+
+def softplus_np(x):
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+
+
+def oracle_forward(p, B, L, Di, N, R):
+    dt = softplus_np(p["delta"] + p["dt_bias"]).reshape(B, L, Di)
+    A = -np.exp(p["A_log"])
+    u = p["u"].reshape(B, L, Di)
+    Bm = p["xdbl"][:, R:R + N].reshape(B, L, N)
+    Cm = p["xdbl"][:, R + N:].reshape(B, L, N)
+    z = p["xz"][:, Di:].reshape(B, L, Di)
+    y = np.zeros((B, L, Di))
+    for b in range(B):
+        s = np.zeros((Di, N))
+        for t in range(L):
+            s = np.exp(dt[b, t][:, None] * A) * s + (dt[b, t] * u[b, t])[:, None] * Bm[b, t][None, :]
+            y[b, t] = s @ Cm[b, t] + p["D"] * u[b, t]
+    y = y * (z / (1 + np.exp(-z)))
+    return y.reshape(B * L, Di)
+
+
+def torch_forward(p, B, L, Di, N, R):
+    dt = torch.nn.functional.softplus(p["delta"] + p["dt_bias"]).reshape(B, L, Di)
+    A = -torch.exp(p["A_log"])
+    u = p["u"].reshape(B, L, Di)
+    Bm = p["xdbl"][:, R:R + N].reshape(B, L, N)
+    Cm = p["xdbl"][:, R + N:].reshape(B, L, N)
+    z = p["xz"][:, Di:].reshape(B, L, Di)
+    s = torch.zeros(B, Di, N, dtype=torch.float64)
+    ys = []
+    for t in range(L):
+        s = torch.exp(dt[:, t, :, None] * A) * s + (dt[:, t] * u[:, t])[:, :, None] * Bm[:, t, None, :]
+        ys.append(torch.einsum("bdn,bn->bd", s, Cm[:, t]) + p["D"] * u[:, t])
+    y = torch.stack(ys, 1) * torch.nn.functional.silu(z)
+    return y.reshape(B * L, Di)
+
+
+def relerr(got, want):
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def gpu_forward(rt, p, B, L, Di, N, R, reference=False):
+    t = {k: rt.upload(v.astype(np.float32)) for k, v in p.items()}
+    y = rt.empty((B * L, Di))
+    states = rt.empty(scan_state_shape(B, L, Di, N))
+    rec = rt.recorder()
+    selective_scan_forward(rec, y, states, t["u"], t["delta"], t["dt_bias"], t["A_log"], t["D"],
+                           t["xdbl"], t["xz"], B=B, L=L, Di=Di, N=N, R=R, reference=reference)
+    rec.submit()
+    return rt.read(y).astype(np.float64), t, states
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_vs_numpy(rt, shape):
+    B, L, Di, N, R = shape
+    p = make_inputs(*shape, seed=sum(shape))
+    want = oracle_forward(p, *shape)
+    got, _, _ = gpu_forward(rt, p, *shape)
+    ref, _, _ = gpu_forward(rt, p, *shape, reference=True)
+    e_fast, e_ref, e_fr = relerr(got, want), relerr(ref, want), relerr(got, ref)
+    print(f"forward {shape}: fast vs numpy {e_fast:.2e}, ref vs numpy {e_ref:.2e}, fast vs ref {e_fr:.2e}")
+    assert e_fast < 1e-4 and e_ref < 1e-4 and e_fr < 1e-4
+
+
+def run_backward(rt, p, B, L, Di, N, R, seed=1):
+    rng = np.random.default_rng(seed)
+    M = B * L
+    _, t, states = gpu_forward(rt, p, B, L, Di, N, R)
+    dy = rng.standard_normal((M, Di))
+    pre = {k: rng.standard_normal(s) for k, s in (("ddt_bias", (Di,)), ("dA_log", (Di, N)), ("dD", (Di,)))}
+    SENT = 12345.0
+    g = {k: rt.upload(v.astype(np.float32)) for k, v in pre.items()}
+    g["du"] = rt.upload(np.full((M, Di), SENT, np.float32))
+    g["ddelta"] = rt.upload(np.full((M, Di), SENT, np.float32))
+    g["dxdbl"] = rt.upload(np.full((M, R + 2 * N), SENT, np.float32))
+    g["dxz"] = rt.upload(np.full((M, 2 * Di), SENT, np.float32))
+    tdy = rt.upload(dy.astype(np.float32))
+    rec = rt.recorder()
+    selective_scan_backward(rec, g["du"], g["ddelta"], g["ddt_bias"], g["dA_log"], g["dD"], g["dxdbl"],
+                            g["dxz"], tdy, states, t["u"], t["delta"], t["dt_bias"], t["A_log"], t["D"],
+                            t["xdbl"], t["xz"], B=B, L=L, Di=Di, N=N, R=R)
+    rec.submit()
+    got = {k: rt.read(v).astype(np.float64) for k, v in g.items()}
+
+    # torch autograd oracle on float32-rounded inputs
+    tp = {k: torch.tensor(v.astype(np.float32).astype(np.float64), requires_grad=True) for k, v in p.items()}
+    yt = torch_forward(tp, B, L, Di, N, R)
+    yt.backward(torch.tensor(dy.astype(np.float32).astype(np.float64)))
+    want = {k: v.grad.numpy() for k, v in tp.items()}
+
+    errs = {
+        "du": relerr(got["du"], want["u"]),
+        "ddelta": relerr(got["ddelta"], want["delta"]),
+        "ddt_bias": relerr(got["ddt_bias"] - pre["ddt_bias"].astype(np.float32), want["dt_bias"]),
+        "dA_log": relerr(got["dA_log"] - pre["dA_log"].astype(np.float32), want["A_log"]),
+        "dD": relerr(got["dD"] - pre["dD"].astype(np.float32), want["D"]),
+        "dBC": relerr(got["dxdbl"][:, R:], want["xdbl"][:, R:]),
+        "dz": relerr(got["dxz"][:, Di:], want["xz"][:, Di:]),
+    }
+    assert np.all(got["dxdbl"][:, :R] == SENT), "dxdbl columns 0..R must be untouched"
+    assert np.all(got["dxz"][:, :Di] == SENT), "dxz columns 0..Di must be untouched"
+    return errs
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_vs_torch(rt, shape):
+    p = make_inputs(*shape, seed=sum(shape) + 7)
+    errs = run_backward(rt, p, *shape)
+    print(f"backward {shape}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    for k, v in errs.items():
+        assert v < 2e-4, (k, v)
+
+
+def test_large_inputs_stable(rt):
+    """delta+bias far above softplus' threshold (20) and far below zero."""
+    shape = (2, 33, 21, 16, 3)
+    B, L, Di, N, R = shape
+    p = make_inputs(*shape, seed=3, scale_delta=30.0)
+    p["dt_bias"][: Di // 2] = 25.0     # dt huge: exp(dt*A) underflows to 0
+    p["dt_bias"][Di // 2:] = -40.0     # dt ~ exp(-40)
+    want = oracle_forward(p, *shape)
+    got, _, _ = gpu_forward(rt, p, *shape)
+    assert np.all(np.isfinite(got))
+    e = relerr(got, want)
+    print(f"large inputs forward: {e:.2e}")
+    assert e < 1e-4
+    errs = run_backward(rt, p, *shape)
+    print("large inputs backward: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    for k, v in errs.items():
+        assert np.isfinite(v) and v < 2e-4, (k, v)
