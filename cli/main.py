@@ -757,7 +757,7 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
 
 
 def main() -> None:  # pragma: no cover - `python -m memengine.cli.main`
-    app()
+    app(prog_name="memengine")
 
 
 if __name__ == "__main__":  # pragma: no cover

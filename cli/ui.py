@@ -170,7 +170,7 @@ class UI:
         self.tty = tty
         self.console = Console(file=err, force_terminal=tty, no_color=no_color,
                                highlight=tty, soft_wrap=not tty,
-                               width=None if tty else 120)
+                               width=None if tty else 200)
 
     # -- machine output
     def emit(self, obj: dict) -> None:

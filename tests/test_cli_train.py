@@ -1,0 +1,157 @@
+"""`memengine train` and `memengine adapt` end to end on a tiny model (lavapipe-friendly)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from test_cli import assert_one_line_error, run, tree_digest
+
+FAST = ["--seq-len", "64", "--batch-size", "2"]
+
+
+def json_lines(stdout: str) -> list[dict]:
+    lines = stdout.splitlines()
+    assert lines, "no JSON on stdout"
+    return [json.loads(ln) for ln in lines]  # every line must parse: stdout is pure JSON
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, _tiny_master):
+    """Train the tiny model once (3 epochs) and share the result."""
+    root = tmp_path_factory.mktemp("trained")
+    txt = root / "text.txt"
+    from conftest import SAMPLE_TEXT
+
+    txt.write_text(SAMPLE_TEXT * 3)
+    before = tree_digest(_tiny_master)
+    out = root / "out"
+    r = run("train", _tiny_master, "--data", txt, "-o", out, "--epochs", "3", "--lr", "3e-3", *FAST, "--json")
+    assert tree_digest(_tiny_master) == before, "the input checkpoint was modified"
+    return r, out, txt
+
+
+def test_train_json_and_outputs(trained):
+    r, out, _ = trained
+    assert r.exit_code == 0, r.stderr
+    events = json_lines(r.stdout)
+    epochs = [e for e in events if e["event"] == "epoch"]
+    assert [e["epoch"] for e in epochs] == [1, 2, 3]
+    for e in epochs:
+        assert set(e) == {"event", "epoch", "loss", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
+        assert np.isfinite(e["loss"]) and e["grad_norm"] > 0
+    assert events[-1]["event"] == "summary" and events[-1]["output"] == str(out)
+    assert events[-1]["final_loss"] == epochs[-1]["loss"]
+    assert epochs[-1]["loss"] < epochs[0]["loss"]
+    for f in ("model.safetensors", "config.json", "optimizer.safetensors", "memengine.json"):
+        assert (out / f).is_file(), f
+    rec = json.loads((out / "memengine.json").read_text())
+    assert rec["options"]["epochs"] == 3 and rec["options"]["lr"] == 3e-3
+    assert rec["memengine_version"] and rec["adapter"]
+    opt = load_file(str(out / "optimizer.safetensors"))
+    assert any(k.endswith(".exp_avg") for k in opt)
+    # the human table went to stderr
+    assert "loss" in r.stderr and "grad norm" in r.stderr
+    # no temporary directories left beside OUT
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_train_config_file_and_flag_override(trained, tmp_path):
+    _, out, txt = trained
+    cfg = tmp_path / "opts.yaml"
+    cfg.write_text("epochs: 1\nlr: 0.001\nseq-len: 64\nbatch_size: 2\n")
+    r = run("train", out, "--data", txt, "-o", tmp_path / "o", "--config", cfg, "--epochs", "2", "--json")
+    assert r.exit_code == 0, r.stderr
+    events = json_lines(r.stdout)
+    assert [e["epoch"] for e in events if e["event"] == "epoch"] == [1, 2]  # flag beats file
+    rec = json.loads((tmp_path / "o" / "memengine.json").read_text())
+    assert rec["options"]["epochs"] == 2 and rec["options"]["lr"] == 0.001 and rec["options"]["seq_len"] == 64
+    assert "resuming optimizer state" in r.stderr  # trained/ has optimizer.safetensors
+
+
+def test_adapt_changes_only_x_proj(trained, tmp_path):
+    _, base, _ = trained
+    note = tmp_path / "note.txt"
+    text = "The lighthouse keeper counted seventeen ships at dawn. " * 3
+    note.write_text(text)
+    steps_per_epoch = -(-(len(text.encode()) - 1) // 64)
+    out = tmp_path / "adapted"
+    r = run("adapt", base, "--data", note, "-o", out, "--lr", "1e-3", "--epochs", "2", "--seq-len", "64",
+            "--weight-decay", "0", "--json")
+    assert r.exit_code == 0, r.stderr
+    events = json_lines(r.stdout)
+    s = events[-1]
+    assert s["event"] == "summary" and s["rolled_back"] is False
+    for k in ("perplexity_before", "perplexity_after", "grad_norm", "reason", "changed_tensors", "max_abs_delta"):
+        assert k in s
+    assert s["perplexity_after"] <= s["perplexity_before"] * 1.25
+    # trust region 0.05 per step, weight decay 0: at most 0.05 per step over all steps
+    assert 0 < s["max_abs_delta"] <= 2 * steps_per_epoch * 0.05 + 1e-6
+    a = load_file(str(base / "model.safetensors"))
+    b = load_file(str(out / "model.safetensors"))
+    assert set(a) == set(b)
+    changed = set()
+    for name in a:
+        same = a[name].tobytes() == b[name].tobytes()
+        if ".x_proj." in name:
+            if not same:
+                changed.add(name)
+        else:
+            assert same, f"{name} changed"
+    assert changed and changed == set(s["changed_tensors"])
+    assert (out / "optimizer.safetensors").is_file()
+
+
+def test_adapt_forced_regression_rolls_back(trained, tmp_path):
+    _, base, _ = trained
+    note = tmp_path / "note.txt"
+    note.write_text("A completely new sentence about quiet harbours and ledgers. " * 2)
+    out = tmp_path / "adapted"
+    before = tree_digest(base)
+    r = run("adapt", base, "--data", note, "-o", out, "--epochs", "1", "--seq-len", "64",
+            "--tolerance", "0.5", "--json")
+    assert r.exit_code == 3, r.stderr
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    s = json_lines(r.stdout)[-1]
+    assert s["event"] == "summary" and s["rolled_back"] is True and s["output"] is None
+    assert "perplexity" in s["reason"]
+    assert_one_line_error(r.stderr, "rolled back")
+    assert tree_digest(base) == before
+
+
+def test_train_ctrl_c_leaves_nothing(trained, tmp_path):
+    _, base, txt = trained
+    out = tmp_path / "o"
+    env = dict(os.environ)
+    env.pop("MEMENGINE_DEBUG", None)
+    p = subprocess.Popen([sys.executable, "-m", "memengine.cli.main", "train", str(base), "--data", str(txt),
+                          "-o", str(out), "--epochs", "500", *FAST],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        # wait until training has started (the first epoch line), then interrupt
+        deadline = time.time() + 120
+        seen = ""
+        while time.time() < deadline:
+            line = p.stderr.readline()
+            seen += line
+            if "epoch 1" in line or not line:
+                break
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, seen + err
+    assert "Traceback" not in err
+    assert not out.exists()
+    assert not [q for q in tmp_path.iterdir() if q.name.startswith(".")]
