@@ -1,0 +1,150 @@
+"""Training data: text in, fixed-shape batches of (input, next-token target) windows out (SPEC §4)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from .errors import MemengineError
+
+DEMO_TEXT = Path(__file__).resolve().parent / "data" / "demo.txt"
+IGNORE = -1
+
+
+def _decode(raw: bytes, source: str) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MemengineError(f"{source}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def _read_jsonl(text: str, source: str) -> str:
+    docs = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise MemengineError(f"{source}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or "text" not in obj:
+            raise MemengineError(f"{source}:{n}: expected an object with a \"text\" field")
+        if not isinstance(obj["text"], str):
+            raise MemengineError(f"{source}:{n}: the \"text\" field must be a string")
+        docs.append(obj["text"])
+    return "\n".join(docs)
+
+
+def read_text(paths: list[str] | str, stdin: BinaryIO | None = None) -> str:
+    """Concatenate the text of `paths` ('-' = stdin; *.jsonl = each line's "text" field).
+
+    Sources are joined with a newline when the previous one does not end with one. A missing,
+    undecodable or empty source raises MemengineError naming it."""
+    if isinstance(paths, (str, Path)):
+        paths = [str(paths)]
+    if not paths:
+        raise MemengineError("no training data given (pass a text file, a .jsonl file, or '-' for stdin)")
+    parts: list[str] = []
+    for p in paths:
+        p = str(p)
+        if p == "-":
+            src = "stdin"
+            stream = stdin if stdin is not None else getattr(sys.stdin, "buffer", None)
+            if stream is None:
+                raw = sys.stdin.read().encode("utf-8")
+            else:
+                raw = stream.read()
+                if isinstance(raw, str):
+                    raw = raw.encode("utf-8")
+            text = _decode(raw, src)
+        else:
+            src = p
+            path = Path(p)
+            try:
+                raw = path.read_bytes()
+            except FileNotFoundError:
+                raise MemengineError(f"data file '{p}' not found") from None
+            except IsADirectoryError:
+                raise MemengineError(f"data file '{p}' is a directory") from None
+            except OSError as e:
+                raise MemengineError(f"data file '{p}': cannot read ({e.strerror or e})") from None
+            text = _decode(raw, f"data file '{p}'")
+            if path.suffix.lower() == ".jsonl":
+                text = _read_jsonl(text, p)
+        if not text:
+            raise MemengineError(f"{'stdin' if p == '-' else repr(p)}: no text (the data is empty)")
+        if parts and not parts[-1].endswith("\n"):
+            parts.append("\n")
+        parts.append(text)
+    return "".join(parts)
+
+
+def check_vocab(ids: np.ndarray, vocab_size: int, source: str = "data") -> None:
+    """Every id must be in [0, vocab_size): else one line naming the source, id and position."""
+    a = np.asarray(ids).reshape(-1)
+    if a.size == 0:
+        return
+    bad = (a < 0) | (a >= vocab_size)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise MemengineError(
+            f"{source}: token id {int(a[i])} at position {i} is outside the model's vocabulary "
+            f"(0..{vocab_size - 1}); {int(bad.sum())} token(s) out of range — wrong tokenizer for this checkpoint?")
+
+
+def make_windows(ids: np.ndarray, seq_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cut the token stream into windows of up to `seq_len` inputs, each with next-token targets.
+
+    Window k covers inputs ids[k*L : k*L+L] and targets ids[k*L+1 : k*L+L+1]; the final
+    partial window is kept when it has at least 2 tokens (one input, one target)."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise MemengineError(f"--seq-len must be a positive integer (got {seq_len!r})")
+    a = np.asarray(ids).reshape(-1).astype(np.int32)
+    if a.size < 2:
+        raise MemengineError(
+            f"the data holds {a.size} token(s); at least 2 are needed (an input and its next-token target)")
+    L = int(seq_len)
+    out = []
+    for s in range(0, a.size - 1, L):
+        n = min(L, a.size - 1 - s)
+        out.append((a[s:s + n].copy(), a[s + 1:s + 1 + n].copy()))
+    return out
+
+
+@dataclass
+class Batch:
+    ids: np.ndarray  # int32 [B, L], padded with 0
+    targets: np.ndarray  # int32 [B, L], -1 = ignore
+    n_targets: int  # targets that count (!= -1)
+    n_tokens: int  # real input tokens (== n_targets)
+    n_windows: int = 0  # real rows
+
+
+def make_batches(windows: list[tuple[np.ndarray, np.ndarray]], batch_size: int, seq_len: int) -> list[Batch]:
+    """Group windows, in order, into batches of exactly [batch_size, seq_len] (padding rows and
+    positions have id 0 and target -1) so the GPU shapes never change."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise MemengineError(f"--batch-size must be a positive integer (got {batch_size!r})")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise MemengineError(f"--seq-len must be a positive integer (got {seq_len!r})")
+    B, L = int(batch_size), int(seq_len)
+    batches = []
+    for start in range(0, len(windows), B):
+        group = windows[start:start + B]
+        ids = np.zeros((B, L), dtype=np.int32)
+        tg = np.full((B, L), IGNORE, dtype=np.int32)
+        n = 0
+        for r, (x, y) in enumerate(group):
+            if len(x) != len(y) or len(x) > L:
+                raise ValueError(f"window {start + r}: {len(x)} inputs / {len(y)} targets do not fit seq_len {L}")
+            ids[r, :len(x)] = x
+            tg[r, :len(y)] = y
+            n += len(y)
+        batches.append(Batch(ids=ids, targets=tg, n_targets=n, n_tokens=n, n_windows=len(group)))
+    return batches

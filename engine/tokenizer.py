@@ -1,0 +1,92 @@
+"""Tokenizers: the built-in byte-level one (UTF-8 bytes, ids 0..255, no download) or a HF
+`tokenizer.json` (via `tokenizers`) beside the checkpoint or given with `--tokenizer`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from .errors import MemengineError
+
+TOKENIZER_FILE = "tokenizer.json"
+BYTE_NAMES = ("bytes", "byte", "byte-level")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255."""
+
+    name = "bytes"
+    vocab_size = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8", errors="surrogatepass"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        a = np.asarray(ids, dtype=np.int64).reshape(-1)
+        a = a[(a >= 0) & (a < 256)]  # ids beyond the byte range (bigger model vocab) are dropped
+        return a.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer.json. Text is encoded without special tokens."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError:  # pragma: no cover
+            raise MemengineError("the 'tokenizers' package is needed to read tokenizer.json") from None
+        try:
+            self._tok = _Tok.from_file(str(self.path))
+        except Exception as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise MemengineError(f"tokenizer '{self.path}' cannot be loaded: {msg[:200]}") from None
+        self.name = str(self.path)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        a = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return self._tok.decode([int(i) for i in a], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.name!r})"
+
+
+def load_tokenizer(checkpoint_dir: str | Path | None, override: str | None = None) -> Tokenizer:
+    """`override` (--tokenizer: a tokenizer.json, a directory holding one, or "bytes") wins;
+    else tokenizer.json beside the checkpoint (dir, or the bare file's dir); else bytes."""
+    if override is not None and str(override) != "":
+        if str(override).lower() in BYTE_NAMES:
+            return ByteTokenizer()
+        p = Path(override)
+        if p.is_dir():
+            p = p / TOKENIZER_FILE
+        if not p.is_file():
+            raise MemengineError(f"--tokenizer: '{override}' not found (give a tokenizer.json, its directory, or 'bytes')")
+        return HFTokenizer(p)
+    if checkpoint_dir is not None:
+        d = Path(checkpoint_dir)
+        if d.is_file():
+            d = d.parent
+        p = d / TOKENIZER_FILE
+        if p.is_file():
+            return HFTokenizer(p)
+    return ByteTokenizer()
