@@ -177,7 +177,9 @@ class AdamW:
 
         self.step_count += 1
         t = self.step_count
-        b1, b2 = self.betas
+        # The kernel sees b1, b2 as f32; bias-correct with powers of those same f32 values
+        # (computed in double), so v / (1 - b2^t) stays unbiased for the betas actually used.
+        b1, b2 = (float(np.float32(b)) for b in self.betas)
         data = bytearray(len(self._slots) * self._stride)
         for name, p in params.items():
             struct.pack_into(_ADAM_FMT, data, self._slots[name] * self._stride,
