@@ -250,8 +250,6 @@ def resolve_options(ctx: typer.Context, values: dict, config_path: Optional[Path
     A value from the file applies only where the flag was not given explicitly
     (click's parameter source is DEFAULT); flags and environment variables win.
     """
-    from click.core import ParameterSource
-
     resolved = dict(values)
     if config_path is None:
         return resolved
@@ -260,8 +258,9 @@ def resolve_options(ctx: typer.Context, values: dict, config_path: Optional[Path
         if key not in allowed:
             raise MemengineError(
                 f"--config {config_path}: unknown option '{key}' (known: {', '.join(allowed)})")
+        # Typer may vendor its own click, so compare the enum by name.
         src = ctx.get_parameter_source(key)
-        if src not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+        if src is not None and getattr(src, "name", str(src)) not in ("DEFAULT", "DEFAULT_MAP"):
             continue
         default = values.get(key)
         try:
