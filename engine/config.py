@@ -21,7 +21,7 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 _LEGACY_KEYS = {"d_model": "hidden_size", "n_layer": "num_hidden_layers"}
 
 
-@dataclass
+@dataclass(eq=False)
 class MambaConfig:
     vocab_size: int = 50280
     hidden_size: int = 768  # E
@@ -49,6 +49,14 @@ class MambaConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def __eq__(self, other: object) -> bool:
+        """Semantic equality: time_step_rank "auto" equals its resolved value."""
+        if not isinstance(other, MambaConfig):
+            return NotImplemented
+        return self.to_hf_dict() == other.to_hf_dict()
+
+    __hash__ = None  # mutable
 
     # -- derived sizes ---------------------------------------------------------------
     @property
