@@ -2,7 +2,8 @@
 //   loss_rows[r] = logsumexp(logits[r, :]) - logits[r, target[r]]      (0 when target < 0 or >= V)
 // cross_entropy_backward also OVERWRITES the row with its gradient:
 //   logits[r, i] = (softmax(logits[r, :])[i] - [i == target]) * scale[0]   (zero row when ignored)
-// Max and sum-exp are workgroup tree reductions (stable: exp(l - max)).
+// Max and sum-exp: one online pass per invocation, then workgroup tree reductions
+// (stable: every exp argument is <= 0).
 // Each invocation reads and writes only its own strided columns; the target logit is
 // captured into workgroup memory by its owner before any write, so no storage race.
 const WG: u32 = 256u;
@@ -48,16 +49,16 @@ fn ce_row(row: u32, l: u32, want_grad: bool) {
     let valid = t >= 0 && u32(t) < P.V;
     if (l == 0u) { tlogit = 0.0; }
     workgroupBarrier();
-    var mx = -3.4028235e38;
+    // one pass: per-invocation online (max, sum exp(v - max)), then merged across the group
+    var m = -3.4028235e38;
+    var se = 0.0;
     for (var i = l; i < P.V; i = i + WG) {
         let v = logits[base + i];
-        mx = max(mx, v);
+        if (v > m) { se = se * exp(m - v) + 1.0; m = v; } else { se = se + exp(v - m); }
         if (valid && i == u32(t)) { tlogit = v; }
     }
-    mx = wg_max(mx, l);                      // its barriers also publish tlogit
-    var se = 0.0;
-    for (var i = l; i < P.V; i = i + WG) { se = se + exp(logits[base + i] - mx); }
-    se = wg_sum(se, l);
+    let mx = wg_max(m, l);                   // its barriers also publish tlogit
+    se = wg_sum(se * exp(m - mx), l);
     if (l == 0u) {
         var loss = 0.0;
         if (valid) { loss = (mx - tlogit) + log(se); }   // no cancellation at large logits
