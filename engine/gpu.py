@@ -361,7 +361,10 @@ class Runtime:
 
     def sync(self) -> None:
         """Wait until all submitted work is done."""
-        self.device.queue.on_submitted_work_done_sync()
+        # (on_submitted_work_done_sync is unreliable across drivers; a tiny readback is not)
+        if getattr(self, "_sync_buf", None) is None:
+            self._sync_buf = self.empty((4,), "u32", "sync")
+        self.device.queue.read_buffer(self._sync_buf.buffer, 0, 16)
 
 
 def grid(n_groups: int) -> tuple[int, int, int]:
