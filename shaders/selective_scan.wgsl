@@ -105,6 +105,15 @@ fn selective_scan_forward_ref(@builtin(workgroup_id) wid: vec3<u32>, @builtin(nu
 }
 
 // ---------------------------------------------------------------- fast forward
+// prep (m, d): y <- dt = softplus(delta + dt_bias); the scan reads dt from y and overwrites it.
+@compute @workgroup_size(256)
+fn selective_scan_forward_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                               @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (i >= P.B * P.L * P.Di) { return; }
+    y[P.o_y + i] = softplus(delta[P.o_delta + i] + work[off_bias() + i % P.Di]);
+}
+
 @compute @workgroup_size(256)
 fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                           @builtin(local_invocation_index) tid: u32) {
@@ -117,11 +126,7 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     let d = blk * P.DB + dl;
     let live = dl < P.DB && d < P.Di;
     var a = 0.0;
-    var bias = 0.0;
-    if (live) {
-        a = -exp(work[d * P.N + n]);
-        bias = work[off_bias() + d];
-    }
+    if (live) { a = -exp(work[d * P.N + n]); }
     var s = 0.0;
     for (var t0 = 0u; t0 < P.L; t0 += TT) {
         if (live && (t0 % P.T) == 0u) {
@@ -132,13 +137,14 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
             var v = 0.0;
             if (live && t < P.L) {
                 let m = b * P.L + t;
-                let dt = softplus(delta[P.o_delta + m * P.Di + d] + bias);
+                let dt = y[P.o_y + m * P.Di + d];   // dt, from selective_scan_forward_prep
                 let xrow = P.o_xdbl + m * P.ldx + P.R;
                 s = exp(dt * a) * s + dt * xdbl[xrow + n] * u[P.o_u + m * P.Di + d];
                 v = s * xdbl[xrow + P.N + n];
             }
             shf[j * WG + tid] = v;
         }
+        storageBarrier();
         workgroupBarrier();
         for (var k = tid; k < TT * P.DB; k += WG) {
             let j = k / P.DB;
@@ -188,7 +194,11 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     let d = blk * P.DB + dl;
     let live = dl < P.DB && d < P.Di;
     var a = 0.0;
-    if (live) { a = -exp(work[d * P.N + n]); }
+    var Dd = 0.0;   // D enters the over-n sums once, through the n == 0 thread
+    if (live) {
+        a = -exp(work[d * P.N + n]);
+        if (n == 0u) { Dd = work[off_D() + d]; }
+    }
     let idx = wg * WG + tid;
     let sstride = nwgs * WG;
     let M = P.B * P.L;
@@ -231,9 +241,9 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                     let ea = exp(dt * a);
                     let st = ea * sp + dt * Bn * uu;
                     g = g + Cn * dyp;
-                    vdu = g * dt * Bn;
+                    vdu = g * dt * Bn + Dd * dyp;
                     vdt = g * (a * ea * sp + Bn * uu);
-                    vy = st * Cn;
+                    vy = st * Cn + Dd * uu;
                     vb = g * dt * uu;
                     vc = st * dyp;
                     dacc += g * sp * ea * dt;
@@ -264,11 +274,9 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                     }
                     let m = b * P.L + t;
                     let e = m * P.Di + d2;
-                    let Dd = work[off_D() + d2];
-                    let dyp = du[P.o_du + e];
-                    du[P.o_du + e] = sdu + Dd * dyp;
+                    du[P.o_du + e] = sdu;
                     ddelta[P.o_ddelta + e] = sdt;
-                    dxz[P.o_dxz + m * 2u * P.Di + P.Di + d2] = sy + Dd * u[P.o_u + e];
+                    dxz[P.o_dxz + m * 2u * P.Di + P.Di + d2] = sy;
                 }
             }
             for (var k = tid; k < TB * P.N; k += WG) {

@@ -115,6 +115,9 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
     if reference:
         rec.dispatch(SHADER, "selective_scan_forward_ref", binds, cdiv(B * Di, WG))
     else:
+        rec.dispatch(SHADER, "selective_scan_forward_prep", {0: bt["y"], 3: bt["delta"], 6: work, 14: uni},
+                     cdiv(B * L * Di, WG))
+        del binds[3]
         binds[1] = bt["states"]
         rec.dispatch(SHADER, "selective_scan_forward", binds, lay["nwgs"])
 
