@@ -35,6 +35,7 @@ from .ui import UI
 DEBUG_HINT = "(set MEMENGINE_DEBUG=1 for the traceback)"
 EXIT_ROLLED_BACK = 3
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
 
 # --------------------------------------------------------------------------- options
 # Reusable option types.  Help panels group them in --help.
@@ -119,6 +120,13 @@ def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
     except KeyboardInterrupt:
         ui.error("interrupted; nothing was written")
         raise typer.Exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        # The reader of stdout went away (`... --json | head -1`): stop quietly, like
+        # any Unix filter killed by SIGPIPE, and keep Python's exit-time flush silent.
+        with contextlib.suppress(Exception):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, ui.stdout.fileno())
+        raise typer.Exit(EXIT_BROKEN_PIPE)
     except MemengineError as e:
         if debug_enabled():
             traceback.print_exc(file=sys.stderr)
