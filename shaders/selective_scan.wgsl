@@ -144,7 +144,6 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
             }
             shf[j * WG + tid] = v;
         }
-        storageBarrier();
         workgroupBarrier();
         for (var k = tid; k < TT * P.DB; k += WG) {
             let j = k / P.DB;
@@ -255,7 +254,6 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 sh_b[j * WG + tid] = vb;
                 sh_c[j * WG + tid] = vc;
             }
-            storageBarrier();
             workgroupBarrier();
             for (var k = tid; k < TB * P.DB; k += WG) {
                 let j = k / P.DB;
@@ -296,7 +294,6 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                     pbc[P.pbc_half + o] = sc;
                 }
             }
-            storageBarrier();
             workgroupBarrier();
         }
     }

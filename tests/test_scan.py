@@ -165,3 +165,47 @@ def test_large_inputs_stable(rt):
     print("large inputs backward: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
     for k, v in errs.items():
         assert np.isfinite(v) and v < 2e-4, (k, v)
+
+
+def test_parameter_views_at_unaligned_offsets(rt):
+    """dt_bias/A_log/D and their ACC gradients as views into flat buffers at odd offsets."""
+    shape = (2, 9, 13, 3, 2)
+    B, L, Di, N, R = shape
+    M = B * L
+    p = make_inputs(*shape, seed=11)
+    t = {k: rt.upload(p[k].astype(np.float32)) for k in ("u", "delta", "xdbl", "xz")}
+    offs = {"dt_bias": 3, "A_log": 3 + Di + 5, "D": 3 + Di + 5 + Di * N + 1}
+    flat = np.zeros(offs["D"] + Di + 7, np.float32)
+    for k, o in offs.items():
+        flat[o:o + p[k].size] = p[k].ravel()
+    fb = rt.upload(flat)
+    for k, o in offs.items():
+        t[k] = fb.view(p[k].shape, o)
+    y = rt.empty((M, Di))
+    states = rt.empty(scan_state_shape(B, L, Di, N))
+    rec = rt.recorder()
+    selective_scan_forward(rec, y, states, t["u"], t["delta"], t["dt_bias"], t["A_log"], t["D"], t["xdbl"], t["xz"],
+                           B=B, L=L, Di=Di, N=N, R=R)
+    rec.submit()
+    e = relerr(rt.read(y), oracle_forward(p, *shape))
+    print(f"views forward: {e:.2e}")
+    assert e < 1e-4
+    gflat = np.random.default_rng(5).standard_normal(flat.size).astype(np.float32)
+    gb = rt.upload(gflat)
+    gv = {k: gb.view(p[k].shape, o) for k, o in offs.items()}
+    dy = np.random.default_rng(6).standard_normal((M, Di))
+    outs = [rt.empty((M, Di)), rt.empty((M, Di)), gv["dt_bias"], gv["A_log"], gv["D"],
+            rt.zeros((M, R + 2 * N)), rt.zeros((M, 2 * Di))]
+    rec = rt.recorder()
+    selective_scan_backward(rec, *outs, rt.upload(dy.astype(np.float32)), states, t["u"], t["delta"], t["dt_bias"],
+                            t["A_log"], t["D"], t["xdbl"], t["xz"], B=B, L=L, Di=Di, N=N, R=R)
+    rec.submit()
+    got = rt.read(gb).astype(np.float64)
+    tp = {k: torch.tensor(v.astype(np.float32).astype(np.float64), requires_grad=True) for k, v in p.items()}
+    torch_forward(tp, *shape).backward(torch.tensor(dy.astype(np.float32).astype(np.float64)))
+    want = gflat.astype(np.float64).copy()
+    for k, o in offs.items():
+        want[o:o + p[k].size] += tp[k].grad.numpy().ravel()
+    e = relerr(got, want)
+    print(f"views backward (flat gradient buffer): {e:.2e}")
+    assert e < 1e-5
