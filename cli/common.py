@@ -380,7 +380,10 @@ def make_runtime(device: Optional[str], verbose: bool, ui: UI):
     from memengine.engine.gpu import get_runtime
 
     rt = get_runtime(device or None, verbose=verbose)
-    ui.note(f"adapter: {rt.describe()}")
+    desc = rt.describe()
+    if getattr(ui, "_adapter_shown", None) != desc:  # once per command (the demo runs several)
+        ui.note(f"adapter: {desc}")
+        ui._adapter_shown = desc
     return rt
 
 

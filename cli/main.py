@@ -312,7 +312,8 @@ def eval_cmd(
 
 
 def do_eval(ui: UI, ckpt_path: Path, data: list[str], seq_len: int, batch_size: int,
-            device: Optional[str], tokenizer: Optional[Path], verbose: bool, text: str | None = None):
+            device: Optional[str], tokenizer: Optional[Path], verbose: bool, text: str | None = None,
+            quiet_table: bool = False):
     from memengine.engine.model import MambaModel
 
     if not data and text is None:
@@ -326,6 +327,8 @@ def do_eval(ui: UI, ckpt_path: Path, data: list[str], seq_len: int, batch_size: 
     with ui.eval_progress("eval") as prog:
         res = _trainer_mod().evaluate(model, batches, on_progress=prog)
     dt = time.perf_counter() - t0
+    if quiet_table:
+        return res
     ui.kv(f"eval {ckpt_path} on {describe_sources(data) if data else 'text'}", [
         ("loss", float(res.loss)),
         ("perplexity", float(res.perplexity)),
@@ -718,7 +721,7 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        base, trained, adapted, f16 = (root / n for n in ("base", "trained", "adapted", "trained-f16"))
+        base, trained, adapted, f16 = (root / n for n in ("base", "trained", "adapted", "model-f16"))
         sample = root / "text.txt"
         sample.write_text(text, encoding="utf-8")
         note = root / "new-sentence.txt"
@@ -739,16 +742,20 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         if code:
             ui.warn("the demo's adaptation rolled back (the trained model is kept); continuing")
 
-        ui.step("4/5  quantize the trained model to fp16")
-        do_quantize(ui, trained, f16, "f16", False, False, True)
+        final = trained
+        if code == 0:
+            final = adapted
+        ui.step(f"4/5  quantize the {final.name} model to fp16")
+        do_quantize(ui, final, f16, "f16", False, False, True)
 
         ui.step("5/5  evaluate the fp16 model against the fp32 one")
-        r32 = do_eval(ui, trained, [str(sample)], seq_len, batch_size, device, None, verbose)
-        r16 = do_eval(ui, f16, [str(sample)], seq_len, batch_size, device, None, verbose)
-        ui.table("fp32 vs fp16", ["model", "loss", "perplexity"],
-                 [("trained (fp32)", float(r32.loss), float(r32.perplexity)),
-                  ("trained (fp16)", float(r16.loss), float(r16.perplexity))],
-                 right=[False, True, True])
+        rows = []
+        for label, path in ((f"{final.name} (fp32)", final), (f"{final.name} (fp16)", f16)):
+            for what, src in (("bundled text", sample), ("new sentence", note)):
+                r = do_eval(ui, path, [str(src)], seq_len, 1, device, None, verbose, quiet_table=True)
+                rows.append((label, what, float(r.loss), float(r.perplexity), int(r.tokens)))
+        ui.table("fp32 vs fp16", ["model", "data", "loss", "perplexity", "tokens"], rows,
+                 right=[False, False, True, True, True])
         ui.note(f"demo finished in {time.perf_counter() - t0:.1f}s"
                 + ("" if cleanup else f"; checkpoints in {root}"))
     finally:

@@ -155,3 +155,17 @@ def test_train_ctrl_c_leaves_nothing(trained, tmp_path):
     assert "Traceback" not in err
     assert not out.exists()
     assert not [q for q in tmp_path.iterdir() if q.name.startswith(".")]
+
+
+def test_demo_fast(tmp_path):
+    """The demo end to end on a short slice (the README's main job, scaled down)."""
+    wd = tmp_path / "demo"
+    r = run("demo", "--workdir", wd, "--chars", "300", "--epochs", "1", "--seq-len", "64")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout == ""
+    for step in ("1/5", "2/5", "3/5", "4/5", "5/5", "perplexity before", "perplexity after", "fp32 vs fp16"):
+        assert step in r.stderr, step
+    for d in ("base", "trained", "model-f16"):
+        assert (wd / d / "model.safetensors").is_file(), d
+    r = run("demo", "--workdir", wd)
+    assert r.exit_code == 2  # non-empty workdir refused without --force
