@@ -169,3 +169,35 @@ def test_demo_fast(tmp_path):
         assert (wd / d / "model.safetensors").is_file(), d
     r = run("demo", "--workdir", wd)
     assert r.exit_code == 2  # non-empty workdir refused without --force
+
+
+def test_nonfinite_loss_exit_1_writes_nothing(tiny_ckpt_ro, sample_text, tmp_path):
+    out = tmp_path / "o"
+    r = run("train", tiny_ckpt_ro, "--data", sample_text, "-o", out, "--epochs", "2", "--seq-len", "64",
+            "--lr", "1e30", "--max-grad-norm", "0", "--json")
+    assert r.exit_code == 1, r.stderr
+    assert_one_line_error(r.stderr, "non-finite")
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    for ln in r.stdout.splitlines():  # still pure JSON
+        json.loads(ln)
+
+
+def test_adapt_no_rollback_writes(tiny_ckpt_ro, sample_text, tmp_path):
+    out = tmp_path / "o"
+    r = run("adapt", tiny_ckpt_ro, "--data", sample_text, "-o", out, "--epochs", "1", "--seq-len", "64",
+            "--tolerance", "0.5", "--no-rollback", "--json")
+    assert r.exit_code == 0, r.stderr
+    s = json_lines(r.stdout)[-1]
+    assert s["rolled_back"] is False and "no-rollback" in s["reason"]
+    assert (out / "model.safetensors").is_file()
+
+
+def test_quiet_and_no_adapter(tiny_ckpt_ro, sample_text):
+    r = run("eval", tiny_ckpt_ro, "--data", sample_text, "--seq-len", "64", "--quiet")
+    assert r.exit_code == 0 and r.stderr == "" and r.stdout == ""
+    r = run("eval", tiny_ckpt_ro, "--data", sample_text, "--device", "no-such-adapter-xyz")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "no-such-adapter-xyz")
+    r = run("eval", tiny_ckpt_ro, "--data", sample_text, env={"MEMENGINE_DEVICE": "no-such-adapter-xyz"})
+    assert r.exit_code == 2
