@@ -54,9 +54,10 @@ JsonOpt = Annotated[bool, typer.Option(
     "--json", rich_help_panel=_OUT, help="Write JSON lines to stdout (and nothing else).")]
 ForceOpt = Annotated[bool, typer.Option(
     "--force", "-f", rich_help_panel=_OUT, help="Replace OUT if it exists and is not empty.")]
-TokenizerOpt = Annotated[Optional[Path], typer.Option(
-    "--tokenizer", rich_help_panel=_RUN, dir_okay=False,
-    help="tokenizer.json to use instead of the one beside the checkpoint (default: byte-level).")]
+TokenizerOpt = Annotated[Optional[str], typer.Option(
+    "--tokenizer", rich_help_panel=_RUN,
+    help="A tokenizer.json (or its directory) to use instead of the one beside the checkpoint; "
+         "'bytes' for the built-in byte-level tokenizer (the default when there is none).")]
 DataOpt = Annotated[list[str], typer.Option(
     "--data", "-d", help="UTF-8 text, .jsonl with a \"text\" field, or - for stdin (repeatable).")]
 OutOpt = Annotated[Path, typer.Option("--output", "-o", help="Output checkpoint directory.")]
@@ -334,11 +335,9 @@ def load_ckpt(path: Path):
     return load_checkpoint(p)
 
 
-def load_tok(ckpt_path: Path, override: Optional[Path], ckpt=None):
+def load_tok(ckpt_path: Path, override: Optional[str], ckpt=None):
     from memengine.engine.tokenizer import load_tokenizer
 
-    if override is not None and not Path(override).is_file():
-        raise MemengineError(f"--tokenizer {override}: file not found")
     return load_tokenizer(checkpoint_dir(ckpt_path), override=override)
 
 

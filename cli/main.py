@@ -127,11 +127,10 @@ def _save_optimizer_state(out_dir: Path, state: dict | None) -> None:
     save_file(arrays, str(out_dir / OPTIMIZER_FILE), metadata={"format": "memengine-adamw"})
 
 
-def _tokenizer_file(ckpt, override: Optional[Path]) -> Optional[Path]:
-    if override is not None:
-        return Path(override)
-    tp = getattr(ckpt, "tokenizer_path", None)
-    return Path(tp) if tp else None
+def _tokenizer_file(tok) -> Optional[Path]:
+    """The tokenizer.json actually used (copied into OUT), or None for byte-level."""
+    p = getattr(tok, "path", None)
+    return Path(p) if p else None
 
 
 def _epoch_event(s) -> dict:
@@ -150,7 +149,7 @@ def _fit_view(ui: UI, title: str, epochs: int):
     return view, on_epoch, view.on_progress
 
 
-def _write_model(out_tmp: Path, ckpt, tensors: dict, tokenizer: Optional[Path], metadata: dict | None = None) -> None:
+def _write_model(out_tmp: Path, ckpt, tensors: dict, tokenizer: Optional[str], metadata: dict | None = None) -> None:
     from memengine.engine.checkpoint import save_checkpoint
 
     bad = all_finite(tensors)
@@ -312,7 +311,7 @@ def eval_cmd(
 
 
 def do_eval(ui: UI, ckpt_path: Path, data: list[str], seq_len: int, batch_size: int,
-            device: Optional[str], tokenizer: Optional[Path], verbose: bool, text: str | None = None,
+            device: Optional[str], tokenizer: Optional[str], verbose: bool, text: str | None = None,
             quiet_table: bool = False):
     from memengine.engine.model import MambaModel
 
@@ -417,7 +416,7 @@ def do_train(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict,
         "epochs": [_epoch_event(s) for s in stats],
     })
     with staged_output(output, force) as tmp:
-        _write_model(tmp, c, state, _tokenizer_file(c, tokenizer))
+        _write_model(tmp, c, state, _tokenizer_file(tok))
         _save_optimizer_state(tmp, new_opt)
         write_json(tmp / "memengine.json", record)
     summary = {"event": "summary", "output": str(output), "final_loss": final_loss,
@@ -544,7 +543,7 @@ def do_adapt(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict,
     record = _run_record("adapt", ckpt_path, data, {**opts, "tolerance": tolerance, "rollback": rollback}, rt,
                          {"result": res.summary(), "epochs": [_epoch_event(s) for s in res.epochs]})
     with staged_output(output, force) as tmp:
-        _write_model(tmp, c, state, _tokenizer_file(c, tokenizer))
+        _write_model(tmp, c, state, _tokenizer_file(tok))
         _save_optimizer_state(tmp, res.optimizer_state)
         write_json(tmp / "memengine.json", record)
     ui.note(f"wrote {output} ({elapsed:.1f}s)")

@@ -201,3 +201,34 @@ def test_quiet_and_no_adapter(tiny_ckpt_ro, sample_text):
     assert_one_line_error(r.stderr, "no-such-adapter-xyz")
     r = run("eval", tiny_ckpt_ro, "--data", sample_text, env={"MEMENGINE_DEVICE": "no-such-adapter-xyz"})
     assert r.exit_code == 2
+
+
+def _word_tokenizer(path: Path, words: list[str]) -> Path:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(sorted(set(words)))}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_tokenizer_override_and_copy(tiny_ckpt_ro, tmp_path):
+    text = "the cat sat on the mat and the dog sat on the log " * 4
+    tok = _word_tokenizer(tmp_path / "tokenizer.json", text.split())
+    data = tmp_path / "d.txt"
+    data.write_text(text)
+    r = run("eval", tiny_ckpt_ro, "--data", data, "--tokenizer", tok, "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == len(text.split()) - 1
+    out = tmp_path / "o"
+    r = run("train", tiny_ckpt_ro, "--data", data, "--tokenizer", tok, "-o", out, "--epochs", "1", "--seq-len", "16")
+    assert r.exit_code == 0, r.stderr
+    assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()  # travels with the model
+    r = run("eval", out, "--data", data, "--json")  # picked up from beside the checkpoint
+    assert json.loads(r.stdout)["tokens"] == len(text.split()) - 1
+    r = run("eval", tiny_ckpt_ro, "--data", data, "--tokenizer", tmp_path / "nope.json")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "nope.json")
