@@ -232,3 +232,36 @@ def test_tokenizer_override_and_copy(tiny_ckpt_ro, tmp_path):
     r = run("eval", tiny_ckpt_ro, "--data", data, "--tokenizer", tmp_path / "nope.json")
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, "nope.json")
+
+
+def test_engine_adapt_rollback_restores_weights(tiny_ckpt_ro):
+    """engine.adapt: a forced regression restores every tensor bit for bit."""
+    from memengine.engine.adapt import adapt
+    from memengine.engine.checkpoint import load_checkpoint
+    from memengine.engine.data import make_batches, make_windows
+    from memengine.engine.gpu import get_runtime
+    from memengine.engine.model import MambaModel
+    from memengine.engine.tokenizer import load_tokenizer
+    from memengine.engine.trainer import TrainOptions
+
+    from conftest import SAMPLE_TEXT
+
+    c = load_checkpoint(tiny_ckpt_ro)
+    ids = load_tokenizer(tiny_ckpt_ro).encode(SAMPLE_TEXT)
+    batches = make_batches(make_windows(ids, 64), 1, 64)
+    model = MambaModel.from_checkpoint(get_runtime(), c)
+    before = model.state_dict()
+    seen = []
+    res = adapt(model, batches, TrainOptions(epochs=2, lr=1e-2, max_delta=0.05), None, tolerance=0.5,
+                on_epoch=seen.append)
+    assert res.rolled_back and "perplexity" in res.reason
+    assert len(seen) == 2 and res.changed_tensors  # it did train before rolling back
+    assert all(".x_proj." in n for n in res.changed_tensors)
+    after = model.state_dict()
+    for name, a in before.items():
+        assert a.tobytes() == after[name].tobytes(), name
+    # with rollback off the adapted weights stay
+    res2 = adapt(model, batches, TrainOptions(epochs=1, lr=1e-2, max_delta=0.05), None, tolerance=0.5,
+                 rollback=False)
+    assert not res2.rolled_back and res2.optimizer_state
+    assert any(model.state_dict()[n].tobytes() != before[n].tobytes() for n in res2.changed_tensors)
