@@ -676,7 +676,7 @@ DEMO_SENTENCE = ("The lighthouse keeper of Mirrow Point counted seventeen ships 
 ))
 def demo(
     workdir: Annotated[Optional[Path], typer.Option("--workdir", "-w", help="Keep the demo's checkpoints here (default: a temporary directory, removed afterwards).")] = None,
-    config: Annotated[str, typer.Option("--config", help="Model shape to initialise.")] = "tiny",
+    shape: Annotated[str, typer.Option("--shape", help="Model shape to initialise (a built-in config name or file, as for init).")] = "tiny",
     epochs: Annotated[int, typer.Option("--epochs", min=1, help="Training epochs.")] = 6,
     chars: Annotated[int, typer.Option("--chars", min=64, help="How many characters of the bundled text to train on.")] = 4096,
     seq_len: SeqLenOpt = 128,
@@ -693,7 +693,7 @@ def demo(
     """
     ui = UI(json_mode=False, quiet=quiet, verbose=verbose)
     with guard(ui):
-        do_demo(ui, workdir, config, epochs, chars, seq_len, batch_size, lr, device, force, verbose)
+        do_demo(ui, workdir, shape, epochs, chars, seq_len, batch_size, lr, device, force, verbose)
 
 
 def demo_text(chars: int) -> str:
