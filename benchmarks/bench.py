@@ -199,6 +199,7 @@ def main(argv=None):
     ap.add_argument("--seq", default="512,2048")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--torch-steps", type=int, default=None, help="timed steps for the PyTorch peer (default --steps)")
     ap.add_argument("--device", default=None, help="memengine --device (auto|gpu|cpu|NAME)")
     ap.add_argument("--torch-device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
@@ -252,7 +253,7 @@ def main(argv=None):
                         for tf32 in ([False, True] if tdev == "cuda" else [False]):
                             key = "torch_tf32" if tf32 else "torch"
                             try:
-                                row[key] = bench_torch_train(shape, B, L, a.steps, tdev, tf32)
+                                row[key] = bench_torch_train(shape, B, L, a.torch_steps or a.steps, tdev, tf32)
                             except Exception as e:
                                 row[key] = dict(error=str(e)[:300])
                     res["train"].append(row)

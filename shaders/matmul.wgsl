@@ -93,3 +93,134 @@ fn matmul_forward(@builtin(local_invocation_id) lid: vec3<u32>,
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// matmul_fast: the same product for operands whose rows start on 16-byte boundaries and
+// whose contiguous dimension is a multiple of 4 (every linear layer of a real model).
+// A 128x128 tile of C per workgroup of 256 threads, each thread an 8x8 register block
+// (two vec4 columns x eight rows); K walked in steps of 8 through workgroup memory.
+// fast flags: bit 0 accumulate, bit 1 bias, bit 2 A transposed (stored [K, lda], M
+// contiguous), bit 3 B transposed (stored [N, ldb], K contiguous).
+// Offsets and leading dimensions are in floats and are multiples of 4.
+
+struct FastParams {
+    M: u32, N: u32, K: u32, flags: u32,
+    a_off: u32, lda: u32, b_off: u32, ldb: u32,
+    c_off: u32, ldc: u32, bias_off: u32, _p0: u32,
+}
+
+@group(0) @binding(0) var<storage, read_write> C4: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> A4: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> B4: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> bias1: array<f32>;
+@group(0) @binding(4) var<uniform> F: FastParams;
+
+var<workgroup> As4: array<vec4<f32>, 256>;   // [8][32] vec4 = [BK][BM]
+var<workgroup> Bs4: array<vec4<f32>, 256>;   // [8][32] vec4 = [BK][BN]
+
+@compute @workgroup_size(256)
+fn matmul_fast(@builtin(local_invocation_index) tid: u32,
+               @builtin(workgroup_id) wid: vec3<u32>) {
+    let row0 = wid.y * 128u;
+    let col0 = wid.x * 128u;
+    let tx = tid % 16u;
+    let ty = tid / 16u;
+    let a_trans = (F.flags & 4u) != 0u;
+    let b_trans = (F.flags & 8u) != 0u;
+
+    // 16 named accumulators (a private array indexed dynamically would live in local memory)
+    var c0 = vec4<f32>(0.0); var c1 = vec4<f32>(0.0); var c2 = vec4<f32>(0.0); var c3 = vec4<f32>(0.0);
+    var c4 = vec4<f32>(0.0); var c5 = vec4<f32>(0.0); var c6 = vec4<f32>(0.0); var c7 = vec4<f32>(0.0);
+    var c8 = vec4<f32>(0.0); var c9 = vec4<f32>(0.0); var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
+    var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0); var c14 = vec4<f32>(0.0); var c15 = vec4<f32>(0.0);
+
+    for (var k0 = 0u; k0 < F.K; k0 += 8u) {
+        // ---- A tile: 8 x 128 floats = 256 vec4, one per thread
+        if (a_trans) {
+            let k = tid / 32u;
+            let mq = tid % 32u;
+            var v = vec4<f32>(0.0);
+            if (k0 + k < F.K && row0 + mq * 4u < F.M) {
+                v = A4[(F.a_off + (k0 + k) * F.lda + row0 + mq * 4u) / 4u];
+            }
+            As4[k * 32u + mq] = v;
+        } else {
+            let m = tid / 2u;
+            let kq = tid % 2u;
+            var v = vec4<f32>(0.0);
+            if (row0 + m < F.M && k0 + kq * 4u < F.K) {
+                v = A4[(F.a_off + (row0 + m) * F.lda + k0 + kq * 4u) / 4u];
+            }
+            let base = kq * 4u * 32u + m / 4u;
+            let c = m % 4u;
+            As4[base][c] = v.x;
+            As4[base + 32u][c] = v.y;
+            As4[base + 64u][c] = v.z;
+            As4[base + 96u][c] = v.w;
+        }
+        // ---- B tile: 8 x 128 floats
+        if (b_trans) {
+            let n = tid / 2u;
+            let kq = tid % 2u;
+            var v = vec4<f32>(0.0);
+            if (col0 + n < F.N && k0 + kq * 4u < F.K) {
+                v = B4[(F.b_off + (col0 + n) * F.ldb + k0 + kq * 4u) / 4u];
+            }
+            let base = kq * 4u * 32u + n / 4u;
+            let c = n % 4u;
+            Bs4[base][c] = v.x;
+            Bs4[base + 32u][c] = v.y;
+            Bs4[base + 64u][c] = v.z;
+            Bs4[base + 96u][c] = v.w;
+        } else {
+            let k = tid / 32u;
+            let nq = tid % 32u;
+            var v = vec4<f32>(0.0);
+            if (k0 + k < F.K && col0 + nq * 4u < F.N) {
+                v = B4[(F.b_off + (k0 + k) * F.ldb + col0 + nq * 4u) / 4u];
+            }
+            Bs4[k * 32u + nq] = v;
+        }
+        workgroupBarrier();
+        for (var k = 0u; k < 8u; k++) {
+            let a0 = As4[k * 32u + ty];
+            let a1 = As4[k * 32u + 16u + ty];
+            let b0 = Bs4[k * 32u + tx];
+            let b1 = Bs4[k * 32u + 16u + tx];
+            c0 += a0.x * b0;  c1 += a0.x * b1;
+            c2 += a0.y * b0;  c3 += a0.y * b1;
+            c4 += a0.z * b0;  c5 += a0.z * b1;
+            c6 += a0.w * b0;  c7 += a0.w * b1;
+            c8 += a1.x * b0;  c9 += a1.x * b1;
+            c10 += a1.y * b0; c11 += a1.y * b1;
+            c12 += a1.z * b0; c13 += a1.z * b1;
+            c14 += a1.w * b0; c15 += a1.w * b1;
+        }
+        workgroupBarrier();
+    }
+
+    let r0 = row0 + ty * 4u;
+    let r1 = row0 + 64u + ty * 4u;
+    let q0 = col0 + tx * 4u;
+    let q1 = col0 + 64u + tx * 4u;
+    store_fast(r0, q0, c0);       store_fast(r0, q1, c1);
+    store_fast(r0 + 1u, q0, c2);  store_fast(r0 + 1u, q1, c3);
+    store_fast(r0 + 2u, q0, c4);  store_fast(r0 + 2u, q1, c5);
+    store_fast(r0 + 3u, q0, c6);  store_fast(r0 + 3u, q1, c7);
+    store_fast(r1, q0, c8);       store_fast(r1, q1, c9);
+    store_fast(r1 + 1u, q0, c10); store_fast(r1 + 1u, q1, c11);
+    store_fast(r1 + 2u, q0, c12); store_fast(r1 + 2u, q1, c13);
+    store_fast(r1 + 3u, q0, c14); store_fast(r1 + 3u, q1, c15);
+}
+
+fn store_fast(r: u32, c: u32, acc: vec4<f32>) {
+    if (r >= F.M || c >= F.N) { return; }
+    var v = acc;
+    if ((F.flags & 2u) != 0u) {
+        v += vec4<f32>(bias1[F.bias_off + c], bias1[F.bias_off + c + 1u],
+                       bias1[F.bias_off + c + 2u], bias1[F.bias_off + c + 3u]);
+    }
+    let idx = (F.c_off + r * F.ldc + c) / 4u;
+    if ((F.flags & 1u) != 0u) { v += C4[idx]; }
+    C4[idx] = v;
+}

@@ -6,7 +6,24 @@ products of the same kernel: dX = dY W, dW += dY^T X, db += 1^T dY.
 
 from __future__ import annotations
 
+import os
+
 from ..gpu import Recorder, Tensor, cdiv, pack
+
+# "reference" forces the plain kernel everywhere (the fast one must match it)
+_MODE = os.environ.get("MEMENGINE_MATMUL", "auto")
+
+
+def _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tensors) -> bool:
+    if _MODE == "reference" or K % 4 or N % 4 or ldc % 4 or c_col % 4:
+        return False
+    if any(t.offset % 16 for t in tensors):
+        return False
+    if lda % 4 or a_col % 4 or (trans_a and M % 4):
+        return False
+    if ldb % 4 or b_col % 4:
+        return False
+    return True
 
 
 def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K: int,
@@ -35,6 +52,13 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         ldb = K if ldb is None else ldb
         b_rs, b_cs, b_off = 1, ldb, b_col
     ldc = N if ldc is None else ldc
+    if _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, (A, B, C)):
+        fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
+        u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, 0, 0))
+        rec.dispatch("matmul", "matmul_fast",
+                     {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
+                     (cdiv(N, 128), cdiv(M, 128), 1))
+        return
     flags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if a_cs == 1 else 0) | (8 if b_cs == 1 else 0)
     u = rec.rt.uniform(pack("16I", M, N, K, flags, a_off, a_rs, a_cs, b_off,
                             b_rs, b_cs, c_col, ldc, 0, 0, 0, 0))
