@@ -60,6 +60,29 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1):
                 peak_bytes=rt.peak_bytes + extra)
 
 
+def profile_step(rt, shape, B, L):
+    from memengine.engine.config import MambaConfig
+    from memengine.engine.data import Batch
+    from memengine.engine.init import init_weights
+    from memengine.engine.model import MambaModel
+    from memengine.engine.trainer import TrainOptions, Trainer
+
+    cfg = MambaConfig(**SHAPES[shape])
+    model = MambaModel(rt, cfg, init_weights(cfg, 0))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, size=(B, L)).astype(np.int32)
+    batch = Batch(ids=ids, targets=ids, n_targets=B * L, n_tokens=B * L)
+    tr = Trainer(model, TrainOptions(epochs=1, batch_size=B, seq_len=L))
+    tr.fit([batch])
+    if not rt.enable_profiling():
+        print("the adapter has no timestamp queries; no profile", file=sys.stderr)
+        return []
+    tr.fit([batch])
+    rows = rt.profile_report()
+    rt.profiler = None
+    return [list(r) for r in rows]
+
+
 def bench_torch_train(shape, B, L, steps, device, tf32, warmup=1):
     import torch
     import transformers
@@ -204,6 +227,8 @@ def main(argv=None):
     ap.add_argument("--torch-device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
     ap.add_argument("--out", default="bench-results.json")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the train suite, time one step per kernel with timestamp queries")
     a = ap.parse_args(argv)
 
     from memengine.engine.gpu import get_runtime
@@ -265,6 +290,15 @@ def main(argv=None):
                     if "error" in row["memengine"]:
                         line += f" | memengine error: {row['memengine']['error']}"
                     print(line, flush=True)
+    if a.profile and "train" in suites:
+        shape = a.shapes.split(",")[-1]
+        L = int(a.seq.split(",")[-1])
+        B = int(a.batch.split(",")[-1])
+        res["profile"] = profile_step(rt, shape, B, L)
+        total = sum(r[2] for r in res["profile"])
+        print(f"profile of one train step, {shape} B={B} L={L}: {total:.1f} ms of kernel time")
+        for k, n, ms in res["profile"][:15]:
+            print(f"  {k:45s} {n:5d} calls {ms:9.2f} ms  {100 * ms / total:5.1f}%")
     with open(a.out, "w") as f:
         json.dump(res, f, indent=2)
     print(f"wrote {a.out}")

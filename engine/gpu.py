@@ -359,6 +359,28 @@ class Runtime:
     def recorder(self) -> "Recorder":
         return Recorder(self)
 
+    # ------------------------------------------------------------------ profiling
+    def enable_profiling(self) -> bool:
+        """Time every dispatch with timestamp queries (when the adapter has them).
+
+        Each dispatch then gets its own compute pass, so profiled runs are a little
+        slower; `profile_report()` gives the totals per kernel entry point.
+        """
+        if not self.has_timestamps:
+            return False
+        self.profiler = _Profiler(self)
+        return True
+
+    def profile_report(self) -> list:
+        """[(kernel, calls, total_ms)] sorted by time, and resets the counters."""
+        prof = getattr(self, "profiler", None)
+        if prof is None:
+            return []
+        prof.flush()
+        rows = sorted(((k, n, t / 1e6) for k, (n, t) in prof.totals.items()), key=lambda r: -r[2])
+        prof.totals.clear()
+        return rows
+
     def sync(self) -> None:
         """Wait until all submitted work is done."""
         # (on_submitted_work_done_sync is unreliable across drivers; a tiny readback is not)
@@ -389,6 +411,45 @@ def pack(fmt: str, *values) -> bytes:
     return data
 
 
+class _Profiler:
+    """Pairs of timestamp queries around single-dispatch compute passes."""
+
+    SIZE = 4096
+
+    def __init__(self, rt: "Runtime"):
+        u = rt.wgpu.BufferUsage
+        self.rt = rt
+        self.qs = rt.device.create_query_set(type="timestamp", count=self.SIZE)
+        self.resolve = rt.device.create_buffer(size=8 * self.SIZE, usage=u.QUERY_RESOLVE | u.COPY_SRC)
+        self.labels: list = []
+        self.pending: list = []
+        self.totals: dict = {}
+
+    def slot(self, label: str) -> int | None:
+        if 2 * (len(self.labels) + 1) > self.SIZE:
+            return None
+        self.labels.append(label)
+        return 2 * (len(self.labels) - 1)
+
+    def resolve_into(self, encoder) -> None:
+        n = 2 * len(self.labels)
+        if n:
+            encoder.resolve_query_set(self.qs, 0, n, self.resolve, 0)
+            self.pending = self.labels
+            self.labels = []
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        n = 2 * len(self.pending)
+        raw = np.frombuffer(self.rt.device.queue.read_buffer(self.resolve, 0, 8 * n), dtype=np.uint64)
+        for i, label in enumerate(self.pending):
+            dt = float(raw[2 * i + 1]) - float(raw[2 * i])
+            cnt, tot = self.totals.get(label, (0, 0.0))
+            self.totals[label] = (cnt + 1, tot + max(dt, 0.0))
+        self.pending = []
+
+
 class Recorder:
     """Records dispatches into one command encoder; `submit()` sends them as one batch."""
 
@@ -416,6 +477,21 @@ class Recorder:
             return
         pl = self.rt.pipeline(shader, entry, constants)
         bg = self.rt.bind_group(pl, bindings)
+        prof = getattr(self.rt, "profiler", None)
+        if prof is not None:
+            if prof.pending:
+                prof.flush()
+            i = prof.slot(f"{shader}.{entry}")
+            if i is not None:
+                self._end_pass()
+                p = self.encoder.begin_compute_pass(timestamp_writes={
+                    "query_set": prof.qs, "beginning_of_pass_write_index": i, "end_of_pass_write_index": i + 1})
+                p.set_pipeline(pl)
+                p.set_bind_group(0, bg)
+                p.dispatch_workgroups(*groups)
+                p.end()
+                self.dispatches += 1
+                return
         p = self._compute_pass()
         p.set_pipeline(pl)
         p.set_bind_group(0, bg)
@@ -438,7 +514,12 @@ class Recorder:
 
     def submit(self):
         self._end_pass()
+        prof = getattr(self.rt, "profiler", None)
+        if prof is not None:
+            prof.resolve_into(self.encoder)
         self.rt.device.queue.submit([self.encoder.finish()])
+        if prof is not None:
+            prof.flush()
         self.encoder = self.rt.device.create_command_encoder()
         self.dispatches = 0
 

@@ -149,7 +149,10 @@ class Workspace:
         self.ones = rt.upload(np.ones(M, np.float32), name="ones")
         # logits are produced in row chunks that fit one storage binding
         budget = min(rt.max_binding, 256 * 2**20)
-        self.chunk = max(1, min(M, budget // (4 * V)))
+        rows = max(1, budget // (4 * V))
+        if rows < M:  # whole 128-row tiles keep every chunk on the fast matmul path
+            rows = rows // 128 * 128 if rows >= 128 else max(1, rows // 4 * 4)
+        self.chunk = min(M, rows)
         self.logits = e((self.chunk, V), name="logits")
         self.emb_back = EmbeddingBackward(rt, M)
 

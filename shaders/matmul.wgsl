@@ -102,11 +102,14 @@ fn matmul_forward(@builtin(local_invocation_id) lid: vec3<u32>,
 // fast flags: bit 0 accumulate, bit 1 bias, bit 2 A transposed (stored [K, lda], M
 // contiguous), bit 3 B transposed (stored [N, ldb], K contiguous).
 // Offsets and leading dimensions are in floats and are multiples of 4.
+// Split-K (few output tiles, long K: the weight gradients): workgroup z takes K range
+// [z*ksplit, (z+1)*ksplit) and writes its partial product to slice z of C (c_off +
+// z*M*ldc); matmul_splitk_reduce then adds the slices into the real output.
 
 struct FastParams {
     M: u32, N: u32, K: u32, flags: u32,
     a_off: u32, lda: u32, b_off: u32, ldb: u32,
-    c_off: u32, ldc: u32, bias_off: u32, _p0: u32,
+    c_off: u32, ldc: u32, bias_off: u32, ksplit: u32,   // ksplit: K per slice (split-K), 0 = all
 }
 
 @group(0) @binding(0) var<storage, read_write> C4: array<vec4<f32>>;
@@ -129,18 +132,26 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
     let b_trans = (F.flags & 8u) != 0u;
 
     // 16 named accumulators (a private array indexed dynamically would live in local memory)
+    var k_lo = 0u;
+    var k_hi = F.K;
+    var c_base = F.c_off;
+    if (F.ksplit != 0u) {
+        k_lo = wid.z * F.ksplit;
+        k_hi = min(F.K, k_lo + F.ksplit);
+        c_base = F.c_off + wid.z * F.M * F.ldc;
+    }
     var c0 = vec4<f32>(0.0); var c1 = vec4<f32>(0.0); var c2 = vec4<f32>(0.0); var c3 = vec4<f32>(0.0);
     var c4 = vec4<f32>(0.0); var c5 = vec4<f32>(0.0); var c6 = vec4<f32>(0.0); var c7 = vec4<f32>(0.0);
     var c8 = vec4<f32>(0.0); var c9 = vec4<f32>(0.0); var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
     var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0); var c14 = vec4<f32>(0.0); var c15 = vec4<f32>(0.0);
 
-    for (var k0 = 0u; k0 < F.K; k0 += 8u) {
+    for (var k0 = k_lo; k0 < k_hi; k0 += 8u) {
         // ---- A tile: 8 x 128 floats = 256 vec4, one per thread
         if (a_trans) {
             let k = tid / 32u;
             let mq = tid % 32u;
             var v = vec4<f32>(0.0);
-            if (k0 + k < F.K && row0 + mq * 4u < F.M) {
+            if (k0 + k < k_hi && row0 + mq * 4u < F.M) {
                 v = A4[(F.a_off + (k0 + k) * F.lda + row0 + mq * 4u) / 4u];
             }
             As4[k * 32u + mq] = v;
@@ -148,7 +159,7 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
             let m = tid / 2u;
             let kq = tid % 2u;
             var v = vec4<f32>(0.0);
-            if (row0 + m < F.M && k0 + kq * 4u < F.K) {
+            if (row0 + m < F.M && k0 + kq * 4u < k_hi) {
                 v = A4[(F.a_off + (row0 + m) * F.lda + k0 + kq * 4u) / 4u];
             }
             let base = kq * 4u * 32u + m / 4u;
@@ -163,7 +174,7 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
             let n = tid / 2u;
             let kq = tid % 2u;
             var v = vec4<f32>(0.0);
-            if (col0 + n < F.N && k0 + kq * 4u < F.K) {
+            if (col0 + n < F.N && k0 + kq * 4u < k_hi) {
                 v = B4[(F.b_off + (col0 + n) * F.ldb + k0 + kq * 4u) / 4u];
             }
             let base = kq * 4u * 32u + n / 4u;
@@ -176,7 +187,7 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
             let k = tid / 32u;
             let nq = tid % 32u;
             var v = vec4<f32>(0.0);
-            if (k0 + k < F.K && col0 + nq * 4u < F.N) {
+            if (k0 + k < k_hi && col0 + nq * 4u < F.N) {
                 v = B4[(F.b_off + (k0 + k) * F.ldb + col0 + nq * 4u) / 4u];
             }
             Bs4[k * 32u + nq] = v;
@@ -203,19 +214,47 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
     let r1 = row0 + 64u + ty * 4u;
     let q0 = col0 + tx * 4u;
     let q1 = col0 + 64u + tx * 4u;
-    store_fast(r0, q0, c0);       store_fast(r0, q1, c1);
-    store_fast(r0 + 1u, q0, c2);  store_fast(r0 + 1u, q1, c3);
-    store_fast(r0 + 2u, q0, c4);  store_fast(r0 + 2u, q1, c5);
-    store_fast(r0 + 3u, q0, c6);  store_fast(r0 + 3u, q1, c7);
-    store_fast(r1, q0, c8);       store_fast(r1, q1, c9);
-    store_fast(r1 + 1u, q0, c10); store_fast(r1 + 1u, q1, c11);
-    store_fast(r1 + 2u, q0, c12); store_fast(r1 + 2u, q1, c13);
-    store_fast(r1 + 3u, q0, c14); store_fast(r1 + 3u, q1, c15);
+    store_fast(c_base, r0, q0, c0);       store_fast(c_base, r0, q1, c1);
+    store_fast(c_base, r0 + 1u, q0, c2);  store_fast(c_base, r0 + 1u, q1, c3);
+    store_fast(c_base, r0 + 2u, q0, c4);  store_fast(c_base, r0 + 2u, q1, c5);
+    store_fast(c_base, r0 + 3u, q0, c6);  store_fast(c_base, r0 + 3u, q1, c7);
+    store_fast(c_base, r1, q0, c8);       store_fast(c_base, r1, q1, c9);
+    store_fast(c_base, r1 + 1u, q0, c10); store_fast(c_base, r1 + 1u, q1, c11);
+    store_fast(c_base, r1 + 2u, q0, c12); store_fast(c_base, r1 + 2u, q1, c13);
+    store_fast(c_base, r1 + 3u, q0, c14); store_fast(c_base, r1 + 3u, q1, c15);
 }
 
-fn store_fast(r: u32, c: u32, acc: vec4<f32>) {
+fn store_fast(c_base: u32, r: u32, c: u32, acc: vec4<f32>) {
     if (r >= F.M || c >= F.N) { return; }
     var v = acc;
+    if (F.ksplit != 0u) {   // a partial product: plain store into its slice
+        C4[(c_base + r * F.ldc + c) / 4u] = v;
+        return;
+    }
+    if ((F.flags & 2u) != 0u) {
+        v += vec4<f32>(bias1[F.bias_off + c], bias1[F.bias_off + c + 1u],
+                       bias1[F.bias_off + c + 2u], bias1[F.bias_off + c + 3u]);
+    }
+    let idx = (c_base + r * F.ldc + c) / 4u;
+    if ((F.flags & 1u) != 0u) { v += C4[idx]; }
+    C4[idx] = v;
+}
+
+// C[M, N] (+)= sum over the ksplit slices of A (the partial products, [S, M, N]) (+ bias).
+// Here F.K holds the slice count S and F.a_off the partials' offset.
+@compute @workgroup_size(256)
+fn matmul_splitk_reduce(@builtin(global_invocation_id) gid: vec3<u32>,
+                        @builtin(num_workgroups) nwg: vec3<u32>) {
+    let n4 = F.N / 4u;
+    let i = gid.x + gid.y * nwg.x * 256u;
+    if (i >= F.M * n4) { return; }
+    let r = i / n4;
+    let c = (i % n4) * 4u;
+    var v = vec4<f32>(0.0);
+    let slice = F.M * F.N / 4u;
+    for (var z = 0u; z < F.K; z++) {
+        v += A4[F.a_off / 4u + z * slice + i];
+    }
     if ((F.flags & 2u) != 0u) {
         v += vec4<f32>(bias1[F.bias_off + c], bias1[F.bias_off + c + 1u],
                        bias1[F.bias_off + c + 2u], bias1[F.bias_off + c + 3u]);

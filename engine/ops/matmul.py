@@ -26,6 +26,20 @@ def _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tens
     return True
 
 
+def _split_k(rt, M: int, N: int, K: int, tiles: int) -> int:
+    """How many K slices to use when there are too few output tiles to fill the GPU."""
+    if _MODE == "nosplit" or K < 2048 or tiles >= _TARGET_TILES:
+        return 1
+    s = min(cdiv(_TARGET_TILES, tiles), K // 1024, 64)
+    while s > 1 and 4 * s * M * N > min(rt.max_binding, 256 * 2**20):
+        s -= 1
+    return max(s, 1)
+
+
+# enough workgroups to occupy a large GPU twice over (132 SMs on an H100/H200)
+_TARGET_TILES = 264
+
+
 def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K: int,
            trans_a: bool = False, trans_b: bool = False,
            lda: int | None = None, ldb: int | None = None, ldc: int | None = None,
@@ -54,6 +68,19 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     ldc = N if ldc is None else ldc
     if _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, (A, B, C)):
         fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
+        tiles = cdiv(N, 128) * cdiv(M, 128)
+        slices = _split_k(rec.rt, M, N, K, tiles)
+        if slices > 1:
+            ks = cdiv(cdiv(K, slices), 8) * 8
+            slices = cdiv(K, ks)
+            part = rec.rt.scratch("matmul_splitk", (slices * M * N,))
+            u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
+            rec.dispatch("matmul", "matmul_fast", {0: part, 1: A, 2: B, 3: A, 4: u},
+                         (cdiv(N, 128), cdiv(M, 128), slices))
+            u = rec.rt.uniform(pack("12I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, 0, 0))
+            rec.dispatch("matmul", "matmul_splitk_reduce",
+                         {0: C, 1: part, 3: bias if bias is not None else part, 4: u}, cdiv(M * N // 4, 256))
+            return
         u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, 0, 0))
         rec.dispatch("matmul", "matmul_fast",
                      {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
