@@ -100,6 +100,21 @@ class Tensor:
         return t
 
 
+def bound(rt: "Runtime", t: Tensor, n: int | None = None) -> tuple[Tensor, int]:
+    """Bind `t` (a view at any 4-byte offset) from the aligned offset below it.
+
+    Returns the Tensor to bind, covering t's first `n` elements (all by default), and the
+    element index of t[0] inside that binding, which the kernel adds to its indices.
+    """
+    if t.offset % 4:
+        raise ValueError("tensor offset must be a multiple of 4 bytes")
+    n = t.numel if n is None else n
+    al = int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
+    start = (t.offset // al) * al
+    extra = (t.offset - start) // 4
+    return Tensor(t.buffer, (extra + max(n, 1),), t.dtype, start), extra
+
+
 @dataclass(eq=False)
 class Uniform:
     buffer: object

@@ -1,27 +1,14 @@
 """Standalone activations (shaders/activation.wgsl): SiLU and the stable softplus.
 
 Forward entry points WRITE their output; backward entry points ACCUMULATE (dx += ...).
-This module also holds `bound`, the helper every op in this family uses to bind a tensor
-view whose byte offset is not a multiple of the adapter's storage-offset alignment
-(parameter views into one flat buffer): the binding starts at the aligned-down offset
-and the kernel adds the returned element offset.
+Views at any offset are bound with `gpu.bound` (aligned-down binding + element offset).
 """
 
 from __future__ import annotations
 
-from ..gpu import Recorder, Tensor, cdiv, pack
+from ..gpu import Recorder, Tensor, bound, cdiv, pack
 
 WG = 256
-
-
-def bound(rt, t: Tensor) -> tuple[Tensor, int]:
-    """(tensor bound from an aligned offset, element offset of `t` inside that binding)."""
-    align = int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
-    base = (t.offset // align) * align
-    extra = (t.offset - base) // 4
-    if extra == 0:
-        return Tensor(t.buffer, (max(1, t.numel),), t.dtype, t.offset), 0
-    return Tensor(t.buffer, (extra + t.numel,), t.dtype, base), extra
 
 
 def _unary(rec: Recorder, entry: str, out: Tensor, x: Tensor) -> None:

@@ -7,8 +7,7 @@ HF stores conv1d.weight as [Di, 1, K]; the same memory is our [Di, K].
 
 from __future__ import annotations
 
-from ..gpu import Recorder, Tensor, cdiv, pack
-from .activation import bound
+from ..gpu import Recorder, Tensor, bound, cdiv, pack
 
 MAX_K = 7
 

@@ -7,8 +7,7 @@ loss_rows times scale (1 / number of valid targets in the whole batch).
 
 from __future__ import annotations
 
-from ..gpu import Recorder, Tensor, pack
-from .activation import bound
+from ..gpu import Recorder, Tensor, bound, pack
 
 
 def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Tensor, scale: Tensor,

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..gpu import Recorder, Tensor, cdiv, pack
-from .activation import bound
+from ..gpu import Recorder, Tensor, bound, cdiv, pack
 
 
 def embedding_forward(rec: Recorder, out: Tensor, ids: Tensor, weight: Tensor) -> None:

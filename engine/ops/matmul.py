@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ..gpu import Recorder, Tensor, cdiv, pack
+from ..gpu import Recorder, Tensor, bound, cdiv, pack
 
 # "reference" forces the plain kernel everywhere (the fast one must match it)
 _MODE = os.environ.get("MEMENGINE_MATMUL", "auto")
@@ -17,7 +17,7 @@ _MODE = os.environ.get("MEMENGINE_MATMUL", "auto")
 def _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tensors) -> bool:
     if _MODE == "reference" or K % 4 or N % 4 or ldc % 4 or c_col % 4:
         return False
-    if any(t.offset % 16 for t in tensors):
+    if any(t.offset % 16 for t in tensors if t is not None):
         return False
     if lda % 4 or a_col % 4 or (trans_a and M % 4):
         return False
@@ -53,6 +53,15 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     """
     if M == 0 or N == 0:
         return
+    # views at any offset: bind from the aligned offset below and shift the indices
+    rt = rec.rt
+    A, ea = bound(rt, A)
+    B, eb = bound(rt, B)
+    C, ec = bound(rt, C)
+    a_col, b_col, c_col = a_col + ea, b_col + eb, c_col + ec
+    bias_off = 0
+    if bias is not None:
+        bias, bias_off = bound(rt, bias)
     if not trans_a:
         lda = K if lda is None else lda
         a_rs, a_cs, a_off = lda, 1, a_col
@@ -66,7 +75,7 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         ldb = K if ldb is None else ldb
         b_rs, b_cs, b_off = 1, ldb, b_col
     ldc = N if ldc is None else ldc
-    if _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, (A, B, C)):
+    if _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, (A, B, C, bias)):
         fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
         tiles = cdiv(N, 128) * cdiv(M, 128)
         slices = _split_k(rec.rt, M, N, K, tiles)
@@ -77,18 +86,18 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
             u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
             rec.dispatch("matmul", "matmul_fast", {0: part, 1: A, 2: B, 3: A, 4: u},
                          (cdiv(N, 128), cdiv(M, 128), slices))
-            u = rec.rt.uniform(pack("12I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, 0, 0))
+            u = rec.rt.uniform(pack("12I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, bias_off, 0))
             rec.dispatch("matmul", "matmul_splitk_reduce",
                          {0: C, 1: part, 3: bias if bias is not None else part, 4: u}, cdiv(M * N // 4, 256))
             return
-        u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, 0, 0))
+        u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
         rec.dispatch("matmul", "matmul_fast",
                      {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
                      (cdiv(N, 128), cdiv(M, 128), 1))
         return
     flags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if a_cs == 1 else 0) | (8 if b_cs == 1 else 0)
     u = rec.rt.uniform(pack("16I", M, N, K, flags, a_off, a_rs, a_cs, b_off,
-                            b_rs, b_cs, c_col, ldc, 0, 0, 0, 0))
+                            b_rs, b_cs, c_col, ldc, bias_off, 0, 0, 0))
     rec.dispatch("matmul", "matmul_forward",
                  {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
                  (cdiv(N, 64), cdiv(M, 64), 1))

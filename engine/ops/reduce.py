@@ -23,7 +23,7 @@ Lower-level pieces (used by the gradient clipper): ``plan``, ``record_partials``
 
 from __future__ import annotations
 
-from ..gpu import Tensor, cdiv, grid, pack
+from ..gpu import Tensor, bound, cdiv, grid, pack
 
 SHADER = "reduce"
 WG = 256
@@ -33,18 +33,6 @@ MAX_PARTIALS = 32768  # per reduction; stage 2 folds at most this many per 256 t
 
 def _storage_align(rt) -> int:
     return int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
-
-
-def _bind_view(rt, t: Tensor, n: int | None = None) -> tuple[Tensor, int]:
-    """A Tensor bindable at an aligned offset covering `t`'s first `n` elements, and the
-    element index of t[0] inside it."""
-    if t.offset % 4:
-        raise ValueError("tensor offset must be a multiple of 4 bytes")
-    n = t.numel if n is None else n
-    al = _storage_align(rt)
-    start = (t.offset // al) * al
-    base = (t.offset - start) // 4
-    return Tensor(t.buffer, (base + max(n, 1),), t.dtype, start), base
 
 
 def plan(n: int) -> tuple[int, int]:
@@ -81,7 +69,7 @@ def record_partials(rec, x: Tensor, partials: Tensor, pbase: int, *, square: boo
     for s, c in _pieces(rt, x):
         per_thread, groups = plan(c)
         view = Tensor(x.buffer, (c,), x.dtype, x.offset + 4 * s)
-        xb, base = _bind_view(rt, view, c)
+        xb, base = bound(rt, view, c)
         u = rt.uniform(pack("IIIIIIIIffff", c, base, per_thread, pbase + written,
                             1 if square else 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0))
         rec.dispatch(SHADER, "reduce_partial", {0: xb, 1: partials, 2: u}, grid(groups))
@@ -98,11 +86,11 @@ def _reduce_into(rec, out: Tensor, x: Tensor, *, square: bool, scale: float = 1.
         raise ValueError("out must hold at least one element")
     partials = partials_scratch(rt, count_partials(rt, x))
     k = record_partials(rec, x, partials, 0, square=square)
-    ob, oi = _bind_view(rt, out, 1)
+    ob, oi = bound(rt, out, 1)
     bindings = {1: partials, 3: ob}
     si = 0
     if scale_tensor is not None:
-        sb, si = _bind_view(rt, scale_tensor, 1)
+        sb, si = bound(rt, scale_tensor, 1)
         bindings[4] = sb
     u = rt.uniform(pack("IIIIIIIIffff", k, 0, 0, 0, 0, oi, si, 0, float(scale), 0.0, 0.0, 0.0))
     bindings[2] = u

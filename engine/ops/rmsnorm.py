@@ -4,8 +4,7 @@ out = weight * (x * rsqrt(mean(x^2) + eps)).  `rstd` [M] is saved for the backwa
 
 from __future__ import annotations
 
-from ..gpu import Recorder, Tensor, cdiv, pack
-from .activation import bound
+from ..gpu import Recorder, Tensor, bound, cdiv, pack
 
 
 def _chunks(M: int) -> tuple[int, int]:
