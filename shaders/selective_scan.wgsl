@@ -22,7 +22,7 @@ struct Params {
     o_y: u32, o_u: u32, o_delta: u32, o_xdbl: u32,
     o_xz: u32, o_states: u32, o_dy: u32, o_du: u32,
     o_ddelta: u32, o_dxdbl: u32, o_dxz: u32, pbc_half: u32,
-    _p0: u32, _p1: u32, _p2: u32, _p3: u32,
+    off_x: u32, off_sdt: u32, _p2: u32, _p3: u32,
 }
 
 struct AccParams { n: u32, K: u32, base: u32, stride: u32, o_out: u32, _p0: u32, _p1: u32, _p2: u32 }
@@ -47,6 +47,7 @@ struct AccParams { n: u32, K: u32, base: u32, stride: u32, o_out: u32, _p0: u32,
 const WG: u32 = 256u;
 const TT: u32 = 8u;   // forward sub-tile (steps per workgroup reduction)
 const TB: u32 = 4u;   // backward sub-tile
+const SUB: u32 = 8u;  // chunked backward: steps recomputed into workgroup memory at a time (T = 8*SUB)
 
 var<workgroup> shf: array<f32, 2048>;   // TT * WG
 var<workgroup> sh_du: array<f32, 1024>; // TB * WG each
@@ -298,6 +299,231 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
         }
     }
     if (live) { work[P.off_pa + (b * P.Di + d) * P.N + n] = dacc * a; }
+}
+
+// ---------------------------------------------------------------- chunked (time-parallel) backward
+// The adjoint g_t = dL/ds_t obeys g_t = Cm_t*dy'_t + a_{t+1} g_{t+1} (a_t = exp(dt_t*A)), linear like
+// the state.  With G_c = a_{t1} g_{t1} the carry entering chunk c = [t0, t1) from its right end,
+//     G_{c-1} = X_c + exp(A * sum_{t in c} dt_t) * G_c,
+// X_c being the chunk's own contribution with zero carry-in.  Three kernels:
+//   local (b, c, d, n): X_c -> work[off_x], sum dt -> work[off_sdt]          (c >= 1 only)
+//   carry (b, d, n):    serial over the chunks, replaces X_c by G_c in place
+//   chunk (b, c, block): as selective_scan_backward on one chunk, started from the saved state and
+//                        the carry G_c; writes dA_log's partial of (b, c, d, n) over G_c.
+// Inside a chunk the states are recomputed SUB steps at a time into workgroup memory (shf, each
+// thread its own column), from the states at the SUB-step boundaries held in eight named registers.
+
+@compute @workgroup_size(256)
+fn selective_scan_backward_local(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                                 @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (i >= P.B * P.nchk * P.Di * P.N) { return; }
+    let n = i % P.N;
+    let r = i / P.N;
+    let d = r % P.Di;
+    let bc = r / P.Di;
+    let c = bc % P.nchk;
+    let b = bc / P.nchk;
+    if (c == 0u) { return; }   // chunk 0's carry-out is never used
+    let a = -exp(work[d * P.N + n]);
+    let tc0 = c * P.T;
+    let tc1 = min(P.L, tc0 + P.T);
+    var g = 0.0;
+    var sdt = 0.0;
+    for (var t = tc1; t > tc0; t--) {
+        let m = b * P.L + t - 1u;
+        let e = m * P.Di + d;
+        let dt = ddelta[P.o_ddelta + e];
+        g = exp(dt * a) * (g + xdbl[P.o_xdbl + m * P.ldx + P.R + P.N + n] * du[P.o_du + e]);
+        sdt += dt;
+    }
+    work[P.off_x + i] = g;
+    if (n == 0u) { work[P.off_sdt + r] = sdt; }
+}
+
+@compute @workgroup_size(256)
+fn selective_scan_backward_carry(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                                 @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (i >= P.B * P.Di * P.N) { return; }
+    let n = i % P.N;
+    let d = (i / P.N) % P.Di;
+    let b = i / (P.N * P.Di);
+    let a = -exp(work[d * P.N + n]);
+    var G = 0.0;
+    for (var c = P.nchk; c > 0u; c--) {
+        let r = (b * P.nchk + c - 1u) * P.Di + d;
+        let xi = P.off_x + r * P.N + n;
+        if (c > 1u) {
+            let x = work[xi];
+            work[xi] = G;
+            G = x + exp(a * work[P.off_sdt + r]) * G;
+        } else {
+            work[xi] = G;
+        }
+    }
+}
+
+fn pick8(k: u32, k0: f32, k1: f32, k2: f32, k3: f32, k4: f32, k5: f32, k6: f32, k7: f32) -> f32 {
+    var v = k0;
+    v = select(v, k1, k == 1u);
+    v = select(v, k2, k == 2u);
+    v = select(v, k3, k == 3u);
+    v = select(v, k4, k == 4u);
+    v = select(v, k5, k == 5u);
+    v = select(v, k6, k == 6u);
+    v = select(v, k7, k == 7u);
+    return v;
+}
+
+@compute @workgroup_size(256)
+fn selective_scan_backward_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                                 @builtin(local_invocation_index) tid: u32) {
+    let wg = wid.x + wid.y * nwg.x;
+    if (wg >= P.B * P.nchk * P.nblk) { return; }
+    let blk = wg % P.nblk;
+    let bc = wg / P.nblk;
+    let c = bc % P.nchk;
+    let b = bc / P.nchk;
+    let dl = tid / P.N;
+    let n = tid % P.N;
+    let d = blk * P.DB + dl;
+    let live = dl < P.DB && d < P.Di;
+    let tc0 = c * P.T;
+    let tc1 = min(P.L, tc0 + P.T);
+    let nsub = (tc1 - tc0 + SUB - 1u) / SUB;
+    let xi = P.off_x + (bc * P.Di + d) * P.N + n;
+    var a = 0.0;
+    var Dd = 0.0;   // D enters the over-n sums once, through the n == 0 thread
+    var g = 0.0;
+    var k0 = 0.0;
+    var k1 = 0.0;
+    var k2 = 0.0;
+    var k3 = 0.0;
+    var k4 = 0.0;
+    var k5 = 0.0;
+    var k6 = 0.0;
+    var k7 = 0.0;
+    if (live) {
+        a = -exp(work[d * P.N + n]);
+        if (n == 0u) { Dd = work[off_D() + d]; }
+        g = work[xi];
+        var s = states[P.o_states + (bc * P.Di + d) * P.N + n];
+        k0 = s;
+        let tlast = tc0 + (nsub - 1u) * SUB;
+        for (var t = tc0; t < tlast; t++) {
+            let m = b * P.L + t;
+            let dt = ddelta[P.o_ddelta + m * P.Di + d];
+            s = exp(dt * a) * s + dt * xdbl[P.o_xdbl + m * P.ldx + P.R + n] * u[P.o_u + m * P.Di + d];
+            let j = t + 1u - tc0;
+            if ((j % SUB) == 0u) {
+                let k = j / SUB;
+                k1 = select(k1, s, k == 1u);
+                k2 = select(k2, s, k == 2u);
+                k3 = select(k3, s, k == 3u);
+                k4 = select(k4, s, k == 4u);
+                k5 = select(k5, s, k == 5u);
+                k6 = select(k6, s, k == 6u);
+                k7 = select(k7, s, k == 7u);
+            }
+        }
+    }
+    var dacc = 0.0;
+    for (var kk = 0u; kk < nsub; kk++) {
+        let ks = nsub - 1u - kk;
+        let ts0 = tc0 + ks * SUB;
+        let ts1 = min(tc1, ts0 + SUB);
+        if (live) {
+            var s = pick8(ks, k0, k1, k2, k3, k4, k5, k6, k7);
+            for (var t = ts0; t < ts1; t++) {
+                shf[(t - ts0) * WG + tid] = s;
+                let m = b * P.L + t;
+                let dt = ddelta[P.o_ddelta + m * P.Di + d];
+                s = exp(dt * a) * s + dt * xdbl[P.o_xdbl + m * P.ldx + P.R + n] * u[P.o_u + m * P.Di + d];
+            }
+        }
+        let ntile = (ts1 - ts0 + TB - 1u) / TB;
+        for (var kt = 0u; kt < ntile; kt++) {
+            let t0 = ts0 + (ntile - 1u - kt) * TB;
+            for (var jj = 0u; jj < TB; jj++) {
+                let j = TB - 1u - jj;
+                let t = t0 + j;
+                var vdu = 0.0;
+                var vdt = 0.0;
+                var vy = 0.0;
+                var vb = 0.0;
+                var vc = 0.0;
+                if (live && t < ts1) {
+                    let m = b * P.L + t;
+                    let e = m * P.Di + d;
+                    let dt = ddelta[P.o_ddelta + e];
+                    let dyp = du[P.o_du + e];
+                    let uu = u[P.o_u + e];
+                    let xrow = P.o_xdbl + m * P.ldx + P.R;
+                    let Bn = xdbl[xrow + n];
+                    let Cn = xdbl[xrow + P.N + n];
+                    let sp = shf[(t - ts0) * WG + tid];
+                    let ea = exp(dt * a);
+                    let st = ea * sp + dt * Bn * uu;
+                    g = g + Cn * dyp;
+                    vdu = g * dt * Bn + Dd * dyp;
+                    vdt = g * (a * ea * sp + Bn * uu);
+                    vy = st * Cn + Dd * uu;
+                    vb = g * dt * uu;
+                    vc = st * dyp;
+                    dacc += g * sp * ea * dt;
+                    g = ea * g;
+                }
+                sh_du[j * WG + tid] = vdu;
+                sh_dt[j * WG + tid] = vdt;
+                sh_y[j * WG + tid] = vy;
+                sh_b[j * WG + tid] = vb;
+                sh_c[j * WG + tid] = vc;
+            }
+            workgroupBarrier();
+            for (var k = tid; k < TB * P.DB; k += WG) {
+                let j = k / P.DB;
+                let dl2 = k % P.DB;
+                let d2 = blk * P.DB + dl2;
+                let t = t0 + j;
+                if (d2 < P.Di && t < ts1) {
+                    var sdu = 0.0;
+                    var sdt = 0.0;
+                    var sy = 0.0;
+                    for (var n2 = 0u; n2 < P.N; n2++) {
+                        let q = j * WG + dl2 * P.N + n2;
+                        sdu += sh_du[q];
+                        sdt += sh_dt[q];
+                        sy += sh_y[q];
+                    }
+                    let m = b * P.L + t;
+                    let e = m * P.Di + d2;
+                    du[P.o_du + e] = sdu;
+                    ddelta[P.o_ddelta + e] = sdt;
+                    dxz[P.o_dxz + m * 2u * P.Di + P.Di + d2] = sy;
+                }
+            }
+            for (var k = tid; k < TB * P.N; k += WG) {
+                let j = k / P.N;
+                let n2 = k % P.N;
+                let t = t0 + j;
+                if (t < ts1) {
+                    var sb = 0.0;
+                    var sc = 0.0;
+                    for (var q = 0u; q < P.DB; q++) {
+                        sb += sh_b[j * WG + q * P.N + n2];
+                        sc += sh_c[j * WG + q * P.N + n2];
+                    }
+                    let m = b * P.L + t;
+                    let o = (m * P.nblk + blk) * P.N + n2;
+                    pbc[o] = sb;
+                    pbc[P.pbc_half + o] = sc;
+                }
+            }
+            workgroupBarrier();
+        }
+    }
+    if (live) { work[xi] = dacc * a; }
 }
 
 // finish (m, d): ddelta = d(dt) * sigmoid(delta + bias); dz = dy * y_pre * silu'(z)

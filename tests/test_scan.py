@@ -13,6 +13,7 @@ SHAPES = [  # B, L, Di, N, R
     (2, 7, 37, 16, 3),
     (3, 300, 19, 5, 2),
     (1, 130, 40, 16, 1),
+    (2, 129, 33, 16, 3),   # last chunk of one step, odd Di, several chunks per batch row
 ]
 
 
@@ -99,7 +100,7 @@ def test_forward_vs_numpy(rt, shape):
     assert e_fast < 1e-4 and e_ref < 1e-4 and e_fr < 1e-4
 
 
-def run_backward(rt, p, B, L, Di, N, R, seed=1):
+def run_backward(rt, p, B, L, Di, N, R, seed=1, reference=None, raw=False):
     rng = np.random.default_rng(seed)
     M = B * L
     _, t, states = gpu_forward(rt, p, B, L, Di, N, R)
@@ -115,9 +116,13 @@ def run_backward(rt, p, B, L, Di, N, R, seed=1):
     rec = rt.recorder()
     selective_scan_backward(rec, g["du"], g["ddelta"], g["ddt_bias"], g["dA_log"], g["dD"], g["dxdbl"],
                             g["dxz"], tdy, states, t["u"], t["delta"], t["dt_bias"], t["A_log"], t["D"],
-                            t["xdbl"], t["xz"], B=B, L=L, Di=Di, N=N, R=R)
+                            t["xdbl"], t["xz"], B=B, L=L, Di=Di, N=N, R=R, reference=reference)
     rec.submit()
     got = {k: rt.read(v).astype(np.float64) for k, v in g.items()}
+    assert np.all(got["dxdbl"][:, :R] == SENT), "dxdbl columns 0..R must be untouched"
+    assert np.all(got["dxz"][:, :Di] == SENT), "dxz columns 0..Di must be untouched"
+    if raw:
+        return got
 
     # torch autograd oracle on float32-rounded inputs
     tp = {k: torch.tensor(v.astype(np.float32).astype(np.float64), requires_grad=True) for k, v in p.items()}
@@ -134,18 +139,33 @@ def run_backward(rt, p, B, L, Di, N, R, seed=1):
         "dBC": relerr(got["dxdbl"][:, R:], want["xdbl"][:, R:]),
         "dz": relerr(got["dxz"][:, Di:], want["xz"][:, Di:]),
     }
-    assert np.all(got["dxdbl"][:, :R] == SENT), "dxdbl columns 0..R must be untouched"
-    assert np.all(got["dxz"][:, :Di] == SENT), "dxz columns 0..Di must be untouched"
     return errs
 
 
+@pytest.mark.parametrize("reference", [False, True], ids=["chunked", "reference"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_backward_vs_torch(rt, shape):
+def test_backward_vs_torch(rt, shape, reference):
     p = make_inputs(*shape, seed=sum(shape) + 7)
-    errs = run_backward(rt, p, *shape)
-    print(f"backward {shape}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    errs = run_backward(rt, p, *shape, reference=reference)
+    name = "reference" if reference else "chunked"
+    print(f"backward {name} {shape}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
     for k, v in errs.items():
         assert v < 2e-4, (k, v)
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(2, 300, 19, 16, 2)])
+def test_backward_chunked_vs_reference(rt, shape):
+    """The default (chunked, time-parallel) backward against the serial reference kernel."""
+    B, L, Di, N, R = shape
+    p = make_inputs(*shape, seed=sum(shape) + 13)
+    fast = run_backward(rt, p, *shape, reference=False, raw=True)
+    ref = run_backward(rt, p, *shape, reference=True, raw=True)
+    cols = {"du": np.s_[:], "ddelta": np.s_[:], "ddt_bias": np.s_[:], "dA_log": np.s_[:], "dD": np.s_[:],
+            "dxdbl": np.s_[:, R:], "dxz": np.s_[:, Di:]}
+    errs = {k: relerr(fast[k][c], ref[k][c]) for k, c in cols.items()}
+    print(f"backward chunked vs reference {shape}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    for k, v in errs.items():
+        assert v < 1e-5, (k, v)
 
 
 def test_large_inputs_stable(rt):
@@ -161,10 +181,11 @@ def test_large_inputs_stable(rt):
     e = relerr(got, want)
     print(f"large inputs forward: {e:.2e}")
     assert e < 1e-4
-    errs = run_backward(rt, p, *shape)
-    print("large inputs backward: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
-    for k, v in errs.items():
-        assert np.isfinite(v) and v < 2e-4, (k, v)
+    for reference in (False, True):
+        errs = run_backward(rt, p, *shape, reference=reference)
+        print(f"large inputs backward (reference={reference}): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+        for k, v in errs.items():
+            assert np.isfinite(v) and v < 2e-4, (k, v)
 
 
 def test_parameter_views_at_unaligned_offsets(rt):

@@ -23,12 +23,15 @@ call and nothing is read back.
 
 from __future__ import annotations
 
+import os
+
 from ..gpu import Recorder, Tensor, cdiv, pack
 
 SHADER = "selective_scan"
 WG = 256
-CHUNK = 64   # checkpoint interval (multiple of the kernels' sub-tiles, 8 and 4)
+CHUNK = 64   # checkpoint interval = the chunked backward's chunk (8 * its SUB; multiple of 8 and 4)
 ROWS = 64    # rows per partial sum in the column reductions
+_MODE = os.environ.get("MEMENGINE_SCAN", "auto")   # "reference": the serial kernels by default
 
 
 def _bound(rt, t: Tensor) -> tuple[Tensor, int]:
@@ -43,7 +46,7 @@ def scan_state_shape(B, L, Di, N) -> tuple:
     return (int(B), cdiv(int(L), CHUNK), int(Di), int(N))
 
 
-def _layout(B, L, Di, N, R):
+def _layout(B, L, Di, N, R, reference: bool = True):
     if N < 1 or N > WG:
         raise ValueError(f"selective scan supports 1 <= state_size <= {WG}, got {N}")
     M = B * L
@@ -52,14 +55,18 @@ def _layout(B, L, Di, N, R):
     nchk = cdiv(L, CHUNK)
     nRB = cdiv(M, ROWS)
     nwgs = B * nblk
-    off_ss = Di * N + 2 * Di
-    off_pa = off_ss + CHUNK * nwgs * WG
-    off_colt = off_pa + B * Di * N
+    off_ss = off_pa = off_x = off_sdt = Di * N + 2 * Di
+    if reference:   # serial backward: chunk states of every workgroup, dA_log partials per b
+        off_pa = off_ss + CHUNK * nwgs * WG
+        off_colt = off_pa + B * Di * N
+    else:           # chunked backward: carries / dA_log partials per (b, c, d, n), sum dt per (b, c, d)
+        off_sdt = off_x + B * nchk * Di * N
+        off_colt = off_sdt + B * nchk * Di
     off_cold = off_colt + nRB * Di
     work_size = off_cold + nRB * Di
     return dict(M=M, DB=DB, nblk=nblk, nchk=nchk, nRB=nRB, nwgs=nwgs, off_ss=off_ss,
                 off_pa=off_pa, off_colt=off_colt, off_cold=off_cold, work_size=work_size,
-                pbc_half=M * nblk * N)
+                pbc_half=M * nblk * N, off_x=off_x, off_sdt=off_sdt)
 
 
 def _params(rec: Recorder, work: Tensor, dt_bias: Tensor, A_log: Tensor, D: Tensor, Di: int, N: int):
@@ -76,7 +83,7 @@ def _uniform(rt, B, L, Di, N, R, lay, offs):
             lay["nblk"], lay["DB"], lay["nRB"], ROWS,
             lay["off_ss"], lay["off_pa"], lay["off_colt"], lay["off_cold"],
             o["y"], o["u"], o["delta"], o["xdbl"], o["xz"], o["states"], o["dy"], o["du"],
-            o["ddelta"], o["dxdbl"], o["dxz"], lay["pbc_half"], 0, 0, 0, 0]
+            o["ddelta"], o["dxdbl"], o["dxz"], lay["pbc_half"], lay["off_x"], lay["off_sdt"], 0, 0]
     return rt.uniform(pack("32I", *vals))
 
 
@@ -123,18 +130,24 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
 
 
 def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxdbl, dxz, dy, states,
-                            u, delta, dt_bias, A_log, D, xdbl, xz, *, B, L, Di, N, R):
-    """Gradients of selective_scan_forward; see the module docstring for WRITE/ACC rules."""
+                            u, delta, dt_bias, A_log, D, xdbl, xz, *, B, L, Di, N, R, reference: bool | None = None):
+    """Gradients of selective_scan_forward; see the module docstring for WRITE/ACC rules.
+
+    Default: the chunked, time-parallel backward (local adjoint per chunk, serial carry over the
+    chunks, then every chunk's gradients in parallel).  reference=True (or MEMENGINE_SCAN=reference)
+    runs the serial kernel (one workgroup walks all chunks), kept as the check for the fast one."""
     B, L, Di, N, R = int(B), int(L), int(Di), int(N), int(R)
     rt = rec.rt
     if B * L * Di == 0:
         return
+    if reference is None:
+        reference = _MODE == "reference"
     _check(B, L, Di, N, R, du=du, ddelta=ddelta, dxdbl=dxdbl, dxz=dxz, dy=dy, u=u, delta=delta,
            xdbl=xdbl, xz=xz)
     assert states.numel == cdiv(L, CHUNK) * B * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
-    lay = _layout(B, L, Di, N, R)
+    lay = _layout(B, L, Di, N, R, reference)
     M = lay["M"]
-    work = rt.scratch("selective_scan.bwd_work", (lay["work_size"],))
+    work = rt.scratch("selective_scan.bwd_work" + ("_ref" if reference else ""), (lay["work_size"],))
     pbc = rt.scratch("selective_scan.bwd_pbc", (2 * lay["pbc_half"],))
     _params(rec, work, dt_bias, A_log, D, Di, N)
     bt = {}
@@ -146,10 +159,20 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     rec.dispatch(SHADER, "selective_scan_backward_prep",
                  {3: bt["delta"], 5: bt["xz"], 6: work, 7: bt["dy"], 8: bt["du"], 9: bt["ddelta"], 14: uni},
                  cdiv(M * Di, WG))
-    rec.dispatch(SHADER, "selective_scan_backward",
-                 {1: bt["states"], 2: bt["u"], 4: bt["xdbl"], 6: work, 8: bt["du"], 9: bt["ddelta"],
-                  10: bt["dxz"], 11: pbc, 14: uni},
-                 lay["nwgs"])
+    scan_binds = {1: bt["states"], 2: bt["u"], 4: bt["xdbl"], 6: work, 8: bt["du"], 9: bt["ddelta"],
+                  10: bt["dxz"], 11: pbc, 14: uni}
+    if reference:
+        rec.dispatch(SHADER, "selective_scan_backward", scan_binds, lay["nwgs"])
+        dA_parts = (B, lay["off_pa"])
+    else:
+        nchk = lay["nchk"]
+        if nchk > 1:
+            rec.dispatch(SHADER, "selective_scan_backward_local",
+                         {4: bt["xdbl"], 6: work, 8: bt["du"], 9: bt["ddelta"], 14: uni},
+                         cdiv(B * nchk * Di * N, WG))
+        rec.dispatch(SHADER, "selective_scan_backward_carry", {6: work, 14: uni}, cdiv(B * Di * N, WG))
+        rec.dispatch(SHADER, "selective_scan_backward_chunk", scan_binds, B * nchk * lay["nblk"])
+        dA_parts = (B * nchk, lay["off_x"])
     rec.dispatch(SHADER, "selective_scan_backward_finish",
                  {3: bt["delta"], 5: bt["xz"], 6: work, 7: bt["dy"], 9: bt["ddelta"], 10: bt["dxz"], 14: uni},
                  cdiv(M * Di, WG))
@@ -160,7 +183,7 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
                  cdiv(M * N, WG))
     for out, n, K, base, stride in ((ddt_bias, Di, lay["nRB"], lay["off_colt"], Di),
                                     (dD, Di, lay["nRB"], lay["off_cold"], Di),
-                                    (dA_log, Di * N, B, lay["off_pa"], Di * N)):
+                                    (dA_log, Di * N, dA_parts[0], dA_parts[1], Di * N)):
         assert out.numel == n, (out.shape, n)
         bo, oo = _bound(rt, out)
         q = rt.uniform(pack("8I", n, K, base, stride, oo, 0, 0, 0))
