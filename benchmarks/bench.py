@@ -121,8 +121,11 @@ def bench_torch_train(shape, B, L, steps, device, tf32, warmup=1):
     return dict(tokens_per_s=B * L * steps / dt, step_s=dt / steps, loss=float(loss), peak_bytes=peak)
 
 
-def bench_matmul(rt, sizes, torch_device, reps=5):
+def bench_matmul(rt, sizes, torch_device, reps=5, constants=None):
+    from memengine.engine.ops import matmul as mm
     from memengine.engine.ops.matmul import matmul
+
+    mm.FAST_CONSTANTS = dict(constants or {})
 
     rows = []
     for (M, N, K) in sizes:
@@ -171,7 +174,8 @@ def bench_matmul(rt, sizes, torch_device, reps=5):
             print("torch matmul failed:", e, file=sys.stderr)
         for t in (A, B, C):
             rt.free(t)
-        rows.append(dict(M=M, N=N, K=K, gflops=ours, torch_gflops=theirs, rel_err=err))
+        rows.append(dict(M=M, N=N, K=K, gflops=ours, torch_gflops=theirs, rel_err=err, constants=constants or {}))
+    mm.FAST_CONSTANTS = {}
     return rows
 
 
@@ -227,6 +231,7 @@ def main(argv=None):
     ap.add_argument("--torch-device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
     ap.add_argument("--out", default="bench-results.json")
+    ap.add_argument("--variants", action="store_true", help="also time kernel variants (matmul PREFETCH off)")
     ap.add_argument("--profile", action="store_true",
                     help="after the train suite, time one step per kernel with timestamp queries")
     a = ap.parse_args(argv)
@@ -252,9 +257,11 @@ def main(argv=None):
         if rt.adapter_type.lower() == "cpu":
             sizes = [(256, 256, 256), (512, 512, 512)]
         res["matmul"] = bench_matmul(rt, sizes, tdev or "cpu")
+        if a.variants:
+            res["matmul"] += bench_matmul(rt, sizes, tdev or "cpu", constants={"PREFETCH": 0})
         for r in res["matmul"]:
             ratio = r["gflops"] / r["torch_gflops"] if r["torch_gflops"] else float("nan")
-            print(f"matmul {r['M']}x{r['N']}x{r['K']}: {r['gflops']:.0f} GFLOP/s vs torch {r['torch_gflops'] or 0:.0f}"
+            print(f"matmul {r['M']}x{r['N']}x{r['K']}{' ' + str(r['constants']) if r['constants'] else ''}: {r['gflops']:.0f} GFLOP/s vs torch {r['torch_gflops'] or 0:.0f}"
                   f" ({ratio:.2f}x) rel err {r['rel_err']:.1e}", flush=True)
 
     if "scan" in suites:

@@ -121,6 +121,71 @@ struct FastParams {
 var<workgroup> As4: array<vec4<f32>, 256>;   // [8][32] vec4 = [BK][BM]
 var<workgroup> Bs4: array<vec4<f32>, 256>;   // [8][32] vec4 = [BK][BN]
 
+override PREFETCH: bool = true;
+
+// Tile loads: 8 x 128 floats of A (or B) = 256 vec4, one per thread.
+fn fast_load_a(k0: u32, k_hi: u32, row0: u32, tid: u32) -> vec4<f32> {
+    if ((F.flags & 4u) != 0u) {            // A^T stored [K, lda]: M contiguous
+        let k = tid / 32u;
+        let mq = tid % 32u;
+        if (k0 + k < k_hi && row0 + mq * 4u < F.M) {
+            return A4[(F.a_off + (k0 + k) * F.lda + row0 + mq * 4u) / 4u];
+        }
+    } else {                                // A stored [M, lda]: K contiguous
+        let m = tid / 2u;
+        let kq = tid % 2u;
+        if (row0 + m < F.M && k0 + kq * 4u < k_hi) {
+            return A4[(F.a_off + (row0 + m) * F.lda + k0 + kq * 4u) / 4u];
+        }
+    }
+    return vec4<f32>(0.0);
+}
+
+fn fast_store_a(v: vec4<f32>, tid: u32) {
+    if ((F.flags & 4u) != 0u) {
+        As4[(tid / 32u) * 32u + tid % 32u] = v;
+    } else {
+        let m = tid / 2u;
+        let base = (tid % 2u) * 128u + m / 4u;
+        let c = m % 4u;
+        As4[base][c] = v.x;
+        As4[base + 32u][c] = v.y;
+        As4[base + 64u][c] = v.z;
+        As4[base + 96u][c] = v.w;
+    }
+}
+
+fn fast_load_b(k0: u32, k_hi: u32, col0: u32, tid: u32) -> vec4<f32> {
+    if ((F.flags & 8u) != 0u) {            // B^T stored [N, ldb]: K contiguous
+        let n = tid / 2u;
+        let kq = tid % 2u;
+        if (col0 + n < F.N && k0 + kq * 4u < k_hi) {
+            return B4[(F.b_off + (col0 + n) * F.ldb + k0 + kq * 4u) / 4u];
+        }
+    } else {                                // B stored [K, ldb]: N contiguous
+        let k = tid / 32u;
+        let nq = tid % 32u;
+        if (k0 + k < k_hi && col0 + nq * 4u < F.N) {
+            return B4[(F.b_off + (k0 + k) * F.ldb + col0 + nq * 4u) / 4u];
+        }
+    }
+    return vec4<f32>(0.0);
+}
+
+fn fast_store_b(v: vec4<f32>, tid: u32) {
+    if ((F.flags & 8u) != 0u) {
+        let n = tid / 2u;
+        let base = (tid % 2u) * 128u + n / 4u;
+        let c = n % 4u;
+        Bs4[base][c] = v.x;
+        Bs4[base + 32u][c] = v.y;
+        Bs4[base + 64u][c] = v.z;
+        Bs4[base + 96u][c] = v.w;
+    } else {
+        Bs4[(tid / 32u) * 32u + tid % 32u] = v;
+    }
+}
+
 @compute @workgroup_size(256)
 fn matmul_fast(@builtin(local_invocation_index) tid: u32,
                @builtin(workgroup_id) wid: vec3<u32>) {
@@ -128,10 +193,6 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
     let col0 = wid.x * 128u;
     let tx = tid % 16u;
     let ty = tid / 16u;
-    let a_trans = (F.flags & 4u) != 0u;
-    let b_trans = (F.flags & 8u) != 0u;
-
-    // 16 named accumulators (a private array indexed dynamically would live in local memory)
     var k_lo = 0u;
     var k_hi = F.K;
     var c_base = F.c_off;
@@ -140,59 +201,28 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
         k_hi = min(F.K, k_lo + F.ksplit);
         c_base = F.c_off + wid.z * F.M * F.ldc;
     }
+    // 16 named accumulators (a private array indexed dynamically would live in local memory)
     var c0 = vec4<f32>(0.0); var c1 = vec4<f32>(0.0); var c2 = vec4<f32>(0.0); var c3 = vec4<f32>(0.0);
     var c4 = vec4<f32>(0.0); var c5 = vec4<f32>(0.0); var c6 = vec4<f32>(0.0); var c7 = vec4<f32>(0.0);
     var c8 = vec4<f32>(0.0); var c9 = vec4<f32>(0.0); var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
     var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0); var c14 = vec4<f32>(0.0); var c15 = vec4<f32>(0.0);
 
+    // The next tile's global loads are issued before this tile's arithmetic (register
+    // prefetch), so their latency hides behind it; PREFETCH=false is the plain order.
+    var va = fast_load_a(k_lo, k_hi, row0, tid);
+    var vb = fast_load_b(k_lo, k_hi, col0, tid);
     for (var k0 = k_lo; k0 < k_hi; k0 += 8u) {
-        // ---- A tile: 8 x 128 floats = 256 vec4, one per thread
-        if (a_trans) {
-            let k = tid / 32u;
-            let mq = tid % 32u;
-            var v = vec4<f32>(0.0);
-            if (k0 + k < k_hi && row0 + mq * 4u < F.M) {
-                v = A4[(F.a_off + (k0 + k) * F.lda + row0 + mq * 4u) / 4u];
-            }
-            As4[k * 32u + mq] = v;
-        } else {
-            let m = tid / 2u;
-            let kq = tid % 2u;
-            var v = vec4<f32>(0.0);
-            if (row0 + m < F.M && k0 + kq * 4u < k_hi) {
-                v = A4[(F.a_off + (row0 + m) * F.lda + k0 + kq * 4u) / 4u];
-            }
-            let base = kq * 4u * 32u + m / 4u;
-            let c = m % 4u;
-            As4[base][c] = v.x;
-            As4[base + 32u][c] = v.y;
-            As4[base + 64u][c] = v.z;
-            As4[base + 96u][c] = v.w;
+        if (!PREFETCH) {
+            va = fast_load_a(k0, k_hi, row0, tid);
+            vb = fast_load_b(k0, k_hi, col0, tid);
         }
-        // ---- B tile: 8 x 128 floats
-        if (b_trans) {
-            let n = tid / 2u;
-            let kq = tid % 2u;
-            var v = vec4<f32>(0.0);
-            if (col0 + n < F.N && k0 + kq * 4u < k_hi) {
-                v = B4[(F.b_off + (col0 + n) * F.ldb + k0 + kq * 4u) / 4u];
-            }
-            let base = kq * 4u * 32u + n / 4u;
-            let c = n % 4u;
-            Bs4[base][c] = v.x;
-            Bs4[base + 32u][c] = v.y;
-            Bs4[base + 64u][c] = v.z;
-            Bs4[base + 96u][c] = v.w;
-        } else {
-            let k = tid / 32u;
-            let nq = tid % 32u;
-            var v = vec4<f32>(0.0);
-            if (k0 + k < k_hi && col0 + nq * 4u < F.N) {
-                v = B4[(F.b_off + (k0 + k) * F.ldb + col0 + nq * 4u) / 4u];
-            }
-            Bs4[k * 32u + nq] = v;
-        }
+        fast_store_a(va, tid);
+        fast_store_b(vb, tid);
         workgroupBarrier();
+        if (PREFETCH && k0 + 8u < k_hi) {
+            va = fast_load_a(k0 + 8u, k_hi, row0, tid);
+            vb = fast_load_b(k0 + 8u, k_hi, col0, tid);
+        }
         for (var k = 0u; k < 8u; k++) {
             let a0 = As4[k * 32u + ty];
             let a1 = As4[k * 32u + 16u + ty];
