@@ -163,6 +163,109 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     }
 }
 
+// ---------------------------------------------------------------- chunked (time-parallel) forward
+// s at the start of chunk c+1 = exp(A * sum_{t in c} dt_t) * s(start of c) + f_c, f_c the chunk's
+// end state from a zero start.  local (b, c, d, n), c < nchk-1: f_c -> states[c+1], sum dt -> work;
+// carry (b, d, n): serial over the chunks, turns states into the true chunk-start states;
+// chunk (b, c, block): selective_scan_forward's walk over one chunk, from its saved state.
+@compute @workgroup_size(256)
+fn selective_scan_forward_local(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                                @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (i >= P.B * P.nchk * P.Di * P.N) { return; }
+    let n = i % P.N;
+    let r = i / P.N;
+    let d = r % P.Di;
+    let bc = r / P.Di;
+    let c = bc % P.nchk;
+    let b = bc / P.nchk;
+    if (c + 1u >= P.nchk) { return; }   // the last chunk's end state is never used
+    let a = -exp(work[d * P.N + n]);
+    let tc0 = c * P.T;
+    let tc1 = tc0 + P.T;
+    var s = 0.0;
+    var sdt = 0.0;
+    for (var t = tc0; t < tc1; t++) {
+        let m = b * P.L + t;
+        let dt = y[P.o_y + m * P.Di + d];
+        s = exp(dt * a) * s + dt * xdbl[P.o_xdbl + m * P.ldx + P.R + n] * u[P.o_u + m * P.Di + d];
+        sdt += dt;
+    }
+    states[P.o_states + i + P.Di * P.N] = s;
+    if (n == 0u) { work[P.off_sdt + r] = sdt; }
+}
+
+@compute @workgroup_size(256)
+fn selective_scan_forward_carry(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                                @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (i >= P.B * P.Di * P.N) { return; }
+    let n = i % P.N;
+    let d = (i / P.N) % P.Di;
+    let b = i / (P.N * P.Di);
+    let a = -exp(work[d * P.N + n]);
+    var s = 0.0;
+    states[P.o_states + (b * P.nchk * P.Di + d) * P.N + n] = 0.0;
+    for (var c = 1u; c < P.nchk; c++) {
+        let r = (b * P.nchk + c) * P.Di + d;
+        let si = P.o_states + r * P.N + n;
+        s = exp(a * work[P.off_sdt + r - P.Di]) * s + states[si];
+        states[si] = s;
+    }
+}
+
+@compute @workgroup_size(256)
+fn selective_scan_forward_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                                @builtin(local_invocation_index) tid: u32) {
+    let wg = wid.x + wid.y * nwg.x;
+    if (wg >= P.B * P.nchk * P.nblk) { return; }
+    let blk = wg % P.nblk;
+    let bc = wg / P.nblk;
+    let c = bc % P.nchk;
+    let b = bc / P.nchk;
+    let dl = tid / P.N;
+    let n = tid % P.N;
+    let d = blk * P.DB + dl;
+    let live = dl < P.DB && d < P.Di;
+    let tc0 = c * P.T;
+    let tc1 = min(P.L, tc0 + P.T);
+    var a = 0.0;
+    var s = 0.0;
+    if (live) {
+        a = -exp(work[d * P.N + n]);
+        s = states[P.o_states + (bc * P.Di + d) * P.N + n];
+    }
+    for (var t0 = tc0; t0 < tc1; t0 += TT) {
+        for (var j = 0u; j < TT; j++) {
+            let t = t0 + j;
+            var v = 0.0;
+            if (live && t < tc1) {
+                let m = b * P.L + t;
+                let dt = y[P.o_y + m * P.Di + d];   // dt, from selective_scan_forward_prep
+                let xrow = P.o_xdbl + m * P.ldx + P.R;
+                s = exp(dt * a) * s + dt * xdbl[xrow + n] * u[P.o_u + m * P.Di + d];
+                v = s * xdbl[xrow + P.N + n];
+            }
+            shf[j * WG + tid] = v;
+        }
+        workgroupBarrier();
+        for (var k = tid; k < TT * P.DB; k += WG) {
+            let j = k / P.DB;
+            let dl2 = k % P.DB;
+            let d2 = blk * P.DB + dl2;
+            let t = t0 + j;
+            if (d2 < P.Di && t < tc1) {
+                var acc = 0.0;
+                for (var n2 = 0u; n2 < P.N; n2++) { acc += shf[j * WG + dl2 * P.N + n2]; }
+                let m = b * P.L + t;
+                let z = xz[P.o_xz + m * 2u * P.Di + P.Di + d2];
+                y[P.o_y + m * P.Di + d2] = (acc + work[off_D() + d2] * u[P.o_u + m * P.Di + d2]) * silu(z);
+            }
+        }
+        workgroupBarrier();
+    }
+}
+
 // ---------------------------------------------------------------- backward
 // prep (m, d): ddelta <- dt, du <- dy' = dy * silu(z)   (consumed in place by the scan)
 @compute @workgroup_size(256)

@@ -230,3 +230,27 @@ def test_parameter_views_at_unaligned_offsets(rt):
     e = relerr(got, want)
     print(f"views backward (flat gradient buffer): {e:.2e}")
     assert e < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(3, 300, 19, 5, 2), (2, 129, 33, 16, 3)])
+def test_forward_saved_states(rt, shape):
+    """The chunked forward's carry writes the true state before every chunk of CHUNK steps."""
+    from memengine.engine.ops.scan import CHUNK
+    B, L, Di, N, R = shape
+    p = make_inputs(*shape, seed=sum(shape) + 21)
+    _, _, states = gpu_forward(rt, p, *shape)
+    got = rt.read(states).astype(np.float64)
+    dt = softplus_np(p["delta"].astype(np.float32).astype(np.float64) + p["dt_bias"].astype(np.float32)).reshape(B, L, Di)
+    A = -np.exp(p["A_log"].astype(np.float32).astype(np.float64))
+    u = p["u"].astype(np.float32).reshape(B, L, Di)
+    Bm = p["xdbl"].astype(np.float32)[:, R:R + N].reshape(B, L, N)
+    want = np.zeros_like(got)
+    for b in range(B):
+        s = np.zeros((Di, N))
+        for t in range(L):
+            if t % CHUNK == 0:
+                want[b, t // CHUNK] = s
+            s = np.exp(dt[b, t][:, None] * A) * s + (dt[b, t] * u[b, t])[:, None] * Bm[b, t][None, :]
+    e = relerr(got, want)
+    print(f"saved states {shape}: {e:.2e}")
+    assert e < 1e-5

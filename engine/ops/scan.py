@@ -31,7 +31,9 @@ SHADER = "selective_scan"
 WG = 256
 CHUNK = 64   # checkpoint interval = the chunked backward's chunk (8 * its SUB; multiple of 8 and 4)
 ROWS = 64    # rows per partial sum in the column reductions
-_MODE = os.environ.get("MEMENGINE_SCAN", "auto")   # "reference": the serial kernels by default
+# MEMENGINE_SCAN=serial (or reference): the model's calls get the earlier serial kernels (one
+# workgroup walks all chunks, forward and backward); anything else: the chunked kernels.
+_SERIAL = os.environ.get("MEMENGINE_SCAN", "auto") in ("serial", "reference")
 
 
 def _bound(rt, t: Tensor) -> tuple[Tensor, int]:
@@ -100,33 +102,47 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
                            *, B, L, Di, N, R, reference: bool = False):
     """y [M, Di] WRITE; states [scan_state_shape] WRITE (unused when reference=True).
 
-    reference=True runs the plain sequential kernel (one thread per (b, d)), kept as the
-    check for the fast one."""
+    Default: chunked, time-parallel (each chunk's end state from a zero start, a serial carry over
+    the chunks that writes `states`, then every chunk's outputs in parallel).  reference=True runs
+    the plain sequential kernel (one thread per (b, d)), kept as the
+    check for the fast one (it writes no states: not for the backward); MEMENGINE_SCAN=serial the
+    earlier serial kernel (one workgroup walks all chunks, writes states)."""
     B, L, Di, N, R = int(B), int(L), int(Di), int(N), int(R)
     rt = rec.rt
     if B * L * Di == 0:
         return
     _check(B, L, Di, N, R, y=y, u=u, delta=delta, xdbl=xdbl, xz=xz)
-    lay = _layout(B, L, Di, N, R)
-    work = rt.scratch("selective_scan.fwd_params", (Di * N + 2 * Di,))
+    lay = dict(_layout(B, L, Di, N, R))
+    nchk = lay["nchk"]
+    lay["off_sdt"] = Di * N + 2 * Di
+    work = rt.scratch("selective_scan.fwd_params", (Di * N + 2 * Di + B * nchk * Di,))
     _params(rec, work, dt_bias, A_log, D, Di, N)
     bt = {}
     offs = {}
     for name, t in (("y", y), ("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz)):
         bt[name], offs[name] = _bound(rt, t)
     if not reference:
-        assert states.numel == cdiv(L, CHUNK) * B * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
+        assert states.numel == nchk * B * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
         bt["states"], offs["states"] = _bound(rt, states)
     uni = _uniform(rt, B, L, Di, N, R, lay, offs)
     binds = {0: bt["y"], 2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 5: bt["xz"], 6: work, 14: uni}
     if reference:
         rec.dispatch(SHADER, "selective_scan_forward_ref", binds, cdiv(B * Di, WG))
-    else:
-        rec.dispatch(SHADER, "selective_scan_forward_prep", {0: bt["y"], 3: bt["delta"], 6: work, 14: uni},
-                     cdiv(B * L * Di, WG))
-        del binds[3]
-        binds[1] = bt["states"]
+        return
+    rec.dispatch(SHADER, "selective_scan_forward_prep", {0: bt["y"], 3: bt["delta"], 6: work, 14: uni},
+                 cdiv(B * L * Di, WG))
+    del binds[3]
+    binds[1] = bt["states"]
+    if _SERIAL:
         rec.dispatch(SHADER, "selective_scan_forward", binds, lay["nwgs"])
+        return
+    if nchk > 1:
+        rec.dispatch(SHADER, "selective_scan_forward_local",
+                     {0: bt["y"], 1: bt["states"], 2: bt["u"], 4: bt["xdbl"], 6: work, 14: uni},
+                     cdiv(B * nchk * Di * N, WG))
+    rec.dispatch(SHADER, "selective_scan_forward_carry", {1: bt["states"], 6: work, 14: uni},
+                 cdiv(B * Di * N, WG))
+    rec.dispatch(SHADER, "selective_scan_forward_chunk", binds, B * nchk * lay["nblk"])
 
 
 def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxdbl, dxz, dy, states,
@@ -134,14 +150,14 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     """Gradients of selective_scan_forward; see the module docstring for WRITE/ACC rules.
 
     Default: the chunked, time-parallel backward (local adjoint per chunk, serial carry over the
-    chunks, then every chunk's gradients in parallel).  reference=True (or MEMENGINE_SCAN=reference)
+    chunks, then every chunk's gradients in parallel).  reference=True (or MEMENGINE_SCAN=serial)
     runs the serial kernel (one workgroup walks all chunks), kept as the check for the fast one."""
     B, L, Di, N, R = int(B), int(L), int(Di), int(N), int(R)
     rt = rec.rt
     if B * L * Di == 0:
         return
     if reference is None:
-        reference = _MODE == "reference"
+        reference = _SERIAL
     _check(B, L, Di, N, R, du=du, ddelta=ddelta, dxdbl=dxdbl, dxz=dxz, dy=dy, u=u, delta=delta,
            xdbl=xdbl, xz=xz)
     assert states.numel == cdiv(L, CHUNK) * B * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
