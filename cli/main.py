@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -381,11 +382,12 @@ def train(
         do_train(ui, ckpt, list(data), output, opts, device, tokenizer, force, verbose)
 
 
-def do_train(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict, device, tokenizer,
-             force: bool, verbose: bool, text: str | None = None) -> dict:
+def _prepare_run(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict, device, tokenizer,
+                 force: bool, verbose: bool, text: str | None):
+    """What train and adapt share: check OUT, load checkpoint, tokenizer, data, optimizer
+    state, and put the model on the GPU."""
     from memengine.engine.model import MambaModel
 
-    tr = _trainer_mod()
     if not data and text is None:
         raise MemengineError("--data is required (a file, several files, or - for stdin)")
     check_output(output, force, inputs=(ckpt_path,))
@@ -395,6 +397,14 @@ def do_train(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict,
     opt_state = _load_optimizer_state(ckpt_path, ui)
     rt = make_runtime(device, verbose, ui)
     model = MambaModel.from_checkpoint(rt, c)
+    return c, tok, batches, n_tokens, opt_state, rt, model
+
+
+def do_train(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict, device, tokenizer,
+             force: bool, verbose: bool, text: str | None = None) -> dict:
+    tr = _trainer_mod()
+    c, tok, batches, n_tokens, opt_state, rt, model = _prepare_run(
+        ui, ckpt_path, data, output, opts, device, tokenizer, force, verbose, text)
     options = tr.TrainOptions(**opts, wsla=False)
     ui.note(f"training {len(model.trainable_names(False))} tensors on {n_tokens:,} tokens "
             f"({len(batches)} step(s)/epoch) for {options.epochs} epoch(s)")
@@ -404,10 +414,6 @@ def do_train(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict,
     with view:
         stats = trainer.fit(batches, on_epoch=on_epoch, on_progress=on_progress)
     elapsed = time.perf_counter() - t0
-    if stats and not math.isfinite(float(stats[-1].loss)):
-        from memengine.engine.errors import NonFiniteError
-
-        raise NonFiniteError(f"training loss became non-finite ({stats[-1].loss}); nothing was written")
     state = model.state_dict()
     new_opt = trainer.optimizer_state()
     final_loss = float(stats[-1].loss) if stats else float("nan")
@@ -485,20 +491,12 @@ def do_adapt(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict,
              tokenizer, force: bool, verbose: bool, text: str | None = None) -> int:
     """Returns the exit status (0, or 3 when rolled back)."""
     from memengine.engine.adapt import adapt as run_adapt
-    from memengine.engine.model import MambaModel
 
     tr = _trainer_mod()
-    if not data and text is None:
-        raise MemengineError("--data is required (a file, several files, or - for stdin)")
-    check_output(output, force, inputs=(ckpt_path,))
     opts = dict(opts)
     tolerance = float(opts.pop("tolerance", 1.25))
-    c = load_ckpt(ckpt_path)
-    tok = load_tok(ckpt_path, tokenizer, c)
-    batches, n_tokens = load_batches(data, tok, c.config.vocab_size, opts["seq_len"], opts["batch_size"], text=text)
-    opt_state = _load_optimizer_state(ckpt_path, ui)
-    rt = make_runtime(device, verbose, ui)
-    model = MambaModel.from_checkpoint(rt, c)
+    c, tok, batches, n_tokens, opt_state, rt, model = _prepare_run(
+        ui, ckpt_path, data, output, opts, device, tokenizer, force, verbose, text)
     trainable = model.trainable_names(True)
     options = tr.TrainOptions(**opts, wsla=True)
     ui.note(f"adapting {len(trainable)} x_proj tensor(s) on {n_tokens:,} tokens, max delta {options.max_delta:g}, "
@@ -578,32 +576,6 @@ def quantize(
         do_quantize(ui, ckpt, output, d, saturate, dry_run, force)
 
 
-def _report_rows(report) -> list[dict]:
-    rows = getattr(report, "rows", None)
-    if rows is None:
-        rows = getattr(report, "tensors", None)
-    if rows is None and isinstance(report, dict):
-        rows = report.get("rows") or report.get("tensors") or []
-    out = []
-    for r in rows or []:
-        if isinstance(r, dict):
-            out.append(dict(r))
-        elif hasattr(r, "__dataclass_fields__"):
-            from dataclasses import asdict
-
-            out.append(asdict(r))
-        else:
-            out.append(dict(vars(r)))
-    return out
-
-
-def _get(row: dict, *keys, default=None):
-    for k in keys:
-        if k in row:
-            return row[k]
-    return default
-
-
 def do_quantize(ui: UI, ckpt_path: Path, output: Optional[Path], dtype: str, saturate: bool, dry_run: bool,
                 force: bool) -> dict:
     from memengine.engine.quantize import quantize_checkpoint
@@ -620,28 +592,10 @@ def do_quantize(ui: UI, ckpt_path: Path, output: Optional[Path], dtype: str, sat
         check_output(output, force, inputs=(src,))
         with staged_output(output, force) as tmp:
             report = quantize_checkpoint(src, tmp, dtype=dtype, saturate=saturate, dry_run=False)
-    rows = _report_rows(report)
-    table = []
-    tot_before = tot_after = 0
-    worst = 0.0
-    for r in rows:
-        name = _get(r, "name", "tensor")
-        b = int(_get(r, "bytes_before", "before", default=0) or 0)
-        a = int(_get(r, "bytes_after", "after", default=0) or 0)
-        n = _get(r, "numel", "elements")
-        if n is None and _get(r, "shape") is not None:
-            n = math.prod(int(x) for x in _get(r, "shape"))
-        err = float(_get(r, "max_abs_error", "max_abs_err", "max_error", default=0.0) or 0.0)
-        bits = (8 * a / int(n)) if n else (_get(r, "bits_per_weight"))
-        tot_before += b
-        tot_after += a
-        worst = max(worst, err) if math.isfinite(err) else err
-        table.append((name, _get(r, "dtype_before", "src_dtype", "from", default=""),
-                      _get(r, "dtype_after", "dst_dtype", "to", default=""), f"{b:,}", f"{a:,}",
-                      bits if bits is None else f"{bits:.1f}", err,
-                      "yes" if _get(r, "saturated", "clamped", default=0) else ""))
-    tot_before = int(_get_attr(report, "bytes_before", tot_before))
-    tot_after = int(_get_attr(report, "bytes_after", tot_after))
+    table = [(t.name, t.dtype_before, t.dtype_after, f"{t.bytes_before:,}", f"{t.bytes_after:,}",
+              f"{8 * t.bytes_after / max(1, math.prod(t.shape)):.1f}", t.max_abs_error,
+              "yes" if t.saturated else "") for t in report.tensors]
+    tot_before, tot_after, worst = report.bytes_before, report.bytes_after, report.max_abs_error
     ui.table(f"quantize {src} -> {'(dry run)' if dry_run else output} ({dtype})",
              ["tensor", "from", "to", "bytes before", "bytes after", "bits/weight", "max abs error", "saturated"],
              table, right=[False, False, False, True, True, True, True, False])
@@ -651,17 +605,10 @@ def do_quantize(ui: UI, ckpt_path: Path, output: Optional[Path], dtype: str, sat
     summary = {"event": "summary", "output": None if dry_run else str(output), "dtype": dtype, "dry_run": dry_run,
                "saturate": saturate, "bytes_before": tot_before, "bytes_after": tot_after,
                "max_abs_error": worst,
-               "tensors": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items()} for r in rows]}
+               "bits_per_weight": report.bits_per_weight,
+               "tensors": [{**asdict(t), "shape": list(t.shape)} for t in report.tensors]}
     ui.emit(summary)
     return summary
-
-
-def _get_attr(obj, name, default):
-    if isinstance(obj, dict):
-        v = obj.get(name)
-    else:
-        v = getattr(obj, name, None)
-    return default if v is None or callable(v) else v
 
 
 # =========================================================================== demo
