@@ -179,8 +179,11 @@ def bench_matmul(rt, sizes, torch_device, reps=5, constants=None):
     return rows
 
 
-def bench_scan(rt, B, L, Di, N, R, reps=3):
+def bench_scan(rt, B, L, Di, N, R, reps=3, serial=False):
+    from memengine.engine.ops import scan as scan_mod
     from memengine.engine.ops.scan import scan_state_shape, selective_scan_backward, selective_scan_forward
+
+    scan_mod._SERIAL = serial
 
     rng = np.random.default_rng(0)
     M = B * L
@@ -216,6 +219,8 @@ def bench_scan(rt, B, L, Di, N, R, reps=3):
             rt.sync()
             ts.append(time.perf_counter() - t0)
         out[name] = dict(ms=_median(ts) * 1e3, gbps=nbytes / _median(ts) / 1e9)
+    scan_mod._SERIAL = False
+    rt.trim()
     return out
 
 
@@ -230,6 +235,7 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="memengine --device (auto|gpu|cpu|NAME)")
     ap.add_argument("--torch-device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    ap.add_argument("--tf32", default="both", choices=["both", "off", "on"], help="PyTorch CUDA matmul modes to run")
     ap.add_argument("--out", default="bench-results.json")
     ap.add_argument("--variants", action="store_true", help="also time kernel variants (matmul PREFETCH off)")
     ap.add_argument("--profile", action="store_true",
@@ -265,12 +271,13 @@ def main(argv=None):
                   f" ({ratio:.2f}x) rel err {r['rel_err']:.1e}", flush=True)
 
     if "scan" in suites:
-        if rt.adapter_type.lower() == "cpu":
-            res["scan"] = bench_scan(rt, 1, 256, 64, 8, 4)
-        else:
-            res["scan"] = bench_scan(rt, 8, 2048, 1536, 16, 48)
-        for k, v in res["scan"].items():
-            print(f"scan {k}: {v['ms']:.2f} ms, {v['gbps']:.1f} GB/s", flush=True)
+        shape = (1, 256, 64, 8, 4) if rt.adapter_type.lower() == "cpu" else (8, 2048, 1536, 16, 48)
+        res["scan"] = bench_scan(rt, *shape)
+        if a.variants:
+            res["scan_serial"] = bench_scan(rt, *shape, serial=True)
+        for key in ("scan", "scan_serial"):
+            for k, v in res.get(key, {}).items():
+                print(f"{key} {k} (B,L,Di,N,R={shape}): {v['ms']:.2f} ms, {v['gbps']:.1f} GB/s", flush=True)
 
     if "train" in suites:
         for shape in a.shapes.split(","):
@@ -281,19 +288,30 @@ def main(argv=None):
                         row["memengine"] = bench_memengine_train(rt, shape, B, L, a.steps)
                     except Exception as e:
                         row["memengine"] = dict(error=str(e)[:300])
+                    rt.trim()  # give our GPU memory back before the peer runs
+                    import gc
+
+                    gc.collect()
                     if not a.no_torch and tdev:
-                        for tf32 in ([False, True] if tdev == "cuda" else [False]):
+                        modes = {"both": [False, True], "off": [False], "on": [True]}[a.tf32]
+                        for tf32 in (modes if tdev == "cuda" else [False]):
                             key = "torch_tf32" if tf32 else "torch"
                             try:
                                 row[key] = bench_torch_train(shape, B, L, a.torch_steps or a.steps, tdev, tf32)
                             except Exception as e:
                                 row[key] = dict(error=str(e)[:300])
+                            gc.collect()
+                            if tdev == "cuda":
+                                torch.cuda.empty_cache()
                     res["train"].append(row)
                     me = row["memengine"].get("tokens_per_s")
                     line = f"train {shape} B={B} L={L}: memengine {me or 0:.0f} tok/s"
                     for key in ("torch", "torch_tf32"):
                         if key in row and row[key].get("tokens_per_s"):
                             line += f" | {key} {row[key]['tokens_per_s']:.0f} tok/s ({(me or 0) / row[key]['tokens_per_s']:.2f}x)"
+                    for key in ("torch", "torch_tf32"):
+                        if "error" in row.get(key, {}):
+                            line += f" | {key}: {row[key]['error'][:60]}"
                     if "error" in row["memengine"]:
                         line += f" | memengine error: {row['memengine']['error']}"
                     print(line, flush=True)

@@ -309,6 +309,14 @@ class Runtime:
             self._scratch[k] = t
         return t
 
+    def trim(self) -> None:
+        """Drop cached bind groups, scratch and pooled buffers so their memory can go
+        (between unrelated workloads; pipelines and uniforms stay)."""
+        self._bind_groups.clear()
+        self._scratch.clear()
+        self._pool.clear()
+        self.bytes_allocated = 0
+
     def free(self, t: Tensor) -> None:
         """Return a tensor's buffer to the pool (the tensor must not be used again)."""
         if t is None:
