@@ -4,6 +4,8 @@ the models are very small: E=16, one layer, byte vocabulary)."""
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle never downloads anything
 import shutil
 from pathlib import Path
 
@@ -64,3 +66,11 @@ def sample_text(tmp_path) -> Path:
     p = tmp_path / "sample.txt"
     p.write_text(SAMPLE_TEXT, encoding="utf-8")
     return p
+
+
+@pytest.fixture(scope="session")
+def rt():
+    """The GPU runtime on whatever adapter wgpu finds (MEMENGINE_DEVICE selects another)."""
+    from memengine.engine.gpu import get_runtime
+
+    return get_runtime()

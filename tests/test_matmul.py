@@ -7,13 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from memengine.engine.gpu import get_runtime
 from memengine.engine.ops import matmul as mm
 
-
-@pytest.fixture(scope="module")
-def rt():
-    return get_runtime()
 
 
 def run(rt, mode, a, b, c0, bias, M, N, K, ta, tb, **kw):

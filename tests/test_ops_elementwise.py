@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memengine.engine.gpu import get_runtime
 from memengine.engine.ops.activation import silu_backward, silu_forward, softplus_backward, softplus_forward
 from memengine.engine.ops.conv1d import conv1d_backward, conv1d_forward
 from memengine.engine.ops.cross_entropy import cross_entropy
@@ -21,10 +20,6 @@ from memengine.engine.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 
 SENTINEL = 12345.0
 
-
-@pytest.fixture(scope="module")
-def rt():
-    return get_runtime()
 
 
 def _rng(seed):

@@ -3,13 +3,8 @@
 import numpy as np
 import pytest
 
-from memengine.engine.gpu import get_runtime
 from memengine.engine.optim import AdamW, GradClipper
 
-
-@pytest.fixture(scope="module")
-def rt():
-    return get_runtime()
 
 
 def _align_elems(rt):

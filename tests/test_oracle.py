@@ -17,13 +17,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from memengine.engine.config import MambaConfig  # noqa: E402
-from memengine.engine.gpu import get_runtime  # noqa: E402
 from memengine.engine.model import MambaModel  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def rt():
-    return get_runtime()
 
 # (name, config kwargs, batch, seq_len)
 CASES = [

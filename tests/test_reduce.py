@@ -3,15 +3,11 @@
 import numpy as np
 import pytest
 
-from memengine.engine.gpu import Tensor, get_runtime
+from memengine.engine.gpu import Tensor
 from memengine.engine.ops.reduce import sum_into, sumsq_into
 
 SIZES = [1, 2, 255, 256, 257, 65537, 1_000_003]
 
-
-@pytest.fixture(scope="module")
-def rt():
-    return get_runtime()
 
 
 def _run(rt, fn, out, x, **kw):

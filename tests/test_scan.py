@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-from memengine.engine.gpu import get_runtime
 from memengine.engine.ops.scan import scan_state_shape, selective_scan_backward, selective_scan_forward
 
 SHAPES = [  # B, L, Di, N, R
@@ -15,11 +14,6 @@ SHAPES = [  # B, L, Di, N, R
     (1, 130, 40, 16, 1),
     (2, 129, 33, 16, 3),   # last chunk of one step, odd Di, several chunks per batch row
 ]
-
-
-@pytest.fixture(scope="module")
-def rt():
-    return get_runtime("cpu")
 
 
 def make_inputs(B, L, Di, N, R, seed=0, scale_delta=1.0, bias_shift=0.0):
@@ -77,26 +71,29 @@ def relerr(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def gpu_forward(rt, p, B, L, Di, N, R, reference=False):
+def gpu_forward(rt, p, B, L, Di, N, R, reference=False, chunked=None):
     t = {k: rt.upload(v.astype(np.float32)) for k, v in p.items()}
     y = rt.empty((B * L, Di))
     states = rt.empty(scan_state_shape(B, L, Di, N))
     rec = rt.recorder()
     selective_scan_forward(rec, y, states, t["u"], t["delta"], t["dt_bias"], t["A_log"], t["D"],
-                           t["xdbl"], t["xz"], B=B, L=L, Di=Di, N=N, R=R, reference=reference)
+                           t["xdbl"], t["xz"], B=B, L=L, Di=Di, N=N, R=R, reference=reference,
+                           chunked=chunked)
     rec.submit()
     return rt.read(y).astype(np.float64), t, states
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_forward_vs_numpy(rt, shape):
+@pytest.mark.parametrize("chunked", [False, True], ids=["serial", "chunked"])
+def test_forward_vs_numpy(rt, shape, chunked):
     B, L, Di, N, R = shape
     p = make_inputs(*shape, seed=sum(shape))
     want = oracle_forward(p, *shape)
-    got, _, _ = gpu_forward(rt, p, *shape)
+    got, _, _ = gpu_forward(rt, p, *shape, chunked=chunked)
     ref, _, _ = gpu_forward(rt, p, *shape, reference=True)
     e_fast, e_ref, e_fr = relerr(got, want), relerr(ref, want), relerr(got, ref)
-    print(f"forward {shape}: fast vs numpy {e_fast:.2e}, ref vs numpy {e_ref:.2e}, fast vs ref {e_fr:.2e}")
+    print(f"forward {shape} chunked={chunked}: vs numpy {e_fast:.2e}, plain vs numpy {e_ref:.2e}, "
+          f"vs plain {e_fr:.2e}")
     assert e_fast < 1e-4 and e_ref < 1e-4 and e_fr < 1e-4
 
 
@@ -233,12 +230,13 @@ def test_parameter_views_at_unaligned_offsets(rt):
 
 
 @pytest.mark.parametrize("shape", [(3, 300, 19, 5, 2), (2, 129, 33, 16, 3)])
-def test_forward_saved_states(rt, shape):
-    """The chunked forward's carry writes the true state before every chunk of CHUNK steps."""
+@pytest.mark.parametrize("chunked", [False, True], ids=["serial", "chunked"])
+def test_forward_saved_states(rt, shape, chunked):
+    """Both forwards write the true state before every chunk of CHUNK steps."""
     from memengine.engine.ops.scan import CHUNK
     B, L, Di, N, R = shape
     p = make_inputs(*shape, seed=sum(shape) + 21)
-    _, _, states = gpu_forward(rt, p, *shape)
+    _, _, states = gpu_forward(rt, p, *shape, chunked=chunked)
     got = rt.read(states).astype(np.float64)
     dt = softplus_np(p["delta"].astype(np.float32).astype(np.float64) + p["dt_bias"].astype(np.float32)).reshape(B, L, Di)
     A = -np.exp(p["A_log"].astype(np.float32).astype(np.float64))

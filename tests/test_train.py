@@ -12,7 +12,6 @@ import pytest
 from memengine.engine.config import MambaConfig
 from memengine.engine.data import make_batches, make_windows
 from memengine.engine.errors import NonFiniteError
-from memengine.engine.gpu import get_runtime
 from memengine.engine.init import init_weights
 from memengine.engine.model import MambaModel
 from memengine.engine.trainer import TrainOptions, Trainer, evaluate
@@ -20,10 +19,6 @@ from memengine.engine.trainer import TrainOptions, Trainer, evaluate
 TEXT = b"the quick brown fox jumps over the lazy dog; a stitch in time saves nine. " * 3
 CFG = MambaConfig(vocab_size=256, hidden_size=24, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=4)
 
-
-@pytest.fixture(scope="module")
-def rt():
-    return get_runtime()
 
 
 def batches(seq_len=32, batch_size=2):

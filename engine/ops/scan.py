@@ -25,22 +25,19 @@ from __future__ import annotations
 
 import os
 
-from ..gpu import Recorder, Tensor, cdiv, pack
+from ..gpu import Recorder, Tensor, bound, cdiv, pack
 
 SHADER = "selective_scan"
 WG = 256
 CHUNK = 64   # checkpoint interval = the chunked backward's chunk (8 * its SUB; multiple of 8 and 4)
 ROWS = 64    # rows per partial sum in the column reductions
-# MEMENGINE_SCAN=serial (or reference): the model's calls get the earlier serial kernels (one
-# workgroup walks all chunks, forward and backward); anything else: the chunked kernels.
-_SERIAL = os.environ.get("MEMENGINE_SCAN", "auto") in ("serial", "reference")
-
-
-def _bound(rt, t: Tensor) -> tuple[Tensor, int]:
-    align = int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
-    base = (t.offset // align) * align
-    extra = (t.offset - base) // 4
-    return Tensor(t.buffer, (extra + max(1, t.numel),), t.dtype, base), extra
+# Two complete paths, each checked against the other and against torch:
+#   serial  (default) one thread per (b, d, n) walks all chunks: measured fastest on an H200
+#           (B=8, L=2048, Di=1536, N=16: forward 2.2 ms, backward 11.2 ms per layer);
+#   chunked time-parallel over chunks (local pass, serial carry, per-chunk pass): more
+#           parallelism, but 2.9 / 21.8 ms on the same H200 (benchmarks/bench.py --variants).
+# MEMENGINE_SCAN=chunked makes the model use the chunked kernels.
+_SERIAL = os.environ.get("MEMENGINE_SCAN", "serial") != "chunked"
 
 
 def scan_state_shape(B, L, Di, N) -> tuple:
@@ -99,14 +96,14 @@ def _check(B, L, Di, N, R, **shapes):
 
 
 def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D, xdbl, xz,
-                           *, B, L, Di, N, R, reference: bool = False):
+                           *, B, L, Di, N, R, reference: bool = False, chunked: bool | None = None):
     """y [M, Di] WRITE; states [scan_state_shape] WRITE (unused when reference=True).
 
-    Default: chunked, time-parallel (each chunk's end state from a zero start, a serial carry over
-    the chunks that writes `states`, then every chunk's outputs in parallel).  reference=True runs
-    the plain sequential kernel (one thread per (b, d)), kept as the
-    check for the fast one (it writes no states: not for the backward); MEMENGINE_SCAN=serial the
-    earlier serial kernel (one workgroup walks all chunks, writes states)."""
+    Default: the serial kernel (one thread per (b, d, n) walks all chunks, writes states).
+    chunked=True: time-parallel (each chunk's end state from a zero start, a serial carry over
+    the chunks that writes `states`, then every chunk's outputs in parallel).  reference=True
+    runs the plain sequential kernel (one thread per (b, d)), kept as the check for both (it
+    writes no states: not for the backward)."""
     B, L, Di, N, R = int(B), int(L), int(Di), int(N), int(R)
     rt = rec.rt
     if B * L * Di == 0:
@@ -120,10 +117,10 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
     bt = {}
     offs = {}
     for name, t in (("y", y), ("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz)):
-        bt[name], offs[name] = _bound(rt, t)
+        bt[name], offs[name] = bound(rt, t)
     if not reference:
         assert states.numel == nchk * B * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
-        bt["states"], offs["states"] = _bound(rt, states)
+        bt["states"], offs["states"] = bound(rt, states)
     uni = _uniform(rt, B, L, Di, N, R, lay, offs)
     binds = {0: bt["y"], 2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 5: bt["xz"], 6: work, 14: uni}
     if reference:
@@ -133,7 +130,9 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
                  cdiv(B * L * Di, WG))
     del binds[3]
     binds[1] = bt["states"]
-    if _SERIAL:
+    if chunked is None:
+        chunked = not _SERIAL
+    if not chunked:
         rec.dispatch(SHADER, "selective_scan_forward", binds, lay["nwgs"])
         return
     if nchk > 1:
@@ -149,9 +148,10 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
                             u, delta, dt_bias, A_log, D, xdbl, xz, *, B, L, Di, N, R, reference: bool | None = None):
     """Gradients of selective_scan_forward; see the module docstring for WRITE/ACC rules.
 
-    Default: the chunked, time-parallel backward (local adjoint per chunk, serial carry over the
-    chunks, then every chunk's gradients in parallel).  reference=True (or MEMENGINE_SCAN=serial)
-    runs the serial kernel (one workgroup walks all chunks), kept as the check for the fast one."""
+    reference=True (the default unless MEMENGINE_SCAN=chunked): the serial kernel (one thread
+    per (b, d, n) walks all chunks).  reference=False: the chunked, time-parallel backward
+    (local adjoint per chunk, serial carry over the chunks, then every chunk's gradients in
+    parallel).  Each is tested against the other and against torch autograd."""
     B, L, Di, N, R = int(B), int(L), int(Di), int(N), int(R)
     rt = rec.rt
     if B * L * Di == 0:
@@ -170,7 +170,7 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     offs = {}
     for name, t in (("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz), ("states", states),
                     ("dy", dy), ("du", du), ("ddelta", ddelta), ("dxdbl", dxdbl), ("dxz", dxz)):
-        bt[name], offs[name] = _bound(rt, t)
+        bt[name], offs[name] = bound(rt, t)
     uni = _uniform(rt, B, L, Di, N, R, lay, offs)
     rec.dispatch(SHADER, "selective_scan_backward_prep",
                  {3: bt["delta"], 5: bt["xz"], 6: work, 7: bt["dy"], 8: bt["du"], 9: bt["ddelta"], 14: uni},
@@ -201,6 +201,6 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
                                     (dD, Di, lay["nRB"], lay["off_cold"], Di),
                                     (dA_log, Di * N, dA_parts[0], dA_parts[1], Di * N)):
         assert out.numel == n, (out.shape, n)
-        bo, oo = _bound(rt, out)
+        bo, oo = bound(rt, out)
         q = rt.uniform(pack("8I", n, K, base, stride, oo, 0, 0, 0))
         rec.dispatch(SHADER, "selective_scan_accumulate", {6: work, 13: bo, 15: q}, cdiv(n, WG))
