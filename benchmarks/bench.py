@@ -29,6 +29,7 @@ import numpy as np
 SHAPES = {
     # name: (vocab, E, N, layers)
     "tiny": dict(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2),
+    "small": dict(vocab_size=256, hidden_size=256, state_size=16, num_hidden_layers=4),
     "mamba-130m": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24),
 }
 
@@ -179,11 +180,11 @@ def bench_matmul(rt, sizes, torch_device, reps=5, constants=None):
     return rows
 
 
-def bench_scan(rt, B, L, Di, N, R, reps=3, serial=False):
+def bench_scan(rt, B, L, Di, N, R, reps=3, chunked=False):
     from memengine.engine.ops import scan as scan_mod
     from memengine.engine.ops.scan import scan_state_shape, selective_scan_backward, selective_scan_forward
 
-    scan_mod._SERIAL = serial
+    scan_mod._SERIAL = not chunked
 
     rng = np.random.default_rng(0)
     M = B * L
@@ -219,7 +220,7 @@ def bench_scan(rt, B, L, Di, N, R, reps=3, serial=False):
             rt.sync()
             ts.append(time.perf_counter() - t0)
         out[name] = dict(ms=_median(ts) * 1e3, gbps=nbytes / _median(ts) / 1e9)
-    scan_mod._SERIAL = False
+    scan_mod._SERIAL = os.environ.get("MEMENGINE_SCAN", "serial") != "chunked"
     rt.trim()
     return out
 
@@ -274,8 +275,8 @@ def main(argv=None):
         shape = (1, 256, 64, 8, 4) if rt.adapter_type.lower() == "cpu" else (8, 2048, 1536, 16, 48)
         res["scan"] = bench_scan(rt, *shape)
         if a.variants:
-            res["scan_serial"] = bench_scan(rt, *shape, serial=True)
-        for key in ("scan", "scan_serial"):
+            res["scan_chunked"] = bench_scan(rt, *shape, chunked=True)
+        for key in ("scan", "scan_chunked"):
             for k, v in res.get(key, {}).items():
                 print(f"{key} {k} (B,L,Di,N,R={shape}): {v['ms']:.2f} ms, {v['gbps']:.1f} GB/s", flush=True)
 
