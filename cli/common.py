@@ -99,6 +99,38 @@ def _is_input_oserror(e: BaseException) -> bool:
     return isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError))
 
 
+_INTERRUPT = {"deferred": 0, "pending": False}
+
+
+def _on_interrupt(signum, frame):
+    if _INTERRUPT["deferred"] and not _INTERRUPT["pending"]:
+        _INTERRUPT["pending"] = True  # raised at the next step boundary; a second one at once
+        return
+    raise KeyboardInterrupt
+
+
+def check_interrupt() -> None:
+    """Raise the KeyboardInterrupt a signal deferred (called once per GPU step)."""
+    if _INTERRUPT["pending"]:
+        _INTERRUPT["pending"] = False
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Inside training and eval loops a Ctrl-C is noted and raised at the next step.
+
+    Raised at an arbitrary point it can land inside a wgpu object's finalizer, where Python
+    prints and swallows it and the loop runs on.
+    """
+    _INTERRUPT["deferred"] += 1
+    try:
+        yield
+    finally:
+        _INTERRUPT["deferred"] -= 1
+    check_interrupt()
+
+
 @contextlib.contextmanager
 def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
     """Run a command body: map exceptions to one line and an exit status.
@@ -107,12 +139,13 @@ def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
     JSON lines reach stdout.
     """
     redirect = contextlib.redirect_stdout(sys.stderr) if stdout_pure else contextlib.nullcontext()
-    old_term = None
+    old_handlers = {}
     if threading.current_thread() is threading.main_thread():
-        def _term(signum, frame):  # SIGTERM: unwind like Ctrl-C (temp outputs are removed)
-            raise KeyboardInterrupt
-        with contextlib.suppress(Exception):
-            old_term = signal.signal(signal.SIGTERM, _term)
+        # SIGINT and SIGTERM unwind like Ctrl-C (temp outputs are removed); inside GPU loops
+        # they are deferred to the next step (see deferred_interrupts)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                old_handlers[sig] = signal.signal(sig, _on_interrupt)
     try:
         with redirect:
             yield
@@ -155,9 +188,10 @@ def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
         ui.error(f"internal error: {type(e).__name__}: {text}", None if debug_enabled() else DEBUG_HINT)
         raise typer.Exit(1)
     finally:
-        if old_term is not None:
+        for sig, old in old_handlers.items():
             with contextlib.suppress(Exception):
-                signal.signal(signal.SIGTERM, old_term)
+                signal.signal(sig, old)
+        _INTERRUPT["pending"] = False
 
 
 # --------------------------------------------------------------------------- outputs

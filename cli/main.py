@@ -45,8 +45,10 @@ from .common import (
     VerboseOpt,
     WeightDecayOpt,
     all_finite,
+    check_interrupt,
     check_output,
     checkpoint_dir,
+    deferred_interrupts,
     describe_sources,
     engine_version,
     guard,
@@ -146,8 +148,13 @@ def _fit_view(ui: UI, title: str, epochs: int):
     def on_epoch(s):
         view.on_epoch(s)
         ui.emit(_epoch_event(s))
+        check_interrupt()
 
-    return view, on_epoch, view.on_progress
+    def on_progress(step, total):
+        view.on_progress(step, total)
+        check_interrupt()
+
+    return view, on_epoch, on_progress
 
 
 def _write_model(out_tmp: Path, ckpt, tensors: dict, tokenizer: Optional[str], metadata: dict | None = None) -> None:
@@ -324,8 +331,12 @@ def do_eval(ui: UI, ckpt_path: Path, data: list[str], seq_len: int, batch_size: 
     rt = make_runtime(device, verbose, ui)
     model = MambaModel.from_checkpoint(rt, c)
     t0 = time.perf_counter()
-    with ui.eval_progress("eval") as prog:
-        res = _trainer_mod().evaluate(model, batches, on_progress=prog)
+    with ui.eval_progress("eval") as prog, deferred_interrupts():
+        def on_progress(step, total):
+            prog(step, total)
+            check_interrupt()
+
+        res = _trainer_mod().evaluate(model, batches, on_progress=on_progress)
     dt = time.perf_counter() - t0
     if quiet_table:
         return res
@@ -411,7 +422,7 @@ def do_train(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict,
     trainer = tr.Trainer(model, options, opt_state)
     view, on_epoch, on_progress = _fit_view(ui, f"train {ckpt_path} -> {output}", options.epochs)
     t0 = time.perf_counter()
-    with view:
+    with view, deferred_interrupts():
         stats = trainer.fit(batches, on_epoch=on_epoch, on_progress=on_progress)
     elapsed = time.perf_counter() - t0
     state = model.state_dict()
@@ -510,10 +521,11 @@ def do_adapt(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict,
                 p.__exit__(None, None, None)
             eval_prog[phase] = ui.eval_progress(f"perplexity {phase}").__enter__()
         eval_prog[phase](step, total)
+        check_interrupt()
 
     t0 = time.perf_counter()
     try:
-        with view:
+        with view, deferred_interrupts():
             res = run_adapt(model, batches, options, opt_state, tolerance=tolerance, rollback=rollback,
                             on_epoch=on_epoch, on_progress=on_progress, on_eval=on_eval)
     finally:
