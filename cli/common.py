@@ -413,6 +413,9 @@ def make_runtime(device: Optional[str], verbose: bool, ui: UI):
     from memengine.engine.gpu import get_runtime
 
     rt = get_runtime(device or None, verbose=verbose)
+    # each command builds its own model: let go of what an earlier one in this process
+    # (the demo runs several) left in the bind-group, scratch and buffer caches
+    rt.trim()
     desc = rt.describe()
     if getattr(ui, "_adapter_shown", None) != desc:  # once per command (the demo runs several)
         ui.note(f"adapter: {desc}")

@@ -258,9 +258,10 @@ def info(
         try:
             from memengine.engine.gpu import get_runtime
 
-            adapter = get_runtime(device or None, verbose=verbose).describe()
+            rt = get_runtime(device or None, verbose=verbose)
+            adapter, caps = rt.describe(), rt.capabilities()
         except MemengineError as e:
-            adapter = f"none ({e})"
+            adapter, caps = f"none ({e})", None
         tok = getattr(c, "tokenizer_path", None)
         ui.kv(f"checkpoint {ckpt}", [
             ("layers", cfg.num_hidden_layers),
@@ -279,6 +280,9 @@ def info(
             ("tokenizer", str(tok) if tok else "byte-level (built-in)"),
             ("optimizer state", "yes" if (checkpoint_dir(ckpt) / OPTIMIZER_FILE).is_file() else "no"),
             ("adapter", adapter),
+            ("GPU features", "n/a" if caps is None else
+             f"{', '.join(caps['features']) or 'none'}; largest binding "
+             f"{caps['max_storage_binding_bytes'] / 2**20:,.0f} MiB"),
         ])
         if json_out:
             ui.emit({
@@ -291,6 +295,7 @@ def info(
                 "bytes": nbytes,
                 "tokenizer": str(tok) if tok else None,
                 "adapter": adapter,
+                "gpu": caps,
             })
 
 

@@ -234,6 +234,17 @@ class Runtime:
     def describe(self) -> str:
         return f"{self.adapter_name} ({self.backend}, {self.adapter_type})"
 
+    # optional adapter features that kernels may use where present (the plain path is the
+    # reference); reported by `memengine info`
+    OPTIONAL_FEATURES = ("timestamp-query", "subgroup", "shader-f16")
+
+    def capabilities(self) -> dict:
+        return {
+            "features": [f for f in self.OPTIONAL_FEATURES if f in self.features],
+            "max_storage_binding_bytes": self.max_binding,
+            "max_buffer_bytes": self.max_buffer,
+        }
+
     # ------------------------------------------------------------------ shaders
     def module(self, name: str):
         mod = self._modules.get(name)
