@@ -115,6 +115,24 @@ fn selective_scan_forward_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(n
     y[P.o_y + i] = softplus(delta[P.o_delta + i] + work[off_bias() + i % P.Di]);
 }
 
+// One tile of TT steps of the forward, after every (d, n) thread has put s*C in workgroup
+// memory: y = (sum over n + D*u) * silu(z) for the block's channels.
+fn fwd_flush_tile(b: u32, blk: u32, t0: u32, t_end: u32, tid: u32) {
+    for (var k = tid; k < TT * P.DB; k += WG) {
+        let j = k / P.DB;
+        let dl2 = k % P.DB;
+        let d2 = blk * P.DB + dl2;
+        let t = t0 + j;
+        if (d2 < P.Di && t < t_end) {
+            var acc = 0.0;
+            for (var n2 = 0u; n2 < P.N; n2++) { acc += shf[j * WG + dl2 * P.N + n2]; }
+            let m = b * P.L + t;
+            let z = xz[P.o_xz + m * 2u * P.Di + P.Di + d2];
+            y[P.o_y + m * P.Di + d2] = (acc + work[off_D() + d2] * u[P.o_u + m * P.Di + d2]) * silu(z);
+        }
+    }
+}
+
 @compute @workgroup_size(256)
 fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                           @builtin(local_invocation_index) tid: u32) {
@@ -146,19 +164,7 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
             shf[j * WG + tid] = v;
         }
         workgroupBarrier();
-        for (var k = tid; k < TT * P.DB; k += WG) {
-            let j = k / P.DB;
-            let dl2 = k % P.DB;
-            let d2 = blk * P.DB + dl2;
-            let t = t0 + j;
-            if (d2 < P.Di && t < P.L) {
-                var acc = 0.0;
-                for (var n2 = 0u; n2 < P.N; n2++) { acc += shf[j * WG + dl2 * P.N + n2]; }
-                let m = b * P.L + t;
-                let z = xz[P.o_xz + m * 2u * P.Di + P.Di + d2];
-                y[P.o_y + m * P.Di + d2] = (acc + work[off_D() + d2] * u[P.o_u + m * P.Di + d2]) * silu(z);
-            }
-        }
+        fwd_flush_tile(b, blk, t0, P.L, tid);
         workgroupBarrier();
     }
 }
@@ -249,19 +255,7 @@ fn selective_scan_forward_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
             shf[j * WG + tid] = v;
         }
         workgroupBarrier();
-        for (var k = tid; k < TT * P.DB; k += WG) {
-            let j = k / P.DB;
-            let dl2 = k % P.DB;
-            let d2 = blk * P.DB + dl2;
-            let t = t0 + j;
-            if (d2 < P.Di && t < tc1) {
-                var acc = 0.0;
-                for (var n2 = 0u; n2 < P.N; n2++) { acc += shf[j * WG + dl2 * P.N + n2]; }
-                let m = b * P.L + t;
-                let z = xz[P.o_xz + m * 2u * P.Di + P.Di + d2];
-                y[P.o_y + m * P.Di + d2] = (acc + work[off_D() + d2] * u[P.o_u + m * P.Di + d2]) * silu(z);
-            }
-        }
+        fwd_flush_tile(b, blk, t0, tc1, tid);
         workgroupBarrier();
     }
 }
@@ -279,6 +273,79 @@ fn selective_scan_backward_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
     ddelta[P.o_ddelta + i] = softplus(delta[P.o_delta + i] + work[off_bias() + d]);
     let z = xz[P.o_xz + m * 2u * P.Di + P.Di + d];
     du[P.o_du + i] = dy[P.o_dy + i] * silu(z);
+}
+
+// One time step of the backward for one (d, n): sp is the state before step m, g the
+// adjoint carried from the later steps.  Returns the new adjoint and this step's terms:
+// du (summed over n), d(dt) (summed over n), y_pre = s*C + D*u (summed over n), dB and dC
+// (summed over d), and the dA_log increment.
+struct BwdStep { g: f32, du: f32, ddt: f32, y: f32, db: f32, dc: f32, da: f32 }
+
+fn bwd_step(m: u32, d: u32, n: u32, a: f32, Dd: f32, sp: f32, g_in: f32) -> BwdStep {
+    let e = m * P.Di + d;
+    let dt = ddelta[P.o_ddelta + e];
+    let dyp = du[P.o_du + e];
+    let uu = u[P.o_u + e];
+    let xrow = P.o_xdbl + m * P.ldx + P.R;
+    let Bn = xdbl[xrow + n];
+    let Cn = xdbl[xrow + P.N + n];
+    let ea = exp(dt * a);
+    let st = ea * sp + dt * Bn * uu;
+    let g = g_in + Cn * dyp;
+    var r: BwdStep;
+    r.du = g * dt * Bn + Dd * dyp;
+    r.ddt = g * (a * ea * sp + Bn * uu);
+    r.y = st * Cn + Dd * uu;
+    r.db = g * dt * uu;
+    r.dc = st * dyp;
+    r.da = g * sp * ea * dt;
+    r.g = ea * g;
+    return r;
+}
+
+// One tile of TB steps of the backward, after every (d, n) thread has put its terms in
+// workgroup memory: sum over n for du, d(delta) and dz (written), and over the block's
+// channels for dB and dC (partials per channel block, summed by backward_dbc).
+fn bwd_flush_tile(b: u32, blk: u32, t0: u32, t_end: u32, tid: u32) {
+    for (var k = tid; k < TB * P.DB; k += WG) {
+        let j = k / P.DB;
+        let dl2 = k % P.DB;
+        let d2 = blk * P.DB + dl2;
+        let t = t0 + j;
+        if (d2 < P.Di && t < t_end) {
+            var sdu = 0.0;
+            var sdt = 0.0;
+            var sy = 0.0;
+            for (var n2 = 0u; n2 < P.N; n2++) {
+                let q = j * WG + dl2 * P.N + n2;
+                sdu += sh_du[q];
+                sdt += sh_dt[q];
+                sy += sh_y[q];
+            }
+            let m = b * P.L + t;
+            let e = m * P.Di + d2;
+            du[P.o_du + e] = sdu;
+            ddelta[P.o_ddelta + e] = sdt;
+            dxz[P.o_dxz + m * 2u * P.Di + P.Di + d2] = sy;
+        }
+    }
+    for (var k = tid; k < TB * P.N; k += WG) {
+        let j = k / P.N;
+        let n2 = k % P.N;
+        let t = t0 + j;
+        if (t < t_end) {
+            var sb = 0.0;
+            var sc = 0.0;
+            for (var q = 0u; q < P.DB; q++) {
+                sb += sh_b[j * WG + q * P.N + n2];
+                sc += sh_c[j * WG + q * P.N + n2];
+            }
+            let m = b * P.L + t;
+            let o = (m * P.nblk + blk) * P.N + n2;
+            pbc[o] = sb;
+            pbc[P.pbc_half + o] = sc;
+        }
+    }
 }
 
 // scan (b, block): reads dt from ddelta and dy' from du, overwrites them with d(dt) and du;
@@ -332,25 +399,10 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 var vb = 0.0;
                 var vc = 0.0;
                 if (live && t < tc1) {
-                    let m = b * P.L + t;
-                    let e = m * P.Di + d;
-                    let dt = ddelta[P.o_ddelta + e];
-                    let dyp = du[P.o_du + e];
-                    let uu = u[P.o_u + e];
-                    let xrow = P.o_xdbl + m * P.ldx + P.R;
-                    let Bn = xdbl[xrow + n];
-                    let Cn = xdbl[xrow + P.N + n];
-                    let sp = work[P.off_ss + (t - tc0) * sstride + idx];
-                    let ea = exp(dt * a);
-                    let st = ea * sp + dt * Bn * uu;
-                    g = g + Cn * dyp;
-                    vdu = g * dt * Bn + Dd * dyp;
-                    vdt = g * (a * ea * sp + Bn * uu);
-                    vy = st * Cn + Dd * uu;
-                    vb = g * dt * uu;
-                    vc = st * dyp;
-                    dacc += g * sp * ea * dt;
-                    g = ea * g;
+                    let r = bwd_step(b * P.L + t, d, n, a, Dd, work[P.off_ss + (t - tc0) * sstride + idx], g);
+                    g = r.g;
+                    dacc += r.da;
+                    vdu = r.du; vdt = r.ddt; vy = r.y; vb = r.db; vc = r.dc;
                 }
                 sh_du[j * WG + tid] = vdu;
                 sh_dt[j * WG + tid] = vdt;
@@ -359,45 +411,7 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 sh_c[j * WG + tid] = vc;
             }
             workgroupBarrier();
-            for (var k = tid; k < TB * P.DB; k += WG) {
-                let j = k / P.DB;
-                let dl2 = k % P.DB;
-                let d2 = blk * P.DB + dl2;
-                let t = t0 + j;
-                if (d2 < P.Di && t < tc1) {
-                    var sdu = 0.0;
-                    var sdt = 0.0;
-                    var sy = 0.0;
-                    for (var n2 = 0u; n2 < P.N; n2++) {
-                        let q = j * WG + dl2 * P.N + n2;
-                        sdu += sh_du[q];
-                        sdt += sh_dt[q];
-                        sy += sh_y[q];
-                    }
-                    let m = b * P.L + t;
-                    let e = m * P.Di + d2;
-                    du[P.o_du + e] = sdu;
-                    ddelta[P.o_ddelta + e] = sdt;
-                    dxz[P.o_dxz + m * 2u * P.Di + P.Di + d2] = sy;
-                }
-            }
-            for (var k = tid; k < TB * P.N; k += WG) {
-                let j = k / P.N;
-                let n2 = k % P.N;
-                let t = t0 + j;
-                if (t < tc1) {
-                    var sb = 0.0;
-                    var sc = 0.0;
-                    for (var q = 0u; q < P.DB; q++) {
-                        sb += sh_b[j * WG + q * P.N + n2];
-                        sc += sh_c[j * WG + q * P.N + n2];
-                    }
-                    let m = b * P.L + t;
-                    let o = (m * P.nblk + blk) * P.N + n2;
-                    pbc[o] = sb;
-                    pbc[P.pbc_half + o] = sc;
-                }
-            }
+            bwd_flush_tile(b, blk, t0, tc1, tid);
             workgroupBarrier();
         }
     }
@@ -557,25 +571,10 @@ fn selective_scan_backward_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin
                 var vb = 0.0;
                 var vc = 0.0;
                 if (live && t < ts1) {
-                    let m = b * P.L + t;
-                    let e = m * P.Di + d;
-                    let dt = ddelta[P.o_ddelta + e];
-                    let dyp = du[P.o_du + e];
-                    let uu = u[P.o_u + e];
-                    let xrow = P.o_xdbl + m * P.ldx + P.R;
-                    let Bn = xdbl[xrow + n];
-                    let Cn = xdbl[xrow + P.N + n];
-                    let sp = shf[(t - ts0) * WG + tid];
-                    let ea = exp(dt * a);
-                    let st = ea * sp + dt * Bn * uu;
-                    g = g + Cn * dyp;
-                    vdu = g * dt * Bn + Dd * dyp;
-                    vdt = g * (a * ea * sp + Bn * uu);
-                    vy = st * Cn + Dd * uu;
-                    vb = g * dt * uu;
-                    vc = st * dyp;
-                    dacc += g * sp * ea * dt;
-                    g = ea * g;
+                    let r = bwd_step(b * P.L + t, d, n, a, Dd, shf[(t - ts0) * WG + tid], g);
+                    g = r.g;
+                    dacc += r.da;
+                    vdu = r.du; vdt = r.ddt; vy = r.y; vb = r.db; vc = r.dc;
                 }
                 sh_du[j * WG + tid] = vdu;
                 sh_dt[j * WG + tid] = vdt;
@@ -584,45 +583,7 @@ fn selective_scan_backward_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin
                 sh_c[j * WG + tid] = vc;
             }
             workgroupBarrier();
-            for (var k = tid; k < TB * P.DB; k += WG) {
-                let j = k / P.DB;
-                let dl2 = k % P.DB;
-                let d2 = blk * P.DB + dl2;
-                let t = t0 + j;
-                if (d2 < P.Di && t < ts1) {
-                    var sdu = 0.0;
-                    var sdt = 0.0;
-                    var sy = 0.0;
-                    for (var n2 = 0u; n2 < P.N; n2++) {
-                        let q = j * WG + dl2 * P.N + n2;
-                        sdu += sh_du[q];
-                        sdt += sh_dt[q];
-                        sy += sh_y[q];
-                    }
-                    let m = b * P.L + t;
-                    let e = m * P.Di + d2;
-                    du[P.o_du + e] = sdu;
-                    ddelta[P.o_ddelta + e] = sdt;
-                    dxz[P.o_dxz + m * 2u * P.Di + P.Di + d2] = sy;
-                }
-            }
-            for (var k = tid; k < TB * P.N; k += WG) {
-                let j = k / P.N;
-                let n2 = k % P.N;
-                let t = t0 + j;
-                if (t < ts1) {
-                    var sb = 0.0;
-                    var sc = 0.0;
-                    for (var q = 0u; q < P.DB; q++) {
-                        sb += sh_b[j * WG + q * P.N + n2];
-                        sc += sh_c[j * WG + q * P.N + n2];
-                    }
-                    let m = b * P.L + t;
-                    let o = (m * P.nblk + blk) * P.N + n2;
-                    pbc[o] = sb;
-                    pbc[P.pbc_half + o] = sc;
-                }
-            }
+            bwd_flush_tile(b, blk, t0, ts1, tid);
             workgroupBarrier();
         }
     }
