@@ -78,7 +78,7 @@ MaxDeltaOpt = Annotated[float, typer.Option(
 Beta1Opt = Annotated[float, typer.Option("--beta1", rich_help_panel=_TRAIN, help="AdamW beta1.")]
 Beta2Opt = Annotated[float, typer.Option("--beta2", rich_help_panel=_TRAIN, help="AdamW beta2.")]
 EpsOpt = Annotated[float, typer.Option("--eps", rich_help_panel=_TRAIN, help="AdamW epsilon.")]
-SeedOpt = Annotated[int, typer.Option("--seed", rich_help_panel=_TRAIN, help="Random seed.")]
+SeedOpt = Annotated[int, typer.Option("--seed", rich_help_panel=_TRAIN, help="Seed recorded with the run. Training is deterministic: windows are visited in order and nothing is sampled.")]
 ConfigOpt = Annotated[Optional[Path], typer.Option(
     "--config", "-c", rich_help_panel=_TRAIN, dir_okay=False,
     help="YAML or JSON file setting any of these options (flags given on the command line win).")]

@@ -33,7 +33,7 @@ class TrainOptions:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    seed: int = 0
+    seed: int = 0           # recorded with the run; the loop itself samples nothing
     wsla: bool = False
 
     def validate(self) -> None:
