@@ -109,7 +109,7 @@ def bound(rt: "Runtime", t: Tensor, n: int | None = None) -> tuple[Tensor, int]:
     if t.offset % 4:
         raise ValueError("tensor offset must be a multiple of 4 bytes")
     n = t.numel if n is None else n
-    al = int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
+    al = rt.storage_align
     start = (t.offset // al) * al
     extra = (t.offset - start) // 4
     return Tensor(t.buffer, (extra + max(n, 1),), t.dtype, start), extra
@@ -221,6 +221,7 @@ class Runtime:
         self.max_binding = int(self.limits["max-storage-buffer-binding-size"])
         self.max_buffer = int(self.limits["max-buffer-size"])
         self.uniform_align = int(self.limits.get("min-uniform-buffer-offset-alignment", 256))
+        self.storage_align = int(self.limits.get("min-storage-buffer-offset-alignment", 256))
         self._modules: dict = {}
         self._pipelines: dict = {}
         self._bind_groups: dict = {}

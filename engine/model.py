@@ -78,7 +78,7 @@ class FlatStore:
     """Named views into one flat f32 buffer, each aligned for binding."""
 
     def __init__(self, rt: Runtime, shapes: dict, label: str):
-        align = int(rt.limits.get("min-storage-buffer-offset-alignment", 256)) // 4
+        align = rt.storage_align // 4
         self.offsets: dict[str, int] = {}
         off = 0
         for name, shape in shapes.items():

@@ -26,10 +26,6 @@ _ADAM_BYTES = 48
 assert struct.calcsize(_ADAM_FMT) == _ADAM_BYTES
 
 
-def _storage_align(rt) -> int:
-    return int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
-
-
 class GradClipper:
     """Global gradient L2 norm and clip factor, computed on the GPU.
 
@@ -160,7 +156,7 @@ class AdamW:
         missing = [n for n in params if n not in grads]
         if missing:
             raise KeyError(f"AdamW: no gradient for {missing}")
-        al = _storage_align(rt)
+        al = rt.storage_align
         for name, p in params.items():
             g = grads[name]
             if p.numel != g.numel:

@@ -31,10 +31,6 @@ MIN_PER_THREAD = 8
 MAX_PARTIALS = 32768  # per reduction; stage 2 folds at most this many per 256 threads
 
 
-def _storage_align(rt) -> int:
-    return int(rt.limits.get("min-storage-buffer-offset-alignment", 256))
-
-
 def plan(n: int) -> tuple[int, int]:
     """(per_thread, groups) of stage 1 for n elements; groups <= MAX_PARTIALS."""
     per_thread = max(MIN_PER_THREAD, cdiv(n, WG * MAX_PARTIALS))
@@ -44,7 +40,7 @@ def plan(n: int) -> tuple[int, int]:
 def _pieces(rt, x: Tensor):
     """Split x into (element_start, count) pieces that each fit one storage binding."""
     n = x.numel
-    al = _storage_align(rt)
+    al = rt.storage_align
     cap = ((rt.max_binding - al) // (4 * WG)) * WG  # elements per piece, multiple of 256
     cap = max(WG, cap)
     return [(s, min(cap, n - s)) for s in range(0, n, cap)]
