@@ -485,6 +485,39 @@ class _Profiler:
         self.pending = []
 
 
+class StepFence:
+    """Bounds how many submitted steps may be queued on the GPU, without stalling it.
+
+    Each step ends by copying 16 bytes into one of `depth` small mappable buffers; before
+    step i is recorded, the buffer of step i-depth is mapped, which waits for that step
+    only (the later ones keep the GPU busy).  Nothing is read: the progress a loop reports
+    then tracks the GPU within `depth` steps, and an interrupted run stops within `depth`
+    steps instead of after everything queued.
+    """
+
+    def __init__(self, rt: "Runtime", depth: int = 3):
+        u = rt.wgpu.BufferUsage
+        self.rt = rt
+        self.depth = max(1, int(depth))
+        self.src = rt.empty((4,), "u32", "fence.src")
+        self.bufs = [rt.device.create_buffer(label=f"fence{i}", size=16, usage=u.MAP_READ | u.COPY_DST)
+                     for i in range(self.depth)]
+        self.steps = 0
+
+    def wait(self) -> None:
+        """Call before recording a step: waits for the step `depth` back to finish."""
+        if self.steps >= self.depth:
+            buf = self.bufs[self.steps % self.depth]
+            buf.map_sync(self.rt.wgpu.MapMode.READ)
+            buf.unmap()
+
+    def mark(self, rec: "Recorder") -> None:
+        """Call after recording a step, before its submit."""
+        rec._end_pass()
+        rec.encoder.copy_buffer_to_buffer(self.src.buffer, 0, self.bufs[self.steps % self.depth], 0, 16)
+        self.steps += 1
+
+
 class Recorder:
     """Records dispatches into one command encoder; `submit()` sends them as one batch."""
 

@@ -3,7 +3,8 @@
 One step is one command submission: upload the batch, clear the gradients, forward,
 loss, backward, global-norm clip factor, one AdamW dispatch per trainable parameter.
 The step's mean loss and pre-clip gradient norm are accumulated on the GPU and read
-back once per epoch (the only sync point).
+back once per epoch (the only readback).  A `StepFence` keeps at most a few steps
+queued, so progress callbacks follow the GPU and Ctrl-C stops promptly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .errors import MemengineError, NonFiniteError
+from .gpu import StepFence
 from .model import MambaModel, perplexity
 from .ops.reduce import sum_into
 from .optim import AdamW, GradClipper
@@ -114,6 +116,7 @@ class Trainer:
         head_trainable = model._head_name() in trainable
         history = []
         total = len(batches)
+        fence = StepFence(rt)
         for epoch in range(1, o.epochs + 1):
             t0 = time.perf_counter()
             rec = rt.recorder()
@@ -122,6 +125,7 @@ class Trainer:
             rec.submit()
             tokens = 0
             for step, batch in enumerate(batches, 1):
+                fence.wait()  # keeps at most fence.depth steps queued (no readback)
                 model.write_batch(ws, batch.ids, batch.targets)
                 if trainable & {"backbone.embeddings.weight"}:
                     ws.emb_back.prepare(batch.ids)
@@ -132,6 +136,7 @@ class Trainer:
                 model.record_backward(rec, ws, trainable)
                 self.clipper.record(rec, grad_list, o.max_grad_norm)
                 self.opt.record_step(rec, params, grads, self.clipper.factor)
+                fence.mark(rec)
                 rec.submit()
                 tokens += int(batch.n_tokens)
                 if on_progress is not None:
@@ -161,11 +166,14 @@ def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = No
     rec.clear(acc)
     n_targets = 0
     total = len(batches)
+    fence = StepFence(rt)
     for step, batch in enumerate(batches, 1):
+        fence.wait()
         n_targets += model.write_batch(ws, batch.ids, batch.targets)
         model.record_forward(rec, ws)
         model.record_loss(rec, ws, want_grad=False)
         sum_into(rec, acc, ws.loss_rows)
+        fence.mark(rec)
         rec.submit()
         if on_progress is not None:
             on_progress(step, total)
