@@ -259,6 +259,7 @@ class MambaModel:
                            ldx=R + 2 * N)
             selective_scan_forward(rec, ws.y[i], ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias,
                                    lp.A_log, lp.D, ws.xdbl[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
+            # residual add fused into out_proj: h_next = h, then h_next += y @ out_proj^T (+ b)
             rec.copy(h, hn)
             linear_forward(rec, hn, ws.y[i], lp.out_proj_weight, lp.out_proj_bias, M=M, N=E, K=Di, acc=True)
         rmsnorm_forward(rec, ws.hf, ws.rstd_f, ws.h[-1], p.norm_f, c.layer_norm_epsilon)
