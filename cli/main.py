@@ -8,7 +8,6 @@ through `cli.ui.UI`; `--json` puts JSON lines (and nothing else) on stdout.  Exi
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import tempfile
 import time

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,7 +300,7 @@ def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str,
             if isinstance(content, Path):
                 if dst.exists() and dst.resolve() == content.resolve():
                     continue
-                _copy_atomic(content, dst)
+                atomic_write_bytes(dst, _file_chunks(content))
             else:
                 atomic_write_bytes(dst, content)
     except OSError as e:
@@ -309,18 +308,7 @@ def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str,
     return out
 
 
-def _copy_atomic(src: Path, dst: Path) -> None:
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+def _file_chunks(path: Path, size: int = 1 << 22):
+    with open(path, "rb") as f:
+        while chunk := f.read(size):
+            yield chunk

@@ -24,9 +24,8 @@ import logging
 import os
 import struct
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
-from typing import Iterable
 
 import numpy as np
 

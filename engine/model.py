@@ -18,7 +18,7 @@ command and the optimizer addresses both by name.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from .gpu import Recorder, Runtime, Tensor
 from .ops.conv1d import conv1d_backward, conv1d_forward
 from .ops.cross_entropy import cross_entropy
 from .ops.embedding import EmbeddingBackward, embedding_forward
-from .ops.matmul import linear_backward, linear_forward, matmul
+from .ops.matmul import linear_backward, linear_forward
 from .ops.reduce import sum_into
 from .ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .ops.scan import scan_state_shape, selective_scan_backward, selective_scan_forward

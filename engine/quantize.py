@@ -8,9 +8,7 @@ largest finite value is an *overflow*, reported in a mask so callers can refuse 
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 

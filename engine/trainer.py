@@ -12,9 +12,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
-import numpy as np
 
 from .errors import MemengineError, NonFiniteError
 from .gpu import StepFence
