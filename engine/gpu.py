@@ -95,7 +95,7 @@ class Tensor:
 
     def view(self, shape: tuple, offset_elems: int = 0) -> "Tensor":
         t = Tensor(self.buffer, tuple(shape), self.dtype, self.offset + 4 * offset_elems)
-        assert t.offset + t.nbytes <= self.offset + self.nbytes or t.offset + t.nbytes <= self.buffer.size
+        assert t.offset + t.nbytes <= self.offset + self.nbytes, "view past the end of its tensor"
         return t
 
 
@@ -386,9 +386,8 @@ class Runtime:
                 entries.append({"binding": i, "resource": {"buffer": r.buffer, "offset": r.offset, "size": size}})
             bg = self.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
             self._bind_groups[key] = (bg, pipeline, bindings)  # keep referents alive
-        else:
-            bg = bg
-        return self._bind_groups[key][0]
+            return bg
+        return bg[0]
 
     def recorder(self) -> "Recorder":
         return Recorder(self)

@@ -337,21 +337,28 @@ class MambaModel:
             out[r0:r0 + mc] = self.rt.read(logits)
         return out.reshape(B, L, V)
 
+    def record_gradients(self, rec: Recorder, ws: Workspace, ids: np.ndarray, trainable: set,
+                         loss_acc: Tensor) -> None:
+        """One step's forward and backward for the batch already written to `ws`:
+        gradients of the mean loss in `self.grads` (cleared first), the mean loss added
+        into loss_acc[0].  `ids` (host) plan the embedding's scatter-add."""
+        if "backbone.embeddings.weight" in trainable:
+            ws.emb_back.prepare(ids)
+        rec.clear(self.G.flat)
+        self.record_forward(rec, ws)
+        self.record_loss(rec, ws, want_grad=True, train_head=self._head_name() in trainable)
+        sum_into(rec, loss_acc, ws.loss_rows, scale_tensor=ws.scale)
+        self.record_backward(rec, ws, trainable)
+
     def loss_and_grads(self, ids: np.ndarray, targets: np.ndarray, trainable=None) -> float:
         """One forward+backward (no update); gradients left in `self.grads`. For tests."""
         ids = np.atleast_2d(ids)
         ws = self.workspace(*ids.shape)
         self.write_batch(ws, ids, targets)
-        trainable = set(self.names if trainable is None else trainable)
-        if "backbone.embeddings.weight" in trainable:
-            ws.emb_back.prepare(ids)
         rec = self.rt.recorder()
-        rec.clear(self.G.flat)
         rec.clear(self._acc)
-        self.record_forward(rec, ws)
-        self.record_loss(rec, ws, want_grad=True, train_head=self._head_name() in trainable)
-        sum_into(rec, self._acc.view((1,)), ws.loss_rows, scale_tensor=ws.scale)
-        self.record_backward(rec, ws, trainable)
+        self.record_gradients(rec, ws, ids, set(self.names if trainable is None else trainable),
+                              self._acc.view((1,)))
         rec.submit()
         return float(self.rt.read(self._acc)[0])
 

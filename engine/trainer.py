@@ -112,7 +112,6 @@ class Trainer:
         params = {n: model.P.views[n] for n in names}
         grads = {n: model.G.views[n] for n in names}
         grad_list = list(grads.values())
-        head_trainable = model._head_name() in trainable
         history = []
         total = len(batches)
         fence = StepFence(rt)
@@ -126,13 +125,7 @@ class Trainer:
             for step, batch in enumerate(batches, 1):
                 fence.wait()  # keeps at most fence.depth steps queued (no readback)
                 model.write_batch(ws, batch.ids, batch.targets)
-                if trainable & {"backbone.embeddings.weight"}:
-                    ws.emb_back.prepare(batch.ids)
-                rec.clear(model.G.flat)
-                model.record_forward(rec, ws)
-                model.record_loss(rec, ws, want_grad=True, train_head=head_trainable)
-                sum_into(rec, self._loss_acc, ws.loss_rows, scale_tensor=ws.scale)
-                model.record_backward(rec, ws, trainable)
+                model.record_gradients(rec, ws, batch.ids, trainable, self._loss_acc)
                 self.clipper.record(rec, grad_list, o.max_grad_norm)
                 self.opt.record_step(rec, params, grads, self.clipper.factor)
                 fence.mark(rec)
@@ -142,7 +135,7 @@ class Trainer:
                     on_progress(step, total)
             # the one readback of the epoch (a GPU sync point)
             loss = float(rt.read(self._loss_acc)[0]) / total
-            gnorm = float(rt.read(self.clipper.norm_sum)[0]) / total
+            gnorm = self.clipper.mean_norm()
             elapsed = time.perf_counter() - t0
             stats = EpochStats(epoch, loss, gnorm, tokens, tokens / elapsed if elapsed > 0 else 0.0, elapsed)
             history.append(stats)
