@@ -3,13 +3,14 @@
 //   g = grad * clip[0]
 //   m = b1 m + (1-b1) g ;  v = b2 v + (1-b2) g^2
 //   step = lr (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
-//   step not finite -> 0 ;  max_delta > 0 -> step = clamp(step, -max_delta, max_delta)
-//   p = p (1 - lr wd) - step
+//   step not finite -> 0 ;  step = step + lr wd p           (decoupled weight decay)
+//   max_delta > 0 -> step = clamp(step, -max_delta, max_delta)   (the whole move, decay included)
+//   p = p - step
 //
 // Non-finite handling (documented choice): an element whose new m or v would be non-finite
 // (NaN/Inf gradient, or g^2 overflowing) keeps its OLD m and v and gets step 0, as if that
 // gradient element had not arrived; NaN/Inf therefore never enters the moments or the weight.
-// Weight decay still applies (p * (1 - lr wd)), exactly as the SPEC formula says; with wd = 0
+// Weight decay still applies (step = lr wd p), exactly as the SPEC formula says; with wd = 0
 // the weight is unchanged.  A finite m/v whose step is still non-finite (e.g. eps = 0 and
 // v = 0) keeps the new moments and gets step 0.
 
@@ -59,8 +60,10 @@ fn adamw_step(@builtin(local_invocation_index) lid: u32,
         m[i] = m1;
         v[i] = v1;
     }
+    let pi = p[i];
+    step = step + U.lr * U.wd * pi;
     if (U.max_delta > 0.0) {
         step = clamp(step, -U.max_delta, U.max_delta);
     }
-    p[i] = p[i] * (1.0 - U.lr * U.wd) - step;
+    p[i] = pi - step;
 }

@@ -56,9 +56,10 @@ class RefAdamW:
                 step = np.where(ok & np.isfinite(step), step, 0.0)
                 self.m[name] = np.where(ok, m1, m)
                 self.v[name] = np.where(ok, v1, v)
+                step = step + self.lr * self.wd * p.astype(np.float64)
                 if self.max_delta > 0:
                     step = np.clip(step, -self.max_delta, self.max_delta)
-                out[name] = p.astype(np.float64) * (1 - self.lr * self.wd) - step
+                out[name] = p.astype(np.float64) - step
         return out
 
 
@@ -130,6 +131,28 @@ def test_trust_region_clamp(rt):
         delta = np.abs(now.astype(np.float64) - prev)
         assert delta.max() <= 0.05 * (1 + 1e-5) + 1e-6
         assert np.mean(delta > 0.049) > 0.5  # lr >> max_delta: most steps hit the clamp
+        np.testing.assert_allclose(now, cur["w"], rtol=1e-5, atol=2e-6)
+
+
+def test_trust_region_bounds_the_move_with_weight_decay(rt):
+    """--max-delta caps the whole move of an element in one step, decay included (SPEC 4):
+    with a large decay and a tiny Adam step, the decay alone would exceed the cap."""
+    rng = np.random.default_rng(12)
+    p0 = (rng.standard_normal(4000) * 5).astype(np.float32)
+    g0 = (rng.standard_normal(4000) * 1e-3).astype(np.float32)
+    p, g = rt.upload(p0), rt.upload(g0)
+    opt = AdamW(rt, lr=1e-3, weight_decay=10.0, max_delta=1e-3)
+    ref = RefAdamW(lr=1e-3, wd=10.0, max_delta=1e-3)
+    cur = {"w": p0}
+    for _ in range(3):
+        prev = rt.read(p)
+        _step(rt, opt, {"w": p}, {"w": g})
+        cur = ref.step(cur, {"w": g0})
+        now = rt.read(p)
+        delta = np.abs(now.astype(np.float64) - prev)
+        # the move is max_delta up to the f32 rounding of the new weight
+        assert np.all(delta <= 1e-3 + np.spacing(np.abs(prev)))
+        assert np.mean(delta > 0.99e-3) > 0.5  # lr*wd*|p| (about 0.04) is far above the cap
         np.testing.assert_allclose(now, cur["w"], rtol=1e-5, atol=2e-6)
 
 
