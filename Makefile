@@ -1,24 +1,32 @@
-# The two commands of the README. Each installs what it needs on a fresh machine.
-#   make demo   tiny model, bundled text: init, train, adapt, quantize, eval
+# The two commands of the README. Each installs what it needs on a fresh machine (the
+# Vulkan driver when there is no GPU adapter, and a project virtualenv in .venv, so the
+# system Python is never modified).
+#   make demo   tiny model, bundled text: init, train, adapt, quantize, eval, generate
 #   make test   the whole test suite (the oracle is transformers' MambaForCausalLM)
-PYTHON ?= python3
-PIP ?= $(PYTHON) -m pip
+VENV ?= .venv
+PY := $(VENV)/bin/python
 
 .PHONY: demo test setup setup-test bench
 
-setup:
+# stamps: reinstall only when the project's metadata changes
+$(VENV)/.installed: pyproject.toml .ci/venv.sh
 	@bash .ci/gpu-driver.sh
-	$(PIP) install -q -e .
+	@bash .ci/venv.sh $(VENV)
+	@touch $@
 
-setup-test:
+$(VENV)/.installed-test: pyproject.toml .ci/venv.sh
 	@bash .ci/gpu-driver.sh
-	$(PIP) install -q -e ".[test]"
+	@bash .ci/venv.sh $(VENV) test
+	@touch $@ $(VENV)/.installed
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
 
 demo: setup
-	memengine demo
+	$(VENV)/bin/memengine demo
 
 test: setup-test
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 bench: setup-test
-	$(PYTHON) benchmarks/bench.py --shapes tiny --seq 128 --batch 1
+	$(PY) benchmarks/bench.py --shapes tiny --seq 128 --batch 1
