@@ -3,6 +3,10 @@
 `MambaConfig.from_dict` reads a HF `config.json` (unknown keys are ignored, known ones are
 type- and range-checked); `to_hf_dict` writes one that `transformers.MambaConfig` loads.
 `expected_shapes` lists every tensor of `MambaForCausalLM` (SPEC §3) in model order.
+
+Two model types share these keys and tensor names: `mamba` and `falcon_mamba`
+(`FalconMambaForCausalLM`: the same Mamba-1 block plus weightless RMS norms on dt_low, B and C
+inside the mixer, epsilon `mixer_rms_eps`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from typing import Any
 from .errors import MemengineError
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# model_type -> the transformers class that loads it
+MODEL_TYPES = {"mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM"}
 
 # Keys of the original `mamba_ssm` config.json (state-spaces/mamba-130m) -> HF names.
 _LEGACY_KEYS = {"d_model": "hidden_size", "n_layer": "num_hidden_layers"}
@@ -46,6 +53,8 @@ class MambaConfig:
     pad_token_id: int | None = 0
     bos_token_id: int | None = 0
     eos_token_id: int | None = 0
+    model_type: str = "mamba"  # or "falcon_mamba"
+    mixer_rms_eps: float = 1e-6  # falcon_mamba only: eps of the dt/B/C norms
 
     def __post_init__(self) -> None:
         self.validate()
@@ -63,6 +72,11 @@ class MambaConfig:
     def intermediate_size(self) -> int:
         """Di = expand * E."""
         return int(self.expand * self.hidden_size)
+
+    @property
+    def is_falcon(self) -> bool:
+        """falcon_mamba: dt_low, B and C pass a weightless RMS norm inside each mixer."""
+        return self.model_type == "falcon_mamba"
 
     @property
     def dt_rank(self) -> int:
@@ -91,7 +105,9 @@ class MambaConfig:
         for key in ("use_bias", "use_conv_bias", "tie_word_embeddings", "rescale_prenorm_residual", "residual_in_fp32"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be true or false")
-        for key in ("layer_norm_epsilon", "initializer_range", "time_step_scale", "time_step_min", "time_step_max"):
+        if self.model_type not in MODEL_TYPES:
+            raise bad("model_type", f"is not supported (supported: {', '.join(MODEL_TYPES)})")
+        for key in ("layer_norm_epsilon", "mixer_rms_eps", "initializer_range", "time_step_scale", "time_step_min", "time_step_max"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise bad(key, "must be a positive number")
@@ -121,8 +137,9 @@ class MambaConfig:
             raise MemengineError(f"{source}: expected a JSON object, got {type(d).__name__}")
         d = dict(d)
         mt = d.get("model_type")
-        if mt is not None and mt != "mamba":
-            raise MemengineError(f"{source}: model_type {mt!r} is not supported (only Mamba-1, 'mamba')")
+        if mt is not None and mt not in MODEL_TYPES:
+            raise MemengineError(
+                f"{source}: model_type {mt!r} is not supported (Mamba-1 only: {', '.join(map(repr, MODEL_TYPES))})")
         for old, new in _LEGACY_KEYS.items():
             if old in d and new not in d:
                 d[new] = d[old]
@@ -163,13 +180,14 @@ class MambaConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json content `transformers.MambaConfig` loads."""
+        """The config.json content transformers loads (`MambaConfig` or `FalconMambaConfig`)."""
         d = self.to_dict()
+        if not self.is_falcon:
+            d.pop("mixer_rms_eps")
         d["time_step_rank"] = self.dt_rank
         d["intermediate_size"] = self.intermediate_size
         d["use_cache"] = True
-        d["model_type"] = "mamba"
-        d["architectures"] = ["MambaForCausalLM"]
+        d["architectures"] = [MODEL_TYPES[self.model_type]]
         return d
 
     def to_json(self) -> str:

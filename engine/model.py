@@ -10,6 +10,10 @@ glossary in DEVELOPERS.md for the letters.  The computation is exactly SPEC sect
                 h = h + out_proj(y)
     logits = lm_head(rmsnorm(h))          loss = mean CE(logits, targets)
 
+falcon_mamba (`FalconMambaForCausalLM`) differs in one place: dt_low, B and C (the three
+column slices of xdbl) each pass a weightless RMS norm (eps `mixer_rms_eps`) before dt_proj
+and the scan use them; the normalised copy is `xdbl_n` (for mamba the same buffer as xdbl).
+
 All parameters live in one flat f32 buffer (`Params`), all gradients in another of the
 same layout (the same dataclass of views), so the gradient buffer is cleared with one
 command and the optimizer addresses both by name.
@@ -132,6 +136,9 @@ class Workspace:
         self.pre = [e((M, Di), name=f"pre{i}") for i in range(nl)]
         self.xc = [e((M, Di), name=f"xc{i}") for i in range(nl)]
         self.xdbl = [e((M, R + 2 * N), name=f"xdbl{i}") for i in range(nl)]
+        # falcon_mamba: normalised dt_low/B/C and the three norms' rstd; mamba: xdbl itself
+        self.xdbl_n = [e((M, R + 2 * N), name=f"xdbl_n{i}") for i in range(nl)] if c.is_falcon else self.xdbl
+        self.mixer_rstd = [e((3 * M,), name=f"mixer_rstd{i}") for i in range(nl)] if c.is_falcon else None
         self.delta = [e((M, Di), name=f"delta{i}") for i in range(nl)]
         self.y = [e((M, Di), name=f"y{i}") for i in range(nl)]
         self.states = [e(scan_state_shape(B, L, Di, N), name=f"states{i}") for i in range(nl)]
@@ -144,6 +151,7 @@ class Workspace:
         self.du = e((M, Di), name="du")
         self.ddelta = e((M, Di), name="ddelta")
         self.dxdbl = e((M, R + 2 * N), name="dxdbl")
+        self.dxdbl_raw = e((M, R + 2 * N), name="dxdbl_raw") if c.is_falcon else self.dxdbl
         self.dxz = e((M, 2 * Di), name="dxz")
         self.dun = e((M, E), name="dun")
         self.ones = rt.upload(np.ones(M, np.float32), name="ones")
@@ -178,6 +186,8 @@ class MambaModel:
         self.load_state_dict(tensors)
         self._ws: dict = {}
         self._acc = rt.empty((4,), name="accumulators")
+        R, N = config.dt_rank, config.state_size
+        self._mixer_ones = rt.upload(np.ones(max(R, N), np.float32), name="mixer_norm_ones") if config.is_falcon else None
 
     @classmethod
     def from_checkpoint(cls, rt: Runtime, ckpt) -> "MambaModel":
@@ -255,14 +265,25 @@ class MambaModel:
             conv1d_forward(rec, ws.xc[i], ws.pre[i], ws.xz[i], lp.conv1d_weight, lp.conv1d_bias,
                            B=B, L=L, Di=Di, K=K)
             linear_forward(rec, ws.xdbl[i], ws.xc[i], lp.x_proj_weight, None, M=M, N=R + 2 * N, K=Di)
-            linear_forward(rec, ws.delta[i], ws.xdbl[i], lp.dt_proj_weight, None, M=M, N=Di, K=R,
+            if c.is_falcon:
+                for col, w, rstd in self._mixer_norms(ws, i):
+                    rmsnorm_forward(rec, ws.xdbl_n[i], rstd, ws.xdbl[i], self._mixer_ones.view((w,)),
+                                    c.mixer_rms_eps, col=col, ld=R + 2 * N)
+            linear_forward(rec, ws.delta[i], ws.xdbl_n[i], lp.dt_proj_weight, None, M=M, N=Di, K=R,
                            ldx=R + 2 * N)
             selective_scan_forward(rec, ws.y[i], ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias,
-                                   lp.A_log, lp.D, ws.xdbl[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
+                                   lp.A_log, lp.D, ws.xdbl_n[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
             # residual add fused into out_proj: h_next = h, then h_next += y @ out_proj^T (+ b)
             rec.copy(h, hn)
             linear_forward(rec, hn, ws.y[i], lp.out_proj_weight, lp.out_proj_bias, M=M, N=E, K=Di, acc=True)
         rmsnorm_forward(rec, ws.hf, ws.rstd_f, ws.h[-1], p.norm_f, c.layer_norm_epsilon)
+
+    def _mixer_norms(self, ws: Workspace, i: int) -> list:
+        """falcon_mamba's weightless norms of layer i: (first column, width, rstd view) for
+        dt_low, B and C."""
+        R, N, M = self.cfg.dt_rank, self.cfg.state_size, ws.M
+        rs = ws.mixer_rstd[i]
+        return [(0, R, rs.view((M,), 0)), (R, N, rs.view((M,), M)), (R + N, N, rs.view((M,), 2 * M))]
 
     def _head(self) -> Tensor:
         return self.params.lm_head if self.params.lm_head is not None else self.params.embeddings
@@ -301,12 +322,17 @@ class MambaModel:
                             ws.dh, ws.y[i], lp.out_proj_weight, ws.ones, M=M, N=E, K=Di)
             selective_scan_backward(rec, ws.du, ws.ddelta, lg.dt_proj_bias, lg.A_log, lg.D, ws.dxdbl, ws.dxz,
                                     ws.dy, ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias, lp.A_log,
-                                    lp.D, ws.xdbl[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
+                                    lp.D, ws.xdbl_n[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
             linear_backward(rec, ws.dxdbl, lg.dt_proj_weight if want(pre + "mixer.dt_proj.weight") else None,
-                            None, ws.ddelta, ws.xdbl[i], lp.dt_proj_weight, M=M, N=Di, K=R,
+                            None, ws.ddelta, ws.xdbl_n[i], lp.dt_proj_weight, M=M, N=Di, K=R,
                             ldx=R + 2 * N, lddx=R + 2 * N)
+            if c.is_falcon:  # back through the dt/B/C norms: dxdbl (normalised) -> dxdbl_raw
+                rec.clear(ws.dxdbl_raw)
+                for col, w, rstd in self._mixer_norms(ws, i):
+                    rmsnorm_backward(rec, ws.dxdbl_raw, None, ws.dxdbl, ws.xdbl[i], self._mixer_ones.view((w,)),
+                                     rstd, col=col, ld=R + 2 * N)
             linear_backward(rec, ws.du, lg.x_proj_weight if want(pre + "mixer.x_proj.weight") else None,
-                            None, ws.dxdbl, ws.xc[i], lp.x_proj_weight, M=M, N=R + 2 * N, K=Di, dx_acc=True)
+                            None, ws.dxdbl_raw, ws.xc[i], lp.x_proj_weight, M=M, N=R + 2 * N, K=Di, dx_acc=True)
             conv1d_backward(rec, ws.dxz, lg.conv1d_weight, lg.conv1d_bias, ws.du, ws.pre[i], ws.xz[i],
                             lp.conv1d_weight, B=B, L=L, Di=Di, K=K)
             linear_backward(rec, ws.dun, lg.in_proj_weight if want(pre + "mixer.in_proj.weight") else None,

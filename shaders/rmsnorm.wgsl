@@ -5,11 +5,13 @@
 //   dweight[e] += sum_m dout[m,e] * xh[m,e]                              (ACC, two stages:
 //   rmsnorm_dweight_partial sums fixed row chunks into scratch, rmsnorm_dweight_reduce
 //   adds the chunk sums in order; every element has one writer).
-// One workgroup per row for the row kernels; P.o_* are element offsets of the bindings.
+// One workgroup per row for the row kernels; P.o_* are element offsets of the bindings and
+// P.ld the row stride of x, out, dout and dx (E, or wider when the norm runs over a column
+// slice of a matrix: falcon_mamba's weightless dt/B/C norms pass a ones weight).
 const WG: u32 = 128u;
 
 struct Params { M: u32, E: u32, eps: f32, rows_per_chunk: u32,
-                o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, nchunks: u32, _p0: u32, _p1: u32 }
+                o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, nchunks: u32, ld: u32, _p1: u32 }
 
 var<workgroup> red: array<f32, WG>;
 
@@ -38,13 +40,13 @@ fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     let m = wid.x + wid.y * nwg.x;
     if (m >= P.M) { return; }
     let l = lid.x;
-    let xb = P.o_c + m * P.E;
+    let xb = P.o_c + m * P.ld;
     var ss = 0.0;
     for (var e = l; e < P.E; e = e + WG) { let v = x[xb + e]; ss = ss + v * v; }
     let tot = wg_sum(ss, l);
     let r = 1.0 / sqrt(tot / f32(P.E) + P.eps);
     if (l == 0u) { rstd[P.o_b + m] = r; }
-    let ob = P.o_a + m * P.E;
+    let ob = P.o_a + m * P.ld;
     for (var e = l; e < P.E; e = e + WG) { out[ob + e] = weight[P.o_d + e] * (x[xb + e] * r); }
 }
 
@@ -63,12 +65,12 @@ fn rmsnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     if (m >= PB.M) { return; }
     let l = lid.x;
     let r = rs[PB.o_e + m];
-    let gb = PB.o_b + m * PB.E;
-    let xb = PB.o_c + m * PB.E;
+    let gb = PB.o_b + m * PB.ld;
+    let xb = PB.o_c + m * PB.ld;
     var d = 0.0;
     for (var e = l; e < PB.E; e = e + WG) { d = d + dout[gb + e] * wg_[PB.o_d + e] * xg[xb + e]; }
     let c = wg_sum(d, l) * r / f32(PB.E);           // mean(g * xh)
-    let db = PB.o_a + m * PB.E;
+    let db = PB.o_a + m * PB.ld;
     for (var e = l; e < PB.E; e = e + WG) {
         let g = dout[gb + e] * wg_[PB.o_d + e];
         let xh = xg[xb + e] * r;
@@ -97,7 +99,7 @@ fn rmsnorm_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     let m1 = min(P2.M, m0 + P2.rows_per_chunk);
     var acc = 0.0;
     for (var m = m0; m < m1; m = m + 1u) {
-        acc = acc + dout2[P2.o_b + m * P2.E + e] * (x2[P2.o_c + m * P2.E + e] * rs2[P2.o_e + m]);
+        acc = acc + dout2[P2.o_b + m * P2.ld + e] * (x2[P2.o_c + m * P2.ld + e] * rs2[P2.o_e + m]);
     }
     partial[p * P2.E + e] = acc;
 }

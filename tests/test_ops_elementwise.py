@@ -202,6 +202,34 @@ def test_rmsnorm_many_rows_grid_fold(rt):
     _check("rmsnorm dweight M=66000", rt.read(dw), gw, atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize("M,ld,col,E", [(9, 23, 5, 4), (130, 300, 0, 37), (3, 11, 10, 1)])
+def test_rmsnorm_column_slice(rt, M, ld, col, E):
+    """The norm over columns col..col+E of [M, ld] matrices (falcon_mamba's dt/B/C norms):
+    only that slice of out and dx is touched."""
+    r = _rng(M + ld + col)
+    eps = 1e-6
+    X = r.standard_normal((M, ld)).astype(np.float32)
+    W = r.standard_normal(E).astype(np.float32)
+    G = r.standard_normal((M, ld)).astype(np.float32)
+    DX0 = r.standard_normal((M, ld)).astype(np.float32)
+    xt, gt, wt, dx, dw = rt.upload(X), rt.upload(G), rt.upload(W), rt.upload(DX0), rt.zeros((E,))
+    out, rstd = rt.upload(np.full((M, ld), 9.0, np.float32)), rt.zeros((M,))
+    rec = rt.recorder()
+    rmsnorm_forward(rec, out, rstd, xt, wt, eps, col=col, ld=ld)
+    rmsnorm_backward(rec, dx, dw, gt, xt, wt, rstd, col=col, ld=ld)
+    rec.submit()
+    sl = slice(col, col + E)
+    y, rs, gx, gw = _rms_ref(X[:, sl], W, G[:, sl], eps)
+    got_out, got_dx = rt.read(out), rt.read(dx)
+    _check("rmsnorm slice forward", got_out[:, sl], y, atol=2e-6, rtol=2e-6)
+    _check("rmsnorm slice rstd", rt.read(rstd), rs, atol=0, rtol=2e-6)
+    _check("rmsnorm slice dx (ACC)", got_dx[:, sl] - DX0[:, sl].astype(np.float64), gx, atol=5e-6, rtol=1e-5)
+    _check("rmsnorm slice dweight", rt.read(dw), gw, atol=1e-5, rtol=1e-5)
+    rest = np.ones(ld, bool)
+    rest[sl] = False
+    assert np.all(got_out[:, rest] == 9.0) and np.array_equal(got_dx[:, rest], DX0[:, rest])
+
+
 # ----------------------------------------------------------------------------- conv1d
 @pytest.mark.parametrize("B,L,Di,K,bias", [
     (2, 5, 75, 4, True), (3, 1, 75, 3, False), (2, 33, 40, 4, True), (1, 2, 7, 4, False), (4, 129, 16, 3, True),

@@ -1,4 +1,5 @@
-"""Logits, loss and every gradient against transformers' MambaForCausalLM (pure PyTorch).
+"""Logits, loss and every gradient against transformers' MambaForCausalLM and
+FalconMambaForCausalLM (pure PyTorch).
 
 The oracle is the same checkpoint run through `transformers` on the CPU in float64; our
 GPU model runs it in float32.  The largest relative error of each quantity is printed.
@@ -32,10 +33,13 @@ CASES = [
 ]
 
 
-def hf_model(kwargs, seed=0):
+def hf_model(kwargs, seed=0, falcon=False):
     torch.manual_seed(seed)
-    cfg = transformers.MambaConfig(**kwargs)
-    m = transformers.MambaForCausalLM(cfg).double().eval()
+    if falcon:
+        m = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**kwargs))
+    else:
+        m = transformers.MambaForCausalLM(transformers.MambaConfig(**kwargs))
+    m = m.double().eval()
     # make the weights less symmetric than the default init (D = 1, A_log = log n)
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -61,11 +65,20 @@ def rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-@pytest.mark.parametrize("name,kw,B,L", CASES, ids=[c[0] for c in CASES])
+FALCON_CASES = [
+    ("falcon-tied-odd", dict(CASES[0][1]), 2, 7),
+    ("falcon-untied-bias-eps", dict(CASES[1][1], mixer_rms_eps=0.05, state_size=3, time_step_rank=3), 2, 5),
+    ("falcon-untied-bias-long", dict(CASES[2][1], num_hidden_layers=1), 1, 130),
+]
+
+
+@pytest.mark.parametrize("name,kw,B,L", CASES + FALCON_CASES, ids=[c[0] for c in CASES + FALCON_CASES])
 def test_logits_loss_grads_match_transformers(rt, name, kw, B, L):
-    m = hf_model(kw)
+    falcon = name.startswith("falcon")
+    m = hf_model(kw, falcon=falcon)
     tensors = tensors_of(m)
     cfg = MambaConfig.from_dict(m.config.to_dict())
+    assert cfg.is_falcon == falcon and cfg.mixer_rms_eps == m.config.to_dict().get("mixer_rms_eps", 1e-6)
     ours = MambaModel(rt, cfg, tensors)
 
     rng = np.random.default_rng(1)
@@ -101,6 +114,14 @@ def test_logits_loss_grads_match_transformers(rt, name, kw, B, L):
         print(f"  d{n:45s} max rel err {e:.2e}")
         assert e < 1e-3, n
     print(f"[{name}] largest gradient rel err {worst:.2e}")
+    if falcon:  # the dt/B/C norms matter: the same weights run as plain Mamba miss the oracle
+        plain = MambaModel(rt, MambaConfig.from_dict({**m.config.to_dict(), "model_type": "mamba"}), tensors)
+        e_plain = rel(plain.logits(ids), logits_ref.detach().numpy())
+        plain.loss_and_grads(ids, targets)
+        xp = "backbone.layers.0.mixer.x_proj.weight"
+        e_plain_g = rel(plain.grad_dict()[xp], grads_ref[xp])
+        print(f"[{name}] as plain Mamba: logits rel err {e_plain:.2e}, d{xp} rel err {e_plain_g:.2e}")
+        assert e_plain > 1e-4 and e_plain_g > 1e-3
 
 
 def test_lm_head_in_row_chunks_matches_whole(rt):
