@@ -1,5 +1,6 @@
-"""Checkpoints: a directory with model.safetensors + config.json (+ tokenizer.json), or a bare
-.safetensors file (config from its `__metadata__["config"]`, else inferred from shapes).
+"""Checkpoints: a directory with model.safetensors + config.json (+ tokenizer.json), a shard
+set (model.safetensors.index.json + the shards it lists, as transformers writes them), or a
+bare .safetensors file (config from its `__metadata__["config"]`, else inferred from shapes).
 
 Every tensor is decoded to float32 and checked against `expected_shapes(config)`: a missing,
 unexpected or misshaped tensor, or a NaN/Inf weight, is a one-line `MemengineError` naming
@@ -16,12 +17,17 @@ from typing import Any
 
 import numpy as np
 
-from .config import MambaConfig, expected_shapes
+from .config import MODEL_TYPES, MambaConfig, expected_shapes
 from .errors import MemengineError
-from .safetensors_io import BF16Bits, F16Bits, atomic_write_bytes, read_header, read_safetensors, write_safetensors
+from .safetensors_io import (BF16Bits, F16Bits, SafetensorsHeader, _no_dupes, atomic_write_bytes, read_header,
+                             read_safetensors, write_safetensors)
 
 MODEL_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SHARD_PATTERN = "model{suffix}.safetensors"  # transformers' names: model-00001-of-00003.safetensors
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 TOKENIZER_FILE = "tokenizer.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 CONFIG_METADATA_KEY = "config"
@@ -36,7 +42,8 @@ class Checkpoint:
     dtypes: dict[str, str]  # source dtype per tensor ("F32", "F16", "BF16", "F64")
     path: Path  # the checkpoint dir (or the bare file)
     tokenizer_path: Path | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # "optimizer_path", "metadata", "model_file"
+    extra: dict[str, Any] = field(default_factory=dict)  # "optimizer_path", "metadata", "model_file", "weight_files"
+    warnings: list[str] = field(default_factory=list)  # assumptions the caller should show the user
 
     @property
     def directory(self) -> Path:
@@ -142,65 +149,164 @@ def _drop_tied_head(cfg: MambaConfig, tensors: dict[str, Any], where: str) -> No
 
 
 # --------------------------------------------------------------------------- loading
-def _read_json_config(path: Path) -> MambaConfig:
+def _read_json(path: Path) -> Any:
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_dupes)
     except FileNotFoundError:
         raise MemengineError(f"{path}: not found") from None
     except UnicodeDecodeError as e:
         raise MemengineError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise MemengineError(f"{path}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, ValueError, RecursionError) as e:
+        raise MemengineError(f"{path}: not valid JSON ({str(e)[:200]})") from None
     except OSError as e:
         raise MemengineError(f"{path}: cannot read ({e.strerror or e})") from None
-    return MambaConfig.from_dict(d, source=str(path))
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Load a checkpoint directory or a bare .safetensors file (see module doc)."""
-    p = Path(path)
-    if not p.exists():
-        raise MemengineError(f"checkpoint '{p}' not found")
+def _read_json_config(path: Path) -> tuple[MambaConfig, str | None]:
+    """(config, the model_type it states or None)."""
+    d = _read_json(path)
+    cfg = MambaConfig.from_dict(d, source=str(path))
+    return cfg, d.get("model_type")
+
+
+def _shard_file(index: Path, name: Any) -> Path:
+    """A shard named in an index: a plain file name beside the index (no path escapes)."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\0" in name or Path(name).is_absolute()):
+        raise MemengineError(f"{index}: shard name {name!r} must be a plain file name beside the index")
+    return index.parent / name
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """weight_map of a model.safetensors.index.json, validated: tensor name -> shard file name."""
+    d = _read_json(index)
+    wm = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise MemengineError(f"{index}: expected an object with a non-empty 'weight_map' (tensor name -> shard file)")
+    if "metadata" in d and not isinstance(d["metadata"], dict):
+        raise MemengineError(f"{index}: 'metadata' must be an object")
+    for name, shard in wm.items():
+        _shard_file(index, shard)
+    return dict(wm)
+
+
+def _sharded_headers(index: Path) -> list[SafetensorsHeader]:
+    """Headers of every shard an index lists; every tensor must sit in exactly the shard the
+    index names, and every shard's tensors must be listed."""
+    wm = _read_index(index)
+    shards = list(dict.fromkeys(wm.values()))
+    headers = []
+    for shard in shards:
+        f = _shard_file(index, shard)
+        if not f.is_file():
+            raise MemengineError(f"{index}: shard '{shard}' is missing from {index.parent}")
+        hdr = read_header(f)
+        for name in hdr.tensors:
+            if name not in wm:
+                raise MemengineError(f"{f}: tensor '{name}' is not listed in {index.name}")
+            if wm[name] != shard:
+                raise MemengineError(f"{f}: tensor '{name}' is listed in {index.name} under shard '{wm[name]}'")
+        headers.append(hdr)
+    for name, shard in wm.items():
+        hdr = headers[shards.index(shard)]
+        if name not in hdr.tensors:
+            raise MemengineError(f"{index}: tensor '{name}' is not in its shard '{shard}'")
+    return headers
+
+
+def _locate(p: Path) -> tuple[list[Path] | Path, Path | None, Path]:
+    """(the weight file, or the index of a shard set; config.json or None; the checkpoint dir)."""
     if p.is_dir():
-        model_file = p / MODEL_FILE
-        if not model_file.is_file():
-            cands = sorted(p.glob("*.safetensors"))
-            cands = [c for c in cands if c.name != OPTIMIZER_FILE]
-            if (p / "model.safetensors.index.json").exists():
-                raise MemengineError(f"{p}: sharded checkpoints (model.safetensors.index.json) are not supported; merge the shards into {MODEL_FILE}")
-            if len(cands) != 1:
-                raise MemengineError(f"{p}: no {MODEL_FILE} in the checkpoint directory")
-            model_file = cands[0]
         cfg_file = p / CONFIG_FILE
+        if (p / MODEL_FILE).is_file():  # as transformers: a single file wins over an index
+            weights: Path = p / MODEL_FILE
+        elif (p / INDEX_FILE).is_file():
+            weights = p / INDEX_FILE
+        else:
+            cands = [c for c in sorted(p.glob("*.safetensors")) if c.name != OPTIMIZER_FILE]
+            if len(cands) != 1:
+                raise MemengineError(f"{p}: no {MODEL_FILE} (or {INDEX_FILE}) in the checkpoint directory")
+            weights = cands[0]
         if not cfg_file.is_file():
             raise MemengineError(f"{p}: no {CONFIG_FILE} in the checkpoint directory")
-        base = p
-    else:
-        model_file, base = p, p
-        cfg_file = p.parent / CONFIG_FILE if p.name == MODEL_FILE and (p.parent / CONFIG_FILE).is_file() else None
-
-    hdr = read_header(model_file)
-    where = str(model_file)
-    if cfg_file is not None:
-        cfg = _read_json_config(cfg_file)
-    elif CONFIG_METADATA_KEY in hdr.metadata:
+        return weights, cfg_file, p
+    d = p.parent
+    cfg_file = d / CONFIG_FILE if (d / CONFIG_FILE).is_file() else None
+    if p.name.endswith(".index.json"):
+        return p, cfg_file, d
+    if (d / INDEX_FILE).is_file() and p.name != MODEL_FILE:
         try:
-            d = json.loads(hdr.metadata[CONFIG_METADATA_KEY])
-        except json.JSONDecodeError as e:
-            raise MemengineError(f"{where}: __metadata__ 'config' is not valid JSON ({e})") from None
-        cfg = MambaConfig.from_dict(d, source=f"{where} __metadata__ config")
-    else:
-        cfg = infer_config({k: v.shape for k, v in hdr.tensors.items()})
+            listed = p.name in _read_index(d / INDEX_FILE).values()
+        except MemengineError:
+            listed = False
+        if listed:
+            raise MemengineError(f"{p}: is one shard of the sharded checkpoint in {d} ({INDEX_FILE}); "
+                                 f"give the directory instead")
+    return p, (cfg_file if p.name == MODEL_FILE else None), d
 
-    for name, info in hdr.tensors.items():
-        if info.dtype not in ("F32", "F16", "BF16", "F64"):
-            raise MemengineError(f"{where}: tensor '{name}' has dtype {info.dtype}; model weights must be F32, F16 or BF16")
-    shapes = _canonicalize({k: v.shape for k, v in hdr.tensors.items()}, where)
+
+def load_checkpoint(path: str | Path, *, model_type: str | None = None) -> Checkpoint:
+    """Load a checkpoint directory, a bare .safetensors file or a shard set (see module doc).
+
+    `model_type` ("mamba" | "falcon_mamba") settles a checkpoint whose config does not state
+    one (a bare file, an original mamba_ssm config.json); a config that states another is an
+    error. When neither says, mamba is assumed and `Checkpoint.warnings` says so.
+    """
+    p = Path(path)
+    if model_type is not None and model_type not in MODEL_TYPES:
+        raise MemengineError(f"model type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})")
+    if not p.exists():
+        raise MemengineError(f"checkpoint '{p}' not found")
+    weights, cfg_file, directory = _locate(p)
+    if weights.name.endswith(".index.json"):
+        headers = _sharded_headers(weights)
+    else:
+        headers = [read_header(weights)]
+    where = str(weights)
+
+    stated: str | None = None
+    if cfg_file is not None:
+        cfg, stated = _read_json_config(cfg_file)
+        cfg_where = str(cfg_file)
+    else:
+        meta_hdr = next((h for h in headers if CONFIG_METADATA_KEY in h.metadata), None)
+        if meta_hdr is not None:
+            cfg_where = f"{meta_hdr.path} __metadata__ config"
+            try:
+                d = json.loads(meta_hdr.metadata[CONFIG_METADATA_KEY])
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise MemengineError(f"{meta_hdr.path}: __metadata__ 'config' is not valid JSON ({e})") from None
+            cfg = MambaConfig.from_dict(d, source=cfg_where)
+            stated = d.get("model_type") if isinstance(d, dict) else None
+        else:
+            cfg_where = f"{where} (no config; shape inferred from the tensors)"
+            cfg = infer_config({k: v.shape for h in headers for k, v in h.tensors.items()})
+    warnings: list[str] = []
+    if stated is not None and model_type is not None and stated != model_type:
+        raise MemengineError(f"model type {model_type!r} was asked for, but {cfg_where} says {stated!r}")
+    if stated is None:
+        cfg.model_type = model_type or "mamba"
+        if model_type is None:
+            warnings.append(
+                f"{cfg_where} does not state the model type; assuming mamba (falcon_mamba has the same "
+                "tensors: use --model-type falcon_mamba for one)")
+
+    for h in headers:
+        for name, info in h.tensors.items():
+            if info.dtype not in ("F32", "F16", "BF16", "F64"):
+                raise MemengineError(
+                    f"{h.path}: tensor '{name}' has dtype {info.dtype}; model weights must be F32, F16 or BF16")
+    shapes = _canonicalize({k: v.shape for h in headers for k, v in h.tensors.items()}, where)
     if cfg.tie_word_embeddings and "lm_head.weight" in shapes:
         shapes.pop("lm_head.weight")  # decided after decoding (identical -> dropped)
     check_tensors(cfg, shapes, where)
 
-    raw, dtypes, metadata = read_safetensors(model_file)
+    raw: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    for h in headers:
+        t, dt, _ = read_safetensors(h.path)
+        raw.update(t)
+        dtypes.update(dt)
     tensors = _canonicalize(raw, where)
     dtypes = _canonicalize(dtypes, where)
     _drop_tied_head(cfg, tensors, where)
@@ -208,18 +314,70 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     for name, a in ordered.items():
         _check_finite(name, a, where)
 
-    d = base if base.is_dir() else base.parent
-    tok = d / TOKENIZER_FILE
-    extra: dict[str, Any] = {"metadata": metadata, "model_file": model_file}
-    if (d / OPTIMIZER_FILE).is_file():
-        extra["optimizer_path"] = d / OPTIMIZER_FILE
+    tok = directory / TOKENIZER_FILE
+    extra: dict[str, Any] = {"metadata": dict(headers[0].metadata), "model_file": weights,
+                             "weight_files": [h.path for h in headers]}
+    if (directory / OPTIMIZER_FILE).is_file():
+        extra["optimizer_path"] = directory / OPTIMIZER_FILE
     return Checkpoint(
         config=cfg, tensors=ordered, dtypes={k: dtypes[k] for k in ordered}, path=p,
-        tokenizer_path=tok if tok.is_file() else None, extra=extra,
+        tokenizer_path=tok if tok.is_file() else None, extra=extra, warnings=warnings,
     )
 
 
+def side_files(checkpoint_dir: Path | None, tokenizer_dir: Path | None) -> dict[str, Path]:
+    """The files that travel with the weights into an output: generation_config.json from the
+    checkpoint's directory, and the tokenizer's config files (tokenizer_config.json,
+    special_tokens_map.json) from the directory of the tokenizer.json used (none for the
+    byte-level tokenizer)."""
+    out: dict[str, Path] = {}
+    for d, names in ((checkpoint_dir, (GENERATION_CONFIG_FILE,)), (tokenizer_dir, TOKENIZER_SIDE_FILES)):
+        for name in names if d is not None else ():
+            if (Path(d) / name).is_file():
+                out[name] = Path(d) / name
+    return out
+
+
 # --------------------------------------------------------------------------- saving
+# transformers' save_pretrained(max_shard_size=...) default (5.x); a test checks it against
+# the installed transformers
+DEFAULT_MAX_SHARD_SIZE = "50GB"
+_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's (decimal)
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def parse_size(value: int | str, flag: str = "--max-shard-size") -> int:
+    """Bytes from an int, a string of digits, or digits with a unit as transformers takes them
+    ("5GB", "500MB", "1.5GB", "100KB"; units are powers of 10)."""
+    if isinstance(value, bool):
+        raise MemengineError(f"{flag} {value!r}: expected a size such as 5GB, 500MB or a number of bytes")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]{2})?\s*", str(value))
+        unit = m.group(2).upper() if m and m.group(2) else None
+        if not m or (unit is not None and unit not in _SIZE_UNITS) or (unit is None and "." in m.group(1)):
+            raise MemengineError(f"{flag} {value}: expected a size such as 5GB, 500MB or a number of bytes "
+                                 "(units TB, GB, MB, KB)")
+        n = int(float(m.group(1)) * _SIZE_UNITS[unit]) if unit else int(m.group(1))
+    if n < 1:
+        raise MemengineError(f"{flag} {value}: must be at least 1 byte")
+    return n
+
+
+def _split_shards(payload: dict[str, Any], max_shard_size: int) -> tuple[dict[str, list[str]], int]:
+    """transformers' split (huggingface_hub's, in model order; a tensor larger than the limit
+    gets a shard of its own): file name -> tensor names, and the total size in bytes."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    def nbytes(v: Any) -> int:
+        return int((v.bits if isinstance(v, (F16Bits, BF16Bits)) else v).nbytes)
+
+    split = split_state_dict_into_shards_factory(payload, get_storage_size=nbytes, filename_pattern=SHARD_PATTERN,
+                                                 max_shard_size=max_shard_size)
+    return split.filename_to_tensors, int(split.metadata["total_size"])
+
+
 def _safe_file_name(name: str) -> str:
     if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
         raise MemengineError(f"extra file name {name!r} must be a plain file name")
@@ -229,18 +387,23 @@ def _safe_file_name(name: str) -> str:
 def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str, np.ndarray], *,
                     dtype: str = "F32", tokenizer_path: str | Path | None = None,
                     extra_files: dict[str, bytes | Path] | None = None,
-                    metadata: dict[str, str] | None = None) -> Path:
-    """Write model.safetensors (+ config.json, tokenizer.json, extra files) into `out_dir`.
+                    metadata: dict[str, str] | None = None,
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Write the weights (+ config.json, tokenizer.json, extra files) into `out_dir`.
 
     `tensors` are float32 arrays (canonical names; a tied lm_head equal to the embeddings is
     dropped). `dtype` is "F32", "F16" or "BF16" (f16/bf16 round to nearest even; a value
-    beyond the range is an error naming the tensor). NaN/Inf weights are refused. Every file
-    is written atomically. Returns the directory.
+    beyond the range is an error naming the tensor). NaN/Inf weights are refused. Weights
+    larger than `max_shard_size` (bytes, or "5GB"-style as transformers takes it) are written
+    as transformers shards them: model-00001-of-0000N.safetensors + model.safetensors.index.json;
+    else one model.safetensors. Every file is written atomically (the index last), and weight
+    files of an earlier save that the new one does not use are removed. Returns the directory.
     """
     from .quantize import encode, normalize_dtype
 
     out = Path(out_dir)
     dt = normalize_dtype(dtype, flag="dtype")
+    limit = parse_size(max_shard_size)
     if out.exists() and not out.is_dir():
         raise MemengineError(f"output '{out}' exists and is not a directory")
     where = f"saving to {out}"
@@ -273,7 +436,7 @@ def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str,
     files: dict[str, bytes | Path] = {}
     for name, content in (extra_files or {}).items():
         name = _safe_file_name(name)
-        if name in (MODEL_FILE, CONFIG_FILE):
+        if name in (MODEL_FILE, CONFIG_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(name):
             raise MemengineError(f"extra file name {name!r} would overwrite the checkpoint itself")
         if isinstance(content, (bytes, bytearray)):
             files[name] = bytes(content)
@@ -283,12 +446,26 @@ def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str,
                 raise MemengineError(f"extra file '{src}' not found")
             files[name] = src
 
+    shards, total_size = _split_shards(payload, limit)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise MemengineError(f"cannot create output directory '{out}' ({e.strerror or e})") from None
-    write_safetensors(out / MODEL_FILE, payload, meta)
+    if len(shards) == 1:
+        write_safetensors(out / MODEL_FILE, payload, meta)
+        stale = [out / INDEX_FILE, *(f for f in out.iterdir() if _SHARD_NAME.fullmatch(f.name))]
+    else:
+        for fname, names in shards.items():
+            write_safetensors(out / fname, {n: payload[n] for n in names}, meta)
+        index = {"metadata": {"total_parameters": int(sum(np.asarray(tensors[n]).size for n in payload)),
+                              "total_size": total_size},
+                 "weight_map": {n: fname for fname, names in shards.items() for n in names}}
+        atomic_write_bytes(out / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        stale = [out / MODEL_FILE, *(f for f in out.iterdir() if _SHARD_NAME.fullmatch(f.name) and f.name not in shards)]
     try:
+        for f in stale:
+            if f.is_file():
+                f.unlink()
         config_json = dict(config.to_hf_dict())
         atomic_write_bytes(out / CONFIG_FILE, (json.dumps(config_json, indent=2, sort_keys=True) + "\n").encode())
         if tok_src is not None:
