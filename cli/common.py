@@ -62,7 +62,20 @@ DataOpt = Annotated[list[str], typer.Option(
     "--data", "-d", help="UTF-8 text, .jsonl with a \"text\" field, or - for stdin (repeatable).")]
 OutOpt = Annotated[Path, typer.Option("--output", "-o", help="Output checkpoint directory.")]
 CkptArg = Annotated[Path, typer.Argument(
-    metavar="CKPT", show_default=False, help="Checkpoint directory (model.safetensors + config.json) or a .safetensors file.")]
+    metavar="CKPT", show_default=False,
+    help="Checkpoint: a directory (config.json + model.safetensors or transformers' shards), a .safetensors "
+         "file, a model.safetensors.index.json, or a Hugging Face model id (from the local cache, else "
+         "downloaded; HF_HUB_OFFLINE=1 forbids downloads).")]
+RevisionOpt = Annotated[Optional[str], typer.Option(
+    "--revision", rich_help_panel=_RUN, help="Branch, tag or commit of a model id CKPT (default: main).")]
+ModelTypeOpt = Annotated[Optional[str], typer.Option(
+    "--model-type", rich_help_panel=_RUN, metavar="mamba|falcon_mamba",
+    help="Model type of a checkpoint whose config does not state one (a bare .safetensors): "
+         "mamba (assumed) or falcon_mamba.")]
+MaxShardSizeOpt = Annotated[str, typer.Option(
+    "--max-shard-size", rich_help_panel=_OUT,
+    help="Write the weights as shards (model-00001-of-0000N.safetensors + model.safetensors.index.json) "
+         "when they exceed this size: 5GB, 500MB or a number of bytes, as transformers' save_pretrained.")]
 SeqLenOpt = Annotated[int, typer.Option(
     "--seq-len", min=1, rich_help_panel=_TRAIN, help="Tokens per window.")]
 BatchOpt = Annotated[int, typer.Option(
@@ -360,19 +373,29 @@ def checkpoint_dir(path: Path) -> Path:
     return p if p.is_dir() else p.parent
 
 
-def load_ckpt(path: Path):
+def resolve_ckpt(ckpt, revision: Optional[str] = None, model_type: Optional[str] = None):
+    """CKPT (a path or a model id; or an already resolved reference) -> CheckpointRef."""
+    from memengine.engine.resolve import resolve_checkpoint
+
+    return resolve_checkpoint(ckpt, revision, model_type)
+
+
+def load_ckpt(ckpt, ui: Optional[UI] = None):
+    """Load CKPT (see resolve_ckpt); the loader's assumptions are shown as warnings."""
     from memengine.engine.checkpoint import load_checkpoint
 
-    p = Path(path)
-    if not p.exists():
-        raise MemengineError(f"{p}: no such checkpoint (expected a directory or a .safetensors file)")
-    return load_checkpoint(p)
+    ref = resolve_ckpt(ckpt)
+    c = load_checkpoint(ref.path, model_type=ref.model_type)
+    for w in c.warnings:
+        if ui is not None:
+            ui.warn(w)
+    return c
 
 
-def load_tok(ckpt_path: Path, override: Optional[str], ckpt=None):
+def load_tok(ckpt_path, override: Optional[str], ckpt=None):
     from memengine.engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(checkpoint_dir(ckpt_path), override=override)
+    return load_tokenizer(ckpt.directory if ckpt is not None else checkpoint_dir(ckpt_path), override=override)
 
 
 def describe_sources(paths: list[str]) -> str:

@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from memengine.engine.errors import MemengineError
+from memengine.engine.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 from .common import (
     EXIT_ROLLED_BACK,
@@ -36,8 +37,11 @@ from .common import (
     LrOpt,
     MaxDeltaOpt,
     MaxGradNormOpt,
+    MaxShardSizeOpt,
+    ModelTypeOpt,
     OutOpt,
     QuietOpt,
+    RevisionOpt,
     SeedOpt,
     SeqLenOpt,
     TokenizerOpt,
@@ -46,7 +50,6 @@ from .common import (
     all_finite,
     check_interrupt,
     check_output,
-    checkpoint_dir,
     deferred_interrupts,
     describe_sources,
     engine_version,
@@ -55,6 +58,7 @@ from .common import (
     load_ckpt,
     load_tok,
     make_runtime,
+    resolve_ckpt,
     resolve_options,
     staged_output,
     validate_train_options,
@@ -105,9 +109,9 @@ def _trainer_mod():
     return trainer
 
 
-def _load_optimizer_state(ckpt_path: Path, ui: UI) -> dict | None:
-    p = checkpoint_dir(ckpt_path) / OPTIMIZER_FILE
-    if not p.is_file():
+def _load_optimizer_state(ckpt, ui: UI) -> dict | None:
+    p = ckpt.extra.get("optimizer_path")
+    if p is None:
         return None
     from safetensors.numpy import load_file
 
@@ -156,8 +160,9 @@ def _fit_view(ui: UI, title: str, epochs: int):
     return view, on_epoch, on_progress
 
 
-def _write_model(out_tmp: Path, ckpt, tensors: dict, tokenizer: Optional[str], metadata: dict | None = None) -> None:
-    from memengine.engine.checkpoint import save_checkpoint
+def _write_model(out_tmp: Path, ckpt, tensors: dict, tokenizer: Optional[Path], max_shard_size: str,
+                 metadata: dict | None = None) -> None:
+    from memengine.engine.checkpoint import save_checkpoint, side_files
 
     bad = all_finite(tensors)
     if bad is not None:
@@ -165,15 +170,20 @@ def _write_model(out_tmp: Path, ckpt, tensors: dict, tokenizer: Optional[str], m
 
         raise NonFiniteError(f"tensor {bad} holds NaN/Inf after training; nothing was written")
     save_checkpoint(out_tmp, ckpt.config, tensors, dtype="F32", tokenizer_path=tokenizer,
-                    metadata={"producer": f"memengine {engine_version()}", **(metadata or {})})
+                    extra_files=side_files(ckpt.directory, tokenizer.parent if tokenizer else None),
+                    metadata={"producer": f"memengine {engine_version()}", **(metadata or {})},
+                    max_shard_size=max_shard_size)
 
 
-def _run_record(command: str, ckpt_path: Path, data: list[str], options: dict, rt, extra: dict) -> dict:
+def _run_record(command: str, ckpt_path, data: list[str], options: dict, rt, extra: dict) -> dict:
+    from memengine.engine.resolve import public_path
+
+    # no absolute local path in an output: a model id, a relative path as given, else a base name
     return {
         "memengine_version": engine_version(),
         "command": command,
-        "input": str(ckpt_path),
-        "data": [("-" if d == "-" else str(d)) for d in data],
+        "input": resolve_ckpt(ckpt_path).public_name,
+        "data": [public_path(d) for d in data],
         "options": options,
         "adapter": rt.describe(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -186,11 +196,13 @@ def _run_record(command: str, ckpt_path: Path, data: list[str], options: dict, r
     "memengine init tiny -o tiny-model",
     "memengine init small -o small-model --seed 3",
     "memengine init my-config.yaml -o model --force",
+    "memengine init mamba-130m -o m130 --max-shard-size 200MB   # transformers-style shards",
 ))
 def init(
     config: Annotated[str, typer.Argument(metavar="CONFIG", help="Built-in config name (tiny, small, mamba-130m) or a JSON/YAML file of MambaConfig keys.")],
     output: OutOpt,
     seed: Annotated[int, typer.Option("--seed", help="Random seed (same seed, same weights).")] = 0,
+    max_shard_size: MaxShardSizeOpt = DEFAULT_MAX_SHARD_SIZE,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -199,10 +211,12 @@ def init(
     """Create a new, randomly initialised checkpoint (initialised the way transformers does)."""
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
-        do_init(ui, config, output, seed, force)
+        parse_size(max_shard_size)
+        do_init(ui, config, output, seed, force, max_shard_size)
 
 
-def do_init(ui: UI, config: str, output: Path, seed: int, force: bool) -> Path:
+def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
+            max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     from memengine.engine.checkpoint import save_checkpoint
     from memengine.engine.config import expected_shapes, load_config
     from memengine.engine.init import init_weights
@@ -212,7 +226,7 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool) -> Path:
     tensors = init_weights(cfg, seed)
     n_params = int(sum(int(a.size) for a in tensors.values()))
     with staged_output(output, force) as tmp:
-        save_checkpoint(tmp, cfg, tensors, dtype="F32",
+        save_checkpoint(tmp, cfg, tensors, dtype="F32", max_shard_size=max_shard_size,
                         metadata={"producer": f"memengine {engine_version()}", "seed": str(seed)})
     shapes = expected_shapes(cfg)
     ui.kv(f"initialised {output}", [
@@ -234,9 +248,14 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool) -> Path:
 @app.command(epilog=_examples(
     "memengine info tiny-model",
     "memengine info model/model.safetensors --json | jq .parameters",
+    "memengine info state-spaces/mamba-130m-hf                # a model id (local cache, else download)",
+    "memengine info tiiuae/falcon-mamba-7b --revision main",
+    "memengine info weights.safetensors --model-type falcon_mamba",
 ))
 def info(
     ckpt: CkptArg,
+    revision: RevisionOpt = None,
+    model_type: ModelTypeOpt = None,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     quiet: QuietOpt = False,
@@ -245,14 +264,16 @@ def info(
     """Show a checkpoint's config, parameter count, dtypes and size, and the GPU adapter."""
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
-        c = load_ckpt(ckpt)
+        ref = resolve_ckpt(ckpt, revision, model_type)
+        c = load_ckpt(ref, ui)
         cfg = c.config
         n_params = int(sum(int(a.size) for a in c.tensors.values()))
         dtypes: dict[str, int] = {}
         for name in c.tensors:
             dt = str(c.dtypes.get(name, "F32")) if getattr(c, "dtypes", None) else "F32"
             dtypes[dt] = dtypes.get(dt, 0) + 1
-        files = [Path(ckpt)] if Path(ckpt).is_file() else sorted(p for p in Path(ckpt).iterdir() if p.is_file())
+        weight_files = c.extra.get("weight_files", [])
+        files = weight_files if ref.path.is_file() else sorted(p for p in ref.path.iterdir() if p.is_file())
         nbytes = int(sum(p.stat().st_size for p in files))
         try:
             from memengine.engine.gpu import get_runtime
@@ -263,6 +284,10 @@ def info(
             adapter, caps = f"none ({e})", None
         tok = getattr(c, "tokenizer_path", None)
         ui.kv(f"checkpoint {ckpt}", [
+            ("model type", cfg.model_type),
+            ("weights", weight_files[0].name if len(weight_files) == 1 else
+             f"{len(weight_files)} shards ({c.extra['model_file'].name})"),
+            *([("local path", str(ref.path))] if ref.repo_id else []),
             ("layers", cfg.num_hidden_layers),
             ("hidden size (E)", cfg.hidden_size),
             ("inner size (Di)", cfg.intermediate_size),
@@ -277,7 +302,7 @@ def info(
             ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(dtypes.items()))),
             ("size on disk", f"{nbytes:,} bytes"),
             ("tokenizer", str(tok) if tok else "byte-level (built-in)"),
-            ("optimizer state", "yes" if (checkpoint_dir(ckpt) / OPTIMIZER_FILE).is_file() else "no"),
+            ("optimizer state", "yes" if c.extra.get("optimizer_path") else "no"),
             ("adapter", adapter),
             ("GPU features", "n/a" if caps is None else
              f"{', '.join(caps['features']) or 'none'}; largest binding "
@@ -286,6 +311,9 @@ def info(
         if json_out:
             ui.emit({
                 "path": str(ckpt),
+                "local_path": str(ref.path),
+                "model_type": cfg.model_type,
+                "weight_files": [p.name for p in weight_files],
                 "config": cfg.to_hf_dict(),
                 "parameters": n_params,
                 "tensors": {n: {"shape": list(a.shape), "dtype": str(c.dtypes.get(n, "F32")) if c.dtypes else "F32"}
@@ -303,12 +331,16 @@ def info(
     "memengine eval tiny-model --data notes.txt",
     "cat notes.txt | memengine eval tiny-model --data - --json",
     "memengine eval model --data a.txt --data b.jsonl --seq-len 256 --batch-size 4",
+    "memengine eval state-spaces/mamba-130m-hf --data notes.txt   # a model id",
+    "memengine eval weights.safetensors --model-type falcon_mamba --data notes.txt",
 ))
 def eval_cmd(
     ckpt: CkptArg,
     data: DataOpt = [],  # noqa: B006 (typer reads it)
     seq_len: SeqLenOpt = 512,
     batch_size: BatchOpt = 1,
+    revision: RevisionOpt = None,
+    model_type: ModelTypeOpt = None,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     tokenizer: TokenizerOpt = None,
@@ -318,18 +350,19 @@ def eval_cmd(
     """Mean next-token loss and perplexity of a checkpoint on some text."""
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
-        res = do_eval(ui, ckpt, list(data), seq_len, batch_size, device, tokenizer, verbose)
+        res = do_eval(ui, resolve_ckpt(ckpt, revision, model_type), list(data), seq_len, batch_size, device,
+                      tokenizer, verbose)
         ui.emit({"loss": float(res.loss), "perplexity": float(res.perplexity), "tokens": int(res.tokens)})
 
 
-def do_eval(ui: UI, ckpt_path: Path, data: list[str], seq_len: int, batch_size: int,
+def do_eval(ui: UI, ckpt_path, data: list[str], seq_len: int, batch_size: int,
             device: Optional[str], tokenizer: Optional[str], verbose: bool, text: str | None = None,
             quiet_table: bool = False):
     from memengine.engine.model import MambaModel
 
     if not data and text is None:
         raise MemengineError("--data is required (a file, several files, or - for stdin)")
-    c = load_ckpt(ckpt_path)
+    c = load_ckpt(ckpt_path, ui)
     tok = load_tok(ckpt_path, tokenizer, c)
     batches, n_tokens = load_batches(data, tok, c.config.vocab_size, seq_len, batch_size, text=text)
     rt = make_runtime(device, verbose, ui)
@@ -359,6 +392,7 @@ def do_eval(ui: UI, ckpt_path: Path, data: list[str], seq_len: int, batch_size: 
     "memengine train tiny-model --data book.txt -o out --epochs 20 --lr 3e-3 --seq-len 128",
     "cat notes.txt | memengine train model --data - -o out --json > log.jsonl",
     "memengine train model --data book.txt -o out --config train.yaml --lr 1e-3   # flag beats file",
+    "memengine train state-spaces/mamba-130m-hf --data book.txt -o out --max-shard-size 200MB",
 ))
 def train(
     ctx: typer.Context,
@@ -377,6 +411,9 @@ def train(
     eps: EpsOpt = 1e-8,
     seed: SeedOpt = 0,
     config: ConfigOpt = None,
+    revision: RevisionOpt = None,
+    model_type: ModelTypeOpt = None,
+    max_shard_size: MaxShardSizeOpt = DEFAULT_MAX_SHARD_SIZE,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     tokenizer: TokenizerOpt = None,
@@ -394,10 +431,12 @@ def train(
                       weight_decay=weight_decay, max_delta=max_delta, beta1=beta1, beta2=beta2, eps=eps, seed=seed)
         opts = resolve_options(ctx, values, config, TRAIN_KEYS)
         validate_train_options(opts)
-        do_train(ui, ckpt, list(data), output, opts, device, tokenizer, force, verbose)
+        parse_size(max_shard_size)
+        do_train(ui, resolve_ckpt(ckpt, revision, model_type), list(data), output, opts, device, tokenizer, force,
+                 verbose, max_shard_size=max_shard_size)
 
 
-def _prepare_run(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict, device, tokenizer,
+def _prepare_run(ui: UI, ckpt_path, data: list[str], output: Path, opts: dict, device, tokenizer,
                  force: bool, verbose: bool, text: str | None):
     """What train and adapt share: check OUT, load checkpoint, tokenizer, data, optimizer
     state, and put the model on the GPU."""
@@ -405,18 +444,20 @@ def _prepare_run(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: d
 
     if not data and text is None:
         raise MemengineError("--data is required (a file, several files, or - for stdin)")
-    check_output(output, force, inputs=(ckpt_path,))
-    c = load_ckpt(ckpt_path)
+    ckpt_path = resolve_ckpt(ckpt_path)
+    check_output(output, force, inputs=(ckpt_path.path,))
+    c = load_ckpt(ckpt_path, ui)
     tok = load_tok(ckpt_path, tokenizer, c)
     batches, n_tokens = load_batches(data, tok, c.config.vocab_size, opts["seq_len"], opts["batch_size"], text=text)
-    opt_state = _load_optimizer_state(ckpt_path, ui)
+    opt_state = _load_optimizer_state(c, ui)
     rt = make_runtime(device, verbose, ui)
     model = MambaModel.from_checkpoint(rt, c)
     return c, tok, batches, n_tokens, opt_state, rt, model
 
 
-def do_train(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict, device, tokenizer,
-             force: bool, verbose: bool, text: str | None = None) -> dict:
+def do_train(ui: UI, ckpt_path, data: list[str], output: Path, opts: dict, device, tokenizer,
+             force: bool, verbose: bool, text: str | None = None,
+             max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> dict:
     tr = _trainer_mod()
     c, tok, batches, n_tokens, opt_state, rt, model = _prepare_run(
         ui, ckpt_path, data, output, opts, device, tokenizer, force, verbose, text)
@@ -437,7 +478,7 @@ def do_train(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict,
         "epochs": [_epoch_event(s) for s in stats],
     })
     with staged_output(output, force) as tmp:
-        _write_model(tmp, c, state, _tokenizer_file(tok))
+        _write_model(tmp, c, state, _tokenizer_file(tok), max_shard_size)
         _save_optimizer_state(tmp, new_opt)
         write_json(tmp / "memengine.json", record)
     summary = {"event": "summary", "output": str(output), "final_loss": final_loss,
@@ -455,6 +496,7 @@ def do_train(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict,
     "echo 'The lighthouse keeper counts ships at dawn.' | memengine adapt tiny-trained --data - -o adapted",
     "memengine adapt model --data note.txt -o out --lr 1e-3 --tolerance 1.1 --json",
     "memengine adapt model --data note.txt -o out --no-rollback   # keep the result even if worse",
+    "memengine adapt tiiuae/falcon-mamba-7b --data note.txt -o out --max-shard-size 5GB",
 ))
 def adapt(
     ctx: typer.Context,
@@ -479,6 +521,9 @@ def adapt(
     eps: EpsOpt = 1e-8,
     seed: SeedOpt = 0,
     config: ConfigOpt = None,
+    revision: RevisionOpt = None,
+    model_type: ModelTypeOpt = None,
+    max_shard_size: MaxShardSizeOpt = DEFAULT_MAX_SHARD_SIZE,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     tokenizer: TokenizerOpt = None,
@@ -497,13 +542,16 @@ def adapt(
                       tolerance=tolerance)
         opts = resolve_options(ctx, values, config, TRAIN_KEYS + ("tolerance",))
         validate_train_options(opts)
-        code = do_adapt(ui, ckpt, list(data), output, opts, not no_rollback, device, tokenizer, force, verbose)
+        parse_size(max_shard_size)
+        code = do_adapt(ui, resolve_ckpt(ckpt, revision, model_type), list(data), output, opts, not no_rollback,
+                        device, tokenizer, force, verbose, max_shard_size=max_shard_size)
     if code:
         raise typer.Exit(code)
 
 
-def do_adapt(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict, rollback: bool, device,
-             tokenizer, force: bool, verbose: bool, text: str | None = None) -> int:
+def do_adapt(ui: UI, ckpt_path, data: list[str], output: Path, opts: dict, rollback: bool, device,
+             tokenizer, force: bool, verbose: bool, text: str | None = None,
+             max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> int:
     """Returns the exit status (0, or 3 when rolled back)."""
     from memengine.engine.adapt import adapt as run_adapt
 
@@ -557,7 +605,7 @@ def do_adapt(ui: UI, ckpt_path: Path, data: list[str], output: Path, opts: dict,
     record = _run_record("adapt", ckpt_path, data, {**opts, "tolerance": tolerance, "rollback": rollback}, rt,
                          {"result": res.summary(), "epochs": [_epoch_event(s) for s in res.epochs]})
     with staged_output(output, force) as tmp:
-        _write_model(tmp, c, state, _tokenizer_file(tok))
+        _write_model(tmp, c, state, _tokenizer_file(tok), max_shard_size)
         _save_optimizer_state(tmp, res.optimizer_state)
         write_json(tmp / "memengine.json", record)
     ui.note(f"wrote {output} ({elapsed:.1f}s)")
@@ -578,6 +626,9 @@ def quantize(
     dtype: Annotated[str, typer.Option("--dtype", help="Target dtype: f16 or bf16.")] = "f16",
     saturate: Annotated[bool, typer.Option("--saturate", help="Clamp values beyond the target's finite range instead of failing.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be written; write nothing.")] = False,
+    revision: RevisionOpt = None,
+    model_type: ModelTypeOpt = None,
+    max_shard_size: MaxShardSizeOpt = DEFAULT_MAX_SHARD_SIZE,
     json_out: JsonOpt = False,
     force: ForceOpt = False,
     quiet: QuietOpt = False,
@@ -589,25 +640,29 @@ def quantize(
         d = dtype.lower()
         if d not in ("f16", "bf16"):
             raise MemengineError(f"--dtype {dtype}: must be f16 or bf16")
-        do_quantize(ui, ckpt, output, d, saturate, dry_run, force)
+        parse_size(max_shard_size)
+        do_quantize(ui, resolve_ckpt(ckpt, revision, model_type), output, d, saturate, dry_run, force,
+                    max_shard_size=max_shard_size)
 
 
-def do_quantize(ui: UI, ckpt_path: Path, output: Optional[Path], dtype: str, saturate: bool, dry_run: bool,
-                force: bool) -> dict:
+def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate: bool, dry_run: bool,
+                force: bool, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> dict:
     from memengine.engine.quantize import quantize_checkpoint
 
-    src = Path(ckpt_path)
-    if not src.exists():
-        raise MemengineError(f"{src}: no such checkpoint (expected a directory or a .safetensors file)")
+    ref = resolve_ckpt(ckpt_path)
+    src = ref.spec
     if output is None and not dry_run:
         raise MemengineError("--output is required (or use --dry-run)")
+    if not dry_run:
+        check_output(output, force, inputs=(ref.path,))
+    c = load_ckpt(ref, ui)
     if dry_run:
-        report = quantize_checkpoint(src, None if output is None else Path(output), dtype=dtype,
+        report = quantize_checkpoint(c, None if output is None else Path(output), dtype=dtype,
                                      saturate=saturate, dry_run=True)
     else:
-        check_output(output, force, inputs=(src,))
         with staged_output(output, force) as tmp:
-            report = quantize_checkpoint(src, tmp, dtype=dtype, saturate=saturate, dry_run=False)
+            report = quantize_checkpoint(c, tmp, dtype=dtype, saturate=saturate, dry_run=False,
+                                         source_name=ref.public_name, max_shard_size=max_shard_size)
     table = [(t.name, t.dtype_before, t.dtype_after, f"{t.bytes_before:,}", f"{t.bytes_after:,}",
               f"{8 * t.bytes_after / max(1, math.prod(t.shape)):.1f}", t.max_abs_error,
               "yes" if t.saturated else "") for t in report.tensors]

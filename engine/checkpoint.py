@@ -19,12 +19,12 @@ import numpy as np
 
 from .config import MODEL_TYPES, MambaConfig, expected_shapes
 from .errors import MemengineError
-from .safetensors_io import (BF16Bits, F16Bits, SafetensorsHeader, _no_dupes, atomic_write_bytes, read_header,
-                             read_safetensors, write_safetensors)
+from .safetensors_io import (BF16Bits, F16Bits, SafetensorsHeader, atomic_write_bytes, read_header, read_safetensors,
+                             write_safetensors)
+from .shards import (DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SHARD_NAME, parse_size, read_index, read_json, shard_file,
+                     split_shards)
 
 MODEL_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-SHARD_PATTERN = "model{suffix}.safetensors"  # transformers' names: model-00001-of-00003.safetensors
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
@@ -149,55 +149,21 @@ def _drop_tied_head(cfg: MambaConfig, tensors: dict[str, Any], where: str) -> No
 
 
 # --------------------------------------------------------------------------- loading
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_dupes)
-    except FileNotFoundError:
-        raise MemengineError(f"{path}: not found") from None
-    except UnicodeDecodeError as e:
-        raise MemengineError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    except (json.JSONDecodeError, ValueError, RecursionError) as e:
-        raise MemengineError(f"{path}: not valid JSON ({str(e)[:200]})") from None
-    except OSError as e:
-        raise MemengineError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
 def _read_json_config(path: Path) -> tuple[MambaConfig, str | None]:
     """(config, the model_type it states or None)."""
-    d = _read_json(path)
+    d = read_json(path)
     cfg = MambaConfig.from_dict(d, source=str(path))
     return cfg, d.get("model_type")
-
-
-def _shard_file(index: Path, name: Any) -> Path:
-    """A shard named in an index: a plain file name beside the index (no path escapes)."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
-            or "\0" in name or Path(name).is_absolute()):
-        raise MemengineError(f"{index}: shard name {name!r} must be a plain file name beside the index")
-    return index.parent / name
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    """weight_map of a model.safetensors.index.json, validated: tensor name -> shard file name."""
-    d = _read_json(index)
-    wm = d.get("weight_map") if isinstance(d, dict) else None
-    if not isinstance(wm, dict) or not wm:
-        raise MemengineError(f"{index}: expected an object with a non-empty 'weight_map' (tensor name -> shard file)")
-    if "metadata" in d and not isinstance(d["metadata"], dict):
-        raise MemengineError(f"{index}: 'metadata' must be an object")
-    for name, shard in wm.items():
-        _shard_file(index, shard)
-    return dict(wm)
 
 
 def _sharded_headers(index: Path) -> list[SafetensorsHeader]:
     """Headers of every shard an index lists; every tensor must sit in exactly the shard the
     index names, and every shard's tensors must be listed."""
-    wm = _read_index(index)
+    wm = read_index(index)
     shards = list(dict.fromkeys(wm.values()))
     headers = []
     for shard in shards:
-        f = _shard_file(index, shard)
+        f = shard_file(index, shard)
         if not f.is_file():
             raise MemengineError(f"{index}: shard '{shard}' is missing from {index.parent}")
         hdr = read_header(f)
@@ -236,7 +202,7 @@ def _locate(p: Path) -> tuple[list[Path] | Path, Path | None, Path]:
         return p, cfg_file, d
     if (d / INDEX_FILE).is_file() and p.name != MODEL_FILE:
         try:
-            listed = p.name in _read_index(d / INDEX_FILE).values()
+            listed = p.name in read_index(d / INDEX_FILE).values()
         except MemengineError:
             listed = False
         if listed:
@@ -339,45 +305,6 @@ def side_files(checkpoint_dir: Path | None, tokenizer_dir: Path | None) -> dict[
 
 
 # --------------------------------------------------------------------------- saving
-# transformers' save_pretrained(max_shard_size=...) default (5.x); a test checks it against
-# the installed transformers
-DEFAULT_MAX_SHARD_SIZE = "50GB"
-_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's (decimal)
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-
-def parse_size(value: int | str, flag: str = "--max-shard-size") -> int:
-    """Bytes from an int, a string of digits, or digits with a unit as transformers takes them
-    ("5GB", "500MB", "1.5GB", "100KB"; units are powers of 10)."""
-    if isinstance(value, bool):
-        raise MemengineError(f"{flag} {value!r}: expected a size such as 5GB, 500MB or a number of bytes")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]{2})?\s*", str(value))
-        unit = m.group(2).upper() if m and m.group(2) else None
-        if not m or (unit is not None and unit not in _SIZE_UNITS) or (unit is None and "." in m.group(1)):
-            raise MemengineError(f"{flag} {value}: expected a size such as 5GB, 500MB or a number of bytes "
-                                 "(units TB, GB, MB, KB)")
-        n = int(float(m.group(1)) * _SIZE_UNITS[unit]) if unit else int(m.group(1))
-    if n < 1:
-        raise MemengineError(f"{flag} {value}: must be at least 1 byte")
-    return n
-
-
-def _split_shards(payload: dict[str, Any], max_shard_size: int) -> tuple[dict[str, list[str]], int]:
-    """transformers' split (huggingface_hub's, in model order; a tensor larger than the limit
-    gets a shard of its own): file name -> tensor names, and the total size in bytes."""
-    from huggingface_hub import split_state_dict_into_shards_factory
-
-    def nbytes(v: Any) -> int:
-        return int((v.bits if isinstance(v, (F16Bits, BF16Bits)) else v).nbytes)
-
-    split = split_state_dict_into_shards_factory(payload, get_storage_size=nbytes, filename_pattern=SHARD_PATTERN,
-                                                 max_shard_size=max_shard_size)
-    return split.filename_to_tensors, int(split.metadata["total_size"])
-
-
 def _safe_file_name(name: str) -> str:
     if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
         raise MemengineError(f"extra file name {name!r} must be a plain file name")
@@ -436,7 +363,7 @@ def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str,
     files: dict[str, bytes | Path] = {}
     for name, content in (extra_files or {}).items():
         name = _safe_file_name(name)
-        if name in (MODEL_FILE, CONFIG_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(name):
+        if name in (MODEL_FILE, CONFIG_FILE, INDEX_FILE) or SHARD_NAME.fullmatch(name):
             raise MemengineError(f"extra file name {name!r} would overwrite the checkpoint itself")
         if isinstance(content, (bytes, bytearray)):
             files[name] = bytes(content)
@@ -446,14 +373,14 @@ def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str,
                 raise MemengineError(f"extra file '{src}' not found")
             files[name] = src
 
-    shards, total_size = _split_shards(payload, limit)
+    shards, total_size = split_shards(payload, limit, lambda v: getattr(v, "bits", v).nbytes)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise MemengineError(f"cannot create output directory '{out}' ({e.strerror or e})") from None
     if len(shards) == 1:
         write_safetensors(out / MODEL_FILE, payload, meta)
-        stale = [out / INDEX_FILE, *(f for f in out.iterdir() if _SHARD_NAME.fullmatch(f.name))]
+        stale = [out / INDEX_FILE, *(f for f in out.iterdir() if SHARD_NAME.fullmatch(f.name))]
     else:
         for fname, names in shards.items():
             write_safetensors(out / fname, {n: payload[n] for n in names}, meta)
@@ -461,7 +388,7 @@ def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str,
                               "total_size": total_size},
                  "weight_map": {n: fname for fname, names in shards.items() for n in names}}
         atomic_write_bytes(out / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-        stale = [out / MODEL_FILE, *(f for f in out.iterdir() if _SHARD_NAME.fullmatch(f.name) and f.name not in shards)]
+        stale = [out / MODEL_FILE, *(f for f in out.iterdir() if SHARD_NAME.fullmatch(f.name) and f.name not in shards)]
     try:
         for f in stale:
             if f.is_file():

@@ -210,17 +210,23 @@ class QuantizeReport:
 
 
 def quantize_checkpoint(src, out_dir, dtype: str = "f16", saturate: bool = False,
-                        dry_run: bool = False) -> QuantizeReport:
-    """Write every tensor of checkpoint `src` as `dtype` (f16 | bf16) into `out_dir`.
+                        dry_run: bool = False, *, source_name: str | None = None,
+                        max_shard_size: int | str | None = None) -> QuantizeReport:
+    """Write every tensor of checkpoint `src` (a path, or a loaded Checkpoint) as `dtype`
+    (f16 | bf16) into `out_dir`, sharded beyond `max_shard_size` as save_checkpoint does.
 
-    config.json and tokenizer.json come along; each file is written atomically; `src` is
-    never modified. With `dry_run`, everything is computed and checked but nothing written."""
-    from .checkpoint import load_checkpoint, save_checkpoint
+    config.json, the tokenizer and the side files (generation and tokenizer configs) come
+    along; each file is written atomically; `src` is never modified. `source_name` is what the
+    output's metadata records as the source (default: the path if relative, else its base
+    name). With `dry_run`, everything is computed and checked but nothing written."""
+    from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint, side_files
+    from .resolve import public_path
+    from .shards import DEFAULT_MAX_SHARD_SIZE
 
     dt = normalize_dtype(dtype)
     if dt not in _ENCODERS:
         raise MemengineError(f"--dtype: quantize writes f16 or bf16, not {dtype!r}")
-    ckpt = load_checkpoint(src)
+    ckpt = src if isinstance(src, Checkpoint) else load_checkpoint(src)
     out = Path(out_dir) if out_dir is not None else None
     if out is None and not dry_run:
         raise MemengineError("-o/--out: an output directory is needed")
@@ -246,6 +252,9 @@ def quantize_checkpoint(src, out_dir, dtype: str = "f16", saturate: bool = False
         ))
         encoded[name] = back  # exactly representable in dt: save_checkpoint re-encodes losslessly
     if not dry_run:
-        save_checkpoint(out, ckpt.config, encoded, dtype=dt, tokenizer_path=ckpt.tokenizer_path,
-                        metadata={"memengine.quantized_from": str(ckpt.path)})
+        tok = ckpt.tokenizer_path
+        save_checkpoint(out, ckpt.config, encoded, dtype=dt, tokenizer_path=tok,
+                        extra_files=side_files(ckpt.directory, tok.parent if tok else None),
+                        metadata={"memengine.quantized_from": source_name or public_path(ckpt.path)},
+                        max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     return report

@@ -10,10 +10,10 @@ import shutil
 import numpy as np
 import pytest
 
-from memengine.engine.checkpoint import (DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, load_checkpoint, parse_size,
-                                         save_checkpoint)
+from memengine.engine.checkpoint import load_checkpoint, save_checkpoint
 from memengine.engine.errors import MemengineError
 from memengine.engine.safetensors_io import read_safetensors, write_safetensors
+from memengine.engine.shards import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_size
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
