@@ -67,13 +67,13 @@ CkptArg = Annotated[Path, typer.Argument(
          "file, a model.safetensors.index.json, or a Hugging Face model id (from the local cache, else "
          "downloaded; HF_HUB_OFFLINE=1 forbids downloads).")]
 RevisionOpt = Annotated[Optional[str], typer.Option(
-    "--revision", rich_help_panel=_RUN, help="Branch, tag or commit of a model id CKPT (default: main).")]
+    "--revision", rich_help_panel=_RUN, metavar="REV", help="Branch, tag or commit of a model id CKPT (default: main).")]
 ModelTypeOpt = Annotated[Optional[str], typer.Option(
     "--model-type", rich_help_panel=_RUN, metavar="mamba|falcon_mamba",
     help="Model type of a checkpoint whose config does not state one (a bare .safetensors): "
          "mamba (assumed) or falcon_mamba.")]
 MaxShardSizeOpt = Annotated[str, typer.Option(
-    "--max-shard-size", rich_help_panel=_OUT,
+    "--max-shard-size", rich_help_panel=_OUT, metavar="SIZE",
     help="Write the weights as shards (model-00001-of-0000N.safetensors + model.safetensors.index.json) "
          "when they exceed this size: 5GB, 500MB or a number of bytes, as transformers' save_pretrained.")]
 SeqLenOpt = Annotated[int, typer.Option(

@@ -249,7 +249,7 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
     "memengine info tiny-model",
     "memengine info model/model.safetensors --json | jq .parameters",
     "memengine info state-spaces/mamba-130m-hf                # a model id (local cache, else download)",
-    "memengine info tiiuae/falcon-mamba-7b --revision main",
+    "memengine info my-org/my-mamba --revision v1.0            # a tag, branch or commit",
     "memengine info weights.safetensors --model-type falcon_mamba",
 ))
 def info(
@@ -496,7 +496,7 @@ def do_train(ui: UI, ckpt_path, data: list[str], output: Path, opts: dict, devic
     "echo 'The lighthouse keeper counts ships at dawn.' | memengine adapt tiny-trained --data - -o adapted",
     "memengine adapt model --data note.txt -o out --lr 1e-3 --tolerance 1.1 --json",
     "memengine adapt model --data note.txt -o out --no-rollback   # keep the result even if worse",
-    "memengine adapt tiiuae/falcon-mamba-7b --data note.txt -o out --max-shard-size 5GB",
+    "memengine adapt state-spaces/mamba-130m-hf --data note.txt -o out --max-shard-size 200MB",
 ))
 def adapt(
     ctx: typer.Context,
@@ -619,6 +619,7 @@ def do_adapt(ui: UI, ckpt_path, data: list[str], output: Path, opts: dict, rollb
     "memengine quantize model -o model-bf16 --dtype bf16",
     "memengine quantize model --dry-run            # report sizes and errors, write nothing",
     "memengine quantize model -o out --saturate    # clamp values beyond fp16's range",
+    "memengine quantize saved-by-hf/model.safetensors.index.json -o out --max-shard-size 500MB",
 ))
 def quantize(
     ckpt: CkptArg,
