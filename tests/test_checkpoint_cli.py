@@ -84,6 +84,7 @@ def _check_output(src: Path, out: Path, root: Path) -> None:
     a, b = transformers.AutoTokenizer.from_pretrained(src), transformers.AutoTokenizer.from_pretrained(out)
     assert a.special_tokens_map == b.special_tokens_map == SPECIAL
     assert transformers.GenerationConfig.from_pretrained(out).max_new_tokens == 7
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(out)) is transformers.FalconMambaForCausalLM
     for f in out.iterdir():  # no absolute local path in any file we wrote
         assert str(root).encode() not in f.read_bytes(), f
 
