@@ -180,12 +180,12 @@ def _sharded_headers(index: Path) -> list[SafetensorsHeader]:
     return headers
 
 
-def _locate(p: Path) -> tuple[list[Path] | Path, Path | None, Path]:
+def _locate(p: Path) -> tuple[Path, Path | None, Path]:
     """(the weight file, or the index of a shard set; config.json or None; the checkpoint dir)."""
     if p.is_dir():
         cfg_file = p / CONFIG_FILE
         if (p / MODEL_FILE).is_file():  # as transformers: a single file wins over an index
-            weights: Path = p / MODEL_FILE
+            weights = p / MODEL_FILE
         elif (p / INDEX_FILE).is_file():
             weights = p / INDEX_FILE
         else:
