@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .codec import encode, normalize_dtype
 from .config import MODEL_TYPES, MambaConfig, expected_shapes
 from .errors import MemengineError
 from .safetensors_io import (BF16Bits, F16Bits, SafetensorsHeader, atomic_write_bytes, read_header, read_safetensors,
@@ -326,8 +327,6 @@ def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str,
     else one model.safetensors. Every file is written atomically (the index last), and weight
     files of an earlier save that the new one does not use are removed. Returns the directory.
     """
-    from .quantize import encode, normalize_dtype
-
     out = Path(out_dir)
     dt = normalize_dtype(dtype, flag="dtype")
     limit = parse_size(max_shard_size)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .errors import MemengineError
-from .quantize import bf16_bits_to_f32, f16_bits_to_f32
+from .codec import bf16_bits_to_f32, f16_bits_to_f32
 
 MAX_HEADER_BYTES = 100_000_000  # the limit of the reference implementation
 

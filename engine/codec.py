@@ -1,0 +1,142 @@
+"""IEEE 754 half-precision (f16) and bfloat16 codecs (used by the safetensors reader and
+writer, checkpoints and `memengine quantize`; imports nothing of the engine but errors).
+
+The encoders work on uint32 bit patterns with integer numpy (no `astype(float16)`):
+round to nearest, ties to even; subnormals, signed zeros and infinities exact; NaN stays
+NaN (sign and top payload bits kept). A finite input that rounds beyond the target's
+largest finite value is an *overflow*, reported in a mask so callers can refuse or saturate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import MemengineError
+
+F16_MAX = 65504.0
+F16_MAX_BITS = 0x7BFF
+BF16_MAX_BITS = 0x7F7F  # 3.3895314e38
+BF16_MAX = float(np.array([BF16_MAX_BITS << 16], dtype=np.uint32).view(np.float32)[0])
+
+
+def _bits32(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    return x.view(np.uint32).astype(np.uint64)  # 64-bit lanes: no shift/add overflow
+
+
+# ------------------------------------------------------------------------------- f16
+def f32_to_f16_bits(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 -> (uint16 f16 bit patterns, overflow mask), round-to-nearest-even."""
+    b = _bits32(x)
+    sign = (b >> 16) & 0x8000
+    a = b & 0x7FFFFFFF
+    out = np.zeros(b.shape, dtype=np.uint64)
+
+    is_nan = a > 0x7F800000
+    is_inf = a == 0x7F800000
+    overflow = (a >= 0x477FF000) & ~is_nan & ~is_inf  # >= 65520 rounds to infinity
+    normal = (a >= 0x38800000) & (a < 0x477FF000)  # [2^-14, 65520)
+    sub = a < 0x38800000
+
+    # normal: rebias exponent (127 -> 15), round the 13 dropped mantissa bits
+    an = a[normal]
+    out[normal] = (an - 0x38000000 + 0xFFF + ((an >> 13) & 1)) >> 13
+
+    # subnormal (and zero): value = m * 2^(e-150); unit 2^-24 -> q = m >> (126 - e)
+    asub = a[sub]
+    e = asub >> 23
+    m = (asub & 0x7FFFFF) | np.where(e > 0, 0x800000, 0).astype(np.uint64)
+    s = np.minimum(np.where(e > 0, 126 - e.astype(np.int64), 125), 25).astype(np.uint64)
+    q = m >> s
+    r = m & ((np.uint64(1) << s) - 1)
+    half = np.uint64(1) << (s - 1)
+    q = q + ((r > half) | ((r == half) & ((q & 1) == 1))).astype(np.uint64)
+    out[sub] = q
+
+    out[is_inf | overflow] = 0x7C00
+    an = a[is_nan]
+    nb = 0x7C00 | ((an & 0x7FFFFF) >> 13)  # NaN keeps its top payload bits (numpy's choice) ...
+    out[is_nan] = np.where(nb == 0x7C00, 0x7C01, nb)  # ... and never becomes infinity
+    return (out | sign).astype(np.uint16), overflow
+
+
+def f16_bits_to_f32(h: np.ndarray) -> np.ndarray:
+    """uint16 f16 bit patterns -> float32, exactly (subnormal = mantissa/1024 * 2^-14)."""
+    h = np.asarray(h, dtype=np.uint16).astype(np.uint32)
+    sign = (h & 0x8000) << 16
+    exp = (h >> 10) & 0x1F
+    mant = h & 0x3FF
+    bits = np.where(exp == 0x1F, 0x7F800000 | (mant << 13), ((exp + 112) << 23) | (mant << 13)).astype(np.uint32)
+    out = bits.view(np.float32).copy()
+    sub = exp == 0
+    out[sub] = (mant[sub].astype(np.float32) / np.float32(1024.0)) * np.float32(2.0**-14)
+    return (out.view(np.uint32) | sign.astype(np.uint32)).view(np.float32)
+
+
+# ------------------------------------------------------------------------------ bf16
+def f32_to_bf16_bits(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 -> (uint16 bfloat16 bit patterns, overflow mask), round-to-nearest-even."""
+    b = _bits32(x)
+    a = b & 0x7FFFFFFF
+    is_nan = a > 0x7F800000
+    is_inf = a == 0x7F800000
+    overflow = (a >= 0x7F7F8000) & ~is_nan & ~is_inf  # rounds up to infinity
+    out = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    out = np.where(is_nan, (b >> 16) | 0x0040, out)  # quiet NaN
+    out = np.where(is_inf, b >> 16, out)
+    return (out & 0xFFFF).astype(np.uint16), overflow
+
+
+def bf16_bits_to_f32(h: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns -> float32 (the upper 16 bits of an f32)."""
+    return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+ENCODERS = {"F16": (f32_to_f16_bits, f16_bits_to_f32, F16_MAX_BITS, F16_MAX),
+             "BF16": (f32_to_bf16_bits, bf16_bits_to_f32, BF16_MAX_BITS, BF16_MAX)}
+
+
+def normalize_dtype(dtype: str, flag: str = "--dtype") -> str:
+    """'f16'/'fp16'/'float16'/'half' -> 'F16', 'bf16'/'bfloat16' -> 'BF16', 'f32'/'float32' -> 'F32'."""
+    d = str(dtype).strip().lower()
+    table = {"f16": "F16", "fp16": "F16", "float16": "F16", "half": "F16",
+             "bf16": "BF16", "bfloat16": "BF16",
+             "f32": "F32", "fp32": "F32", "float32": "F32", "float": "F32"}
+    if d not in table:
+        raise MemengineError(f"{flag}: unknown dtype {dtype!r} (use f32, f16 or bf16)")
+    return table[d]
+
+
+def encode(x: np.ndarray, dtype: str, *, name: str = "tensor", saturate: bool = False) -> np.ndarray:
+    """float32 -> uint16 bit patterns of `dtype` ('F16' or 'BF16').
+
+    A finite value beyond the target's range raises MemengineError naming `name`, unless
+    `saturate` (then it becomes the largest finite value of that sign)."""
+    dt = normalize_dtype(dtype)
+    if dt not in ENCODERS:
+        raise MemengineError(f"cannot encode to {dt}: only F16 and BF16 are 16-bit targets")
+    enc, _, max_bits, max_val = ENCODERS[dt]
+    bits, overflow = enc(x)
+    if overflow.any():
+        if not saturate:
+            flat = np.asarray(x, dtype=np.float32).reshape(-1)
+            idx = int(np.flatnonzero(overflow.reshape(-1))[0])
+            raise MemengineError(
+                f"tensor '{name}': value {float(flat[idx]):.6g} at index {idx} is outside the {dt} range "
+                f"(largest finite {max_val:.6g}); {int(overflow.sum())} value(s) overflow (use --saturate to clamp)"
+            )
+        sign = bits & 0x8000
+        bits = np.where(overflow, sign | max_bits, bits).astype(np.uint16)
+    return bits
+
+
+def decode(bits: np.ndarray, dtype: str) -> np.ndarray:
+    dt = normalize_dtype(dtype)
+    return ENCODERS[dt][1](bits)
+
+
+
+
+def overflows(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Mask of finite float32 values that round beyond `dtype`'s largest finite value."""
+    return ENCODERS[normalize_dtype(dtype)][0](x)[1]
