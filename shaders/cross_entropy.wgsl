@@ -2,19 +2,23 @@
 //   loss_rows[r] = logsumexp(logits[r, :]) - logits[r, target[r]]      (0 when target < 0 or >= V)
 // cross_entropy_backward also OVERWRITES the row with its gradient:
 //   logits[r, i] = (softmax(logits[r, :])[i] - [i == target]) * scale[0]   (zero row when ignored)
+// cross_entropy_eval also writes whether the target is among the top 1 / top 5 logits
+// (fewer than k logits strictly greater than the target's; 0 for an ignored row):
+//   hits[o_top1 + r] = rank < 1 ;  hits[o_top5 + r] = rank < 5        (as 0.0 / 1.0)
 // Max and sum-exp: one online pass per invocation, then workgroup tree reductions
 // (stable: every exp argument is <= 0).
 // Each invocation reads and writes only its own strided columns; the target logit is
 // captured into workgroup memory by its owner before any write, so no storage race.
 const WG: u32 = 256u;
 
-struct Params { Mc: u32, V: u32, o_loss: u32, o_logits: u32, o_tgt: u32, o_scale: u32, _p0: u32, _p1: u32 }
+struct Params { Mc: u32, V: u32, o_loss: u32, o_logits: u32, o_tgt: u32, o_scale: u32, o_top1: u32, o_top5: u32 }
 
 @group(0) @binding(0) var<storage, read_write> loss_rows: array<f32>;
 @group(0) @binding(1) var<storage, read_write> logits: array<f32>;
 @group(0) @binding(2) var<storage, read> targets: array<i32>;
 @group(0) @binding(3) var<storage, read> scale: array<f32>;
 @group(0) @binding(4) var<uniform> P: Params;
+@group(0) @binding(5) var<storage, read_write> hits: array<f32>;
 
 var<workgroup> red: array<f32, WG>;
 var<workgroup> tlogit: f32;
@@ -43,7 +47,8 @@ fn wg_sum(v: f32, l: u32) -> f32 {
     return r;
 }
 
-fn ce_row(row: u32, l: u32, want_grad: bool) {
+// Returns how many logits of the row are strictly greater than the target's (when want_rank).
+fn ce_row(row: u32, l: u32, want_grad: bool, want_rank: bool) -> f32 {
     let base = P.o_logits + row * P.V;
     let t = targets[P.o_tgt + row];
     let valid = t >= 0 && u32(t) < P.V;
@@ -77,6 +82,17 @@ fn ce_row(row: u32, l: u32, want_grad: bool) {
             logits[base + i] = g;
         }
     }
+    var rank = 0.0;
+    if (want_rank) {
+        var above = 0.0;
+        if (valid) {
+            for (var i = l; i < P.V; i = i + WG) {
+                if (logits[base + i] > tlogit) { above = above + 1.0; }
+            }
+        }
+        rank = wg_sum(above, l);             // exact: counts stay far below 2^24
+    }
+    return rank;
 }
 
 @compute @workgroup_size(256)
@@ -84,7 +100,7 @@ fn cross_entropy_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
                          @builtin(local_invocation_id) lid: vec3<u32>) {
     let row = wid.x + wid.y * nwg.x;
     if (row >= P.Mc) { return; }
-    ce_row(row, lid.x, false);
+    ce_row(row, lid.x, false, false);
 }
 
 @compute @workgroup_size(256)
@@ -92,5 +108,19 @@ fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
                           @builtin(local_invocation_id) lid: vec3<u32>) {
     let row = wid.x + wid.y * nwg.x;
     if (row >= P.Mc) { return; }
-    ce_row(row, lid.x, true);
+    ce_row(row, lid.x, true, false);
+}
+
+@compute @workgroup_size(256)
+fn cross_entropy_eval(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_id) lid: vec3<u32>) {
+    let row = wid.x + wid.y * nwg.x;
+    if (row >= P.Mc) { return; }
+    let t = targets[P.o_tgt + row];
+    let valid = t >= 0 && u32(t) < P.V;
+    let rank = ce_row(row, lid.x, false, true);
+    if (lid.x == 0u) {
+        hits[P.o_top1 + row] = select(0.0, 1.0, valid && rank < 1.0);
+        hits[P.o_top5 + row] = select(0.0, 1.0, valid && rank < 5.0);
+    }
 }

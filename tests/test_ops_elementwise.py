@@ -339,3 +339,40 @@ def test_cross_entropy_many_rows_grid_fold(rt):
     lref, gref = _ce_ref(X, T, float(scale))
     _check("cross_entropy loss Mc=66000", rt.read(lt), lref, atol=2e-6, rtol=2e-6)
     _check("cross_entropy dlogits Mc=66000", rt.read(xt), gref, atol=1e-11, rtol=1e-5)
+
+
+@pytest.mark.parametrize("Mc,V", [(9, 259), (4, 50280), (7, 3)])
+def test_cross_entropy_eval_top_k(rt, Mc, V):
+    """cross_entropy_eval: the same loss rows, and top-1/top-5 hits as torch.topk gives them
+    (random logits have no ties), 0 for ignored rows; the hit views sit in one buffer at
+    unaligned offsets, as the evaluation's per-chunk views do."""
+    r = _rng(Mc * 7 + V)
+    X = (r.standard_normal((Mc, V)) * 3).astype(np.float32)
+    T = r.integers(0, V, Mc).astype(np.int32)
+    T[0] = int(np.argmax(X[0]))                      # a certain top-1 hit
+    T[1] = -100                                      # ignored
+    if V > 6:
+        T[2] = int(np.argsort(-X[2])[3])             # 4th largest: top-5, not top-1
+    scale = np.float32(1.0)
+    loss = Flat(rt, np.full(Mc, -9.0, np.float32), front=3)
+    gap = Mc + 2
+    hits = Flat(rt, np.full(gap + Mc, -7.0, np.float32), front=5)
+    top1, top5 = hits.base.view((Mc,), 5), hits.base.view((Mc,), 5 + gap)
+    xt, tt, st = rt.upload(X), rt.upload(T), rt.upload(np.array([scale], np.float32))
+    rec = rt.recorder()
+    cross_entropy(rec, loss.view, xt, tt, st, want_grad=False, hits=(top1, top5))
+    rec.submit()
+    lref, _ = _ce_ref(X, T, 1.0)
+    _check(f"cross_entropy_eval loss Mc={Mc} V={V}", loss.read(), lref, atol=2e-6, rtol=2e-6)
+    k = min(5, V)
+    topk = torch.topk(torch.tensor(X), k, dim=1).indices.numpy()
+    want1 = np.array([float(t >= 0 and topk[i, 0] == t) for i, t in enumerate(T)])
+    want5 = np.array([float(t >= 0 and t in topk[i]) for i, t in enumerate(T)])
+    got = hits.read()
+    assert np.array_equal(got[:Mc], want1), (got[:Mc], want1)
+    assert np.array_equal(got[gap:gap + Mc], want5), (got[gap:], want5)
+    assert np.all(got[Mc:gap] == -7.0), "wrote between the two hit views"
+    assert want1[0] == 1 and want1[1] == 0 and want5[1] == 0
+    if V > 6:
+        assert want1[2] == 0 and want5[2] == 1
+    assert np.array_equal(rt.read(xt), X)

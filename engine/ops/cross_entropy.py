@@ -11,10 +11,12 @@ from ..gpu import Recorder, Tensor, bound, pack
 
 
 def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Tensor, scale: Tensor,
-                  *, want_grad: bool) -> None:
+                  *, want_grad: bool, hits: tuple[Tensor, Tensor] | None = None) -> None:
     """loss_rows[Mc] = -log softmax(logits)[target] (WRITE; 0 where target < 0).
     With want_grad, logits [Mc, V] is OVERWRITTEN by (softmax - onehot) * scale[0]
-    (a zero row where the target is ignored)."""
+    (a zero row where the target is ignored).  With hits = (top1 [Mc], top5 [Mc]) (views
+    of one buffer, no gradient): 1.0 where the target is among the top 1 / top 5 logits
+    (fewer than k logits strictly greater), else 0.0 (WRITE)."""
     Mc = int(targets.numel)
     V = int(logits.shape[-1])
     assert logits.numel == Mc * V and loss_rows.numel == Mc and scale.numel >= 1, (
@@ -23,6 +25,16 @@ def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Ten
         return
     rt = rec.rt
     (bl, ol), (bx, ox), (bt, ot), (bs, os_) = (bound(rt, t) for t in (loss_rows, logits, targets, scale))
-    u = rt.uniform(pack("8I", Mc, V, ol, ox, ot, os_, 0, 0))
-    entry = "cross_entropy_backward" if want_grad else "cross_entropy_forward"
-    rec.dispatch("cross_entropy", entry, {0: bl, 1: bx, 2: bt, 3: bs, 4: u}, Mc)
+    bindings = {0: bl, 1: bx, 2: bt, 3: bs}
+    o1 = o5 = 0
+    if hits is not None:
+        top1, top5 = hits
+        gap = (top5.offset - top1.offset) // 4
+        assert not want_grad and top1.buffer is top5.buffer and top1.numel == top5.numel == Mc and gap >= Mc
+        bindings[5], o1 = bound(rt, Tensor(top1.buffer, (gap + Mc,), "f32", top1.offset))
+        o5 = o1 + gap
+    u = rt.uniform(pack("8I", Mc, V, ol, ox, ot, os_, o1, o5))
+    bindings[4] = u
+    entry = "cross_entropy_eval" if hits is not None else (
+        "cross_entropy_backward" if want_grad else "cross_entropy_forward")
+    rec.dispatch("cross_entropy", entry, bindings, Mc)
