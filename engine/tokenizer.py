@@ -1,10 +1,18 @@
 """Tokenizers: the built-in byte-level one (UTF-8 bytes, ids 0..255, no download) or a HF
-`tokenizer.json` (via `tokenizers`) beside the checkpoint or given with `--tokenizer`."""
+`tokenizer.json` (via `tokenizers`) beside the checkpoint or given with `--tokenizer`.
+
+`eos_id` is the end-of-text token that separates documents in training data.  The
+byte-level tokenizer uses 255: the byte 0xFF never occurs in UTF-8 text, so the separator
+can never be confused with text.  A tokenizer.json uses the `eos_token` of a
+tokenizer_config.json beside it, else the first of the usual end-of-text tokens it has
+(`<|endoftext|>`, `</s>`, `<eos>`, `<|end_of_text|>`), else none (documents are then
+joined with a newline)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -12,12 +20,15 @@ from .errors import MemengineError
 
 TOKENIZER_FILE = "tokenizer.json"
 BYTE_NAMES = ("bytes", "byte", "byte-level")
+BYTE_EOS = 0xFF  # never a byte of UTF-8 text
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
+    eos_id: Optional[int]
 
     def encode(self, text: str) -> np.ndarray: ...
 
@@ -29,6 +40,7 @@ class ByteTokenizer:
 
     name = "bytes"
     vocab_size = 256
+    eos_id = BYTE_EOS
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8", errors="surrogatepass"), dtype=np.uint8).astype(np.int32)
@@ -58,6 +70,24 @@ class HFTokenizer:
             raise MemengineError(f"tokenizer '{self.path}' cannot be loaded: {msg[:200]}") from None
         self.name = str(self.path)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.eos_id = self._find_eos()
+
+    def _find_eos(self) -> Optional[int]:
+        cfg = self.path.parent / "tokenizer_config.json"
+        if cfg.is_file():
+            try:
+                tok = json.loads(cfg.read_text(encoding="utf-8")).get("eos_token")
+            except (ValueError, OSError, AttributeError):
+                tok = None
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            if isinstance(tok, str) and self._tok.token_to_id(tok) is not None:
+                return int(self._tok.token_to_id(tok))
+        for name in EOS_NAMES:
+            i = self._tok.token_to_id(name)
+            if i is not None:
+                return int(i)
+        return None
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
