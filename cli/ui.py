@@ -2,12 +2,12 @@
 
 Everything a person reads goes to stderr.  stdout is reserved for machine output
 (`--json`): one JSON object per line and nothing else.  The engine never prints; it calls
-back (`on_epoch`, `on_progress`) and this object renders.
+back (engine/listener.py) and `RunView` renders.
 
 On a terminal the epoch table is live (it grows a row per epoch, with a progress bar
 under it while an epoch runs).  When stderr is not a terminal there is no colour, no
-cursor movement and no progress bar: each epoch is printed as one plain line as it ends,
-so logs and pipelines see progress as it happens.
+cursor movement and no progress bar: each epoch, evaluation and checkpoint is one plain
+line as it happens, and a progress line appears whenever nothing was printed for 30 s.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any, Iterable, Sequence
 
@@ -24,6 +25,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
+
+from memengine.engine.listener import Listener
 
 
 def _fmt(v: Any, digits: int = 4) -> str:
@@ -66,26 +69,38 @@ def _json_float(v):
     return v
 
 
-class EpochView:
-    """The per-epoch table (live on a terminal, one line per epoch otherwise)."""
+class RunView(Listener):
+    """Renders a training run from the engine's callbacks (engine/listener.py).
 
-    COLUMNS = ("epoch", "loss", "grad norm", "tokens/s", "elapsed")
+    On a terminal: a live table with a row per epoch (loss, grad norm, validation loss,
+    tokens/s, elapsed) and a progress bar under it.  Otherwise: one plain line per epoch,
+    evaluation and checkpoint, and a progress line whenever nothing was printed for
+    `ui.progress_interval` seconds (30), from a timer thread, so a log shows signs of life
+    even while one long step or evaluation runs.  Every event also goes to --json.
+    """
 
-    def __init__(self, ui: "UI", title: str, total_epochs: int | None):
+    COLUMNS = ("epoch", "loss", "grad norm", "val loss", "tokens/s", "elapsed")
+
+    def __init__(self, ui: "UI"):
         self.ui = ui
-        self.title = title
-        self.total = total_epochs
         self.rows: list[tuple[str, ...]] = []
         self.live: Live | None = None
         self.progress: Progress | None = None
         self.task = None
-        self.shown = not ui.quiet
-        self.started = time.perf_counter()
+        self.plan = None
+        self.title = ""
+        self.total_epochs = None
+        self.last_eval: dict | None = None
+        self.status = ""               # what the progress line says now
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._eval_bars: dict = {}
 
     # -- rendering
     def _table(self) -> Table:
-        t = Table(title=self.title, title_justify="left", box=None if not self.ui.tty else None,
-                  show_edge=False, header_style="bold" if self.ui.tty else "")
+        t = Table(title=self.title, title_justify="left", box=None, show_edge=False,
+                  header_style="bold" if self.ui.tty else "")
         for c in self.COLUMNS:
             t.add_column(c, justify="right")
         for r in self.rows:
@@ -97,66 +112,137 @@ class EpochView:
             return Group(self._table(), self.progress)
         return self._table()
 
-    def __enter__(self):
-        if not self.shown:
-            return self
+    def _line(self, text: str) -> None:
+        if not self.ui.quiet:
+            self.ui.console.print(text, highlight=False)
+            self.ui.last_print = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        interval = self.ui.progress_interval
+        while not self._stop.wait(min(interval, 1.0) if interval > 1 else interval):
+            if time.monotonic() - self.ui.last_print >= interval and self.status:
+                self._line(f"  {self.status}  elapsed {time.monotonic() - self.started:.0f}s")
+
+    # -- engine callbacks
+    def on_note(self, message: str) -> None:
+        self.ui.note(message)
+
+    def on_warning(self, message: str) -> None:
+        self.ui.warn(message)
+
+    def on_start(self, plan) -> None:
+        self._close_eval_bars()
+        self.plan = plan
+        self.title = plan.title
+        self.total_epochs = plan.epochs
+        self.started = time.monotonic()
+        if self.ui.quiet:
+            return
         if self.ui.tty:
             self.progress = Progress(
-                TextColumn("  step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 console=self.ui.console, transient=True,
             )
             self.live = Live(self._renderable(), console=self.ui.console, refresh_per_second=8,
                              transient=False, redirect_stdout=False, redirect_stderr=False)
             self.live.__enter__()
         else:
-            self.ui.console.print(self.title)
-        return self
+            self._line(self.title)
+            self._thread = threading.Thread(target=self._heartbeat, name="memengine-progress", daemon=True)
+            self._thread.start()
 
-    def __exit__(self, *exc):
+    def _bar(self, description: str, done: int, total: int) -> None:
+        if self.live is None or self.progress is None or total < 2:
+            return
+        if self.task is None:
+            self.task = self.progress.add_task(description, total=total)
+        self.progress.update(self.task, description=description, completed=done, total=total)
+        self.live.update(self._renderable())
+
+    def on_progress(self, p) -> None:
+        loss = "" if p.last_loss is None else f"  loss {_fmt(float(p.last_loss))}"
+        self.status = f"step {p.step}/{p.total_steps}  epoch {p.epoch}{loss}  lr {p.lr:.3g}"
+        self._bar(f"step {p.step}/{p.total_steps}{loss}", p.step_in_epoch, p.steps_per_epoch)
+
+    def on_step(self, event: dict) -> None:
+        self.ui.emit(event)
+
+    def on_eval_progress(self, phase: str, done: int, total: int) -> None:
+        self.status = f"evaluating ({phase}) {done}/{total}"
+        if self.plan is None or self.live is None:
+            if self.ui.tty and not self.ui.quiet:  # before training: a bar of its own
+                bar = self._eval_bars.get(phase)
+                if bar is None:
+                    self._close_eval_bars()
+                    bar = self._eval_bars[phase] = _EvalProgress(self.ui, phase).__enter__()
+                bar(done, total)
+            return
+        self._bar(f"eval ({phase})", done, total)
+
+    def _close_eval_bars(self) -> None:
+        for b in self._eval_bars.values():
+            b.__exit__(None, None, None)
+        self._eval_bars.clear()
+
+    def on_eval(self, event: dict) -> None:
+        self.last_eval = event
+        self.ui.emit(event)
+        if self.task is not None and self.progress is not None:
+            self.progress.remove_task(self.task)
+            self.task = None
+        self._line(f"  eval at step {event['step']}  val loss {_fmt(float(event['val_loss']))}  "
+                   f"perplexity {_fmt(float(event['val_perplexity']))}  "
+                   f"top-1 {_fmt(float(event['val_top1_accuracy']))}  "
+                   f"top-5 {_fmt(float(event['val_top5_accuracy']))}")
+
+    def on_epoch(self, ev: dict) -> None:
+        self.ui.emit(ev)
+        total = f"/{self.total_epochs}" if self.total_epochs else ""
+        val = "-"
+        if self.last_eval is not None and self.last_eval["step"] == ev["step"]:
+            val = _fmt(float(self.last_eval["val_loss"]))
+        row = (f"{ev['epoch']}{total}", _fmt(float(ev["loss"])), _fmt(float(ev["grad_norm"])), val,
+               f"{float(ev['tokens_per_s']):,.0f}", f"{float(ev['elapsed_s']):.1f}s")
+        self.rows.append(row)
+        if self.task is not None and self.progress is not None:
+            self.progress.remove_task(self.task)
+            self.task = None
+        if self.ui.quiet:
+            return
+        if self.live is not None:
+            self.live.update(self._renderable(), refresh=True)
+        else:
+            self._line(f"  epoch {row[0]}  loss {row[1]}  grad norm {row[2]}  val loss {row[3]}  "
+                       f"tokens/s {row[4]}  elapsed {row[5]}")
+
+    def on_checkpoint(self, event: dict) -> None:
+        self.ui.emit(event)
+        self._line(f"  saved checkpoint {event['path']} (step {event['step']})")
+
+    def on_finish(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._close_eval_bars()
         if self.live is not None:
             if self.task is not None and self.progress is not None:
                 self.progress.remove_task(self.task)
                 self.task = None
             self.live.update(self._table(), refresh=True)
-            self.live.__exit__(*exc)
+            self.live.__exit__(None, None, None)
             self.live = None
-        return False
-
-    # -- engine callbacks
-    def on_progress(self, step: int, total_steps: int) -> None:
-        """Progress within an epoch; shown only on a terminal and for long epochs."""
-        if self.live is None or self.progress is None or total_steps < 2:
-            return
-        if self.task is None:
-            self.task = self.progress.add_task("step", total=total_steps)
-        self.progress.update(self.task, completed=step, total=total_steps)
-        self.live.update(self._renderable())
-
-    def on_epoch(self, s) -> None:
-        total = f"/{self.total}" if self.total else ""
-        row = (f"{s.epoch}{total}", _fmt(float(s.loss)), _fmt(float(s.grad_norm)),
-               f"{float(s.tokens_per_s):,.0f}", f"{float(s.elapsed_s):.1f}s")
-        self.rows.append(row)
-        if self.task is not None and self.progress is not None:
-            self.progress.remove_task(self.task)
-            self.task = None
-        if not self.shown:
-            return
-        if self.live is not None:
-            self.live.update(self._renderable(), refresh=True)
-        else:
-            self.ui.console.print(
-                f"  epoch {row[0]}  loss {row[1]}  grad norm {row[2]}  tokens/s {row[3]}  elapsed {row[4]}",
-                highlight=False,
-            )
+        self.plan = None
 
 
 class UI:
     """Receives engine callbacks and renders them; writes JSON lines when asked."""
 
     def __init__(self, *, json_mode: bool = False, quiet: bool = False, verbose: bool = False,
-                 stdout=None, stderr=None):
+                 stdout=None, stderr=None, progress_interval: float = 30.0):
         self.json_mode = json_mode
+        self.progress_interval = progress_interval
+        self.last_print = time.monotonic()
         self.quiet = quiet
         self.verbose = verbose
         self.stdout = stdout if stdout is not None else sys.stdout
@@ -188,6 +274,7 @@ class UI:
     def note(self, msg: str) -> None:
         if not self.quiet:
             self.console.print(msg, highlight=False)
+            self.last_print = time.monotonic()
 
     def step(self, msg: str) -> None:
         """A heading for one stage of a longer command (the demo)."""
@@ -234,8 +321,8 @@ class UI:
             t.add_row(*[_fmt(v) for v in r])
         self.console.print(t)
 
-    def epochs(self, title: str, total_epochs: int | None = None) -> EpochView:
-        return EpochView(self, title, total_epochs)
+    def run_view(self) -> RunView:
+        return RunView(self)
 
     def status(self, msg: str):
         """A spinner on a terminal (for slow single steps such as evaluation)."""

@@ -1,7 +1,9 @@
-"""Training data: text in, fixed-shape batches of (input, next-token target) windows out (SPEC §4)."""
+"""Training data: documents in, one token stream (documents separated by the tokenizer's
+end-of-text token), windows of (input, next-token target), fixed-shape batches (SPEC §4)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ def _decode(raw: bytes, source: str) -> str:
     return text[1:] if text.startswith("\ufeff") else text
 
 
-def _read_jsonl(text: str, source: str) -> str:
+def _read_jsonl(text: str, source: str) -> list[str]:
     docs = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -37,20 +39,20 @@ def _read_jsonl(text: str, source: str) -> str:
             raise MemengineError(f"{source}:{n}: expected an object with a \"text\" field")
         if not isinstance(obj["text"], str):
             raise MemengineError(f"{source}:{n}: the \"text\" field must be a string")
-        docs.append(obj["text"])
-    return "\n".join(docs)
+        if obj["text"]:
+            docs.append(obj["text"])
+    return docs
 
 
-def read_text(paths: list[str] | str, stdin: BinaryIO | None = None) -> str:
-    """Concatenate the text of `paths` ('-' = stdin; *.jsonl = each line's "text" field).
-
-    Sources are joined with a newline when the previous one does not end with one. A missing,
-    undecodable or empty source raises MemengineError naming it."""
+def read_documents(paths: list[str] | str, stdin: BinaryIO | None = None) -> list[str]:
+    """The documents of `paths` ('-' = stdin): a text file is one document, each line of a
+    *.jsonl file is one (its "text" field).  A missing, undecodable or empty source raises
+    MemengineError naming it."""
     if isinstance(paths, (str, Path)):
         paths = [str(paths)]
     if not paths:
         raise MemengineError("no training data given (pass a text file, a .jsonl file, or '-' for stdin)")
-    parts: list[str] = []
+    docs: list[str] = []
     for p in paths:
         p = str(p)
         if p == "-":
@@ -62,9 +64,8 @@ def read_text(paths: list[str] | str, stdin: BinaryIO | None = None) -> str:
                 raw = stream.read()
                 if isinstance(raw, str):
                     raw = raw.encode("utf-8")
-            text = _decode(raw, src)
+            found = [_decode(raw, src)]
         else:
-            src = p
             path = Path(p)
             try:
                 raw = path.read_bytes()
@@ -75,14 +76,67 @@ def read_text(paths: list[str] | str, stdin: BinaryIO | None = None) -> str:
             except OSError as e:
                 raise MemengineError(f"data file '{p}': cannot read ({e.strerror or e})") from None
             text = _decode(raw, f"data file '{p}'")
-            if path.suffix.lower() == ".jsonl":
-                text = _read_jsonl(text, p)
-        if not text:
+            found = _read_jsonl(text, p) if path.suffix.lower() == ".jsonl" else [text]
+        if not any(found):
             raise MemengineError(f"{'stdin' if p == '-' else repr(p)}: no text (the data is empty)")
-        if parts and not parts[-1].endswith("\n"):
-            parts.append("\n")
-        parts.append(text)
-    return "".join(parts)
+        docs.extend(d for d in found if d)
+    return docs
+
+
+def tokenize_documents(docs: list[str], tokenizer) -> np.ndarray:
+    """One token stream: each document's tokens, an end-of-text token (`tokenizer.eos_id`)
+    between two documents.  A tokenizer without one joins the documents with a newline."""
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is None:
+        return np.asarray(tokenizer.encode("\n".join(docs)), dtype=np.int32).reshape(-1)
+    parts: list[np.ndarray] = []
+    sep = np.array([eos], dtype=np.int32)
+    for i, d in enumerate(docs):
+        if i:
+            parts.append(sep)
+        parts.append(np.asarray(tokenizer.encode(d), dtype=np.int32).reshape(-1))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def describe_sources(paths: list[str]) -> str:
+    return ", ".join("stdin" if str(p) == "-" else str(p) for p in paths)
+
+
+@dataclass
+class TokenStream:
+    ids: np.ndarray        # int32, the whole stream
+    documents: int
+    source: str            # for messages: "a.txt, b.jsonl"
+
+    def fingerprint(self) -> str:
+        """sha256 of the ids (a resumed run checks that its data is the same)."""
+        return hashlib.sha256(np.ascontiguousarray(self.ids, np.int32).tobytes()).hexdigest()
+
+
+def read_sources(paths: list[str], flag: str = "--data") -> tuple[list[str], str]:
+    """(documents, a description for messages) of the data a flag names (read once: stdin
+    cannot be read twice)."""
+    if not paths:
+        raise MemengineError(f"{flag} is required (a file, several files, or - for stdin)")
+    for p in paths:
+        if p != "-" and not Path(p).exists():
+            raise MemengineError(f"{flag} {p}: file not found")
+        if p != "-" and Path(p).is_dir():
+            raise MemengineError(f"{flag} {p}: is a directory, expected a text file")
+    source = describe_sources(paths)
+    docs = read_documents(list(paths))
+    if not any(d.strip() for d in docs):
+        raise MemengineError(f"{flag} {source}: no text (empty data)")
+    return docs, source
+
+
+def token_stream(docs: list[str], source: str, tokenizer, vocab_size: int, flag: str = "--data") -> TokenStream:
+    """Tokenize and check documents (SPEC section 4)."""
+    ids = tokenize_documents(docs, tokenizer)
+    if ids.size < 2:
+        raise MemengineError(f"{flag} {source}: only {ids.size} token(s); need at least 2")
+    check_vocab(ids, vocab_size, source)
+    return TokenStream(ids=ids, documents=len(docs), source=source)
 
 
 def check_vocab(ids: np.ndarray, vocab_size: int, source: str = "data") -> None:

@@ -27,3 +27,11 @@ class NonFiniteError(MemengineError):
     """Training produced a non-finite loss; nothing is written."""
 
     exit_code = 1
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a run; `message` says what was kept."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message

@@ -233,8 +233,11 @@ class MambaModel:
             self._ws[(B, L)] = ws
         return ws
 
-    def write_batch(self, ws: Workspace, ids: np.ndarray, targets: np.ndarray | None = None) -> int:
-        """Upload a batch (ids [B, L], targets [B, L] with -1 = ignore). Returns #targets."""
+    def write_batch(self, ws: Workspace, ids: np.ndarray, targets: np.ndarray | None = None,
+                    denominator: int | None = None) -> int:
+        """Upload a batch (ids [B, L], targets [B, L] with -1 = ignore). Returns #targets.
+        The loss is the mean over `denominator` targets (default: this batch's), so the
+        micro-batches of one accumulated step each scale by the whole step's count."""
         ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
         V = self.cfg.vocab_size
         if ids.size and (ids.min() < 0 or ids.max() >= V):
@@ -248,7 +251,7 @@ class MambaModel:
                 raise MemengineError(f"target token id {int(t.max())} is outside the model's vocabulary (size {V})")
             n = int((t >= 0).sum())
             self.rt.write(ws.targets, t)
-            self.rt.write(ws.scale, np.array([1.0 / max(n, 1)], np.float32))
+            self.rt.write(ws.scale, np.array([1.0 / max(n if denominator is None else denominator, 1)], np.float32))
         return n
 
     # ------------------------------------------------------------------ forward
@@ -291,8 +294,10 @@ class MambaModel:
     def _dhead(self) -> Tensor:
         return self.grads.lm_head if self.grads.lm_head is not None else self.grads.embeddings
 
-    def record_loss(self, rec: Recorder, ws: Workspace, *, want_grad: bool, train_head: bool = True) -> None:
-        """LM head + cross-entropy in row chunks; with want_grad also dhf and d(lm_head)."""
+    def record_loss(self, rec: Recorder, ws: Workspace, *, want_grad: bool, train_head: bool = True,
+                    hits: Tensor | None = None) -> None:
+        """LM head + cross-entropy in row chunks; with want_grad also dhf and d(lm_head).
+        `hits` [2M] (evaluation): top-1 hits in [0, M), top-5 hits in [M, 2M)."""
         E, V, M = self.cfg.hidden_size, self.cfg.vocab_size, ws.M
         W, dW = self._head(), self._dhead()
         for r0 in range(0, M, ws.chunk):
@@ -300,8 +305,9 @@ class MambaModel:
             logits = ws.logits.view((mc, V))
             hf = ws.hf.view((mc, E), r0 * E)
             linear_forward(rec, logits, hf, W, None, M=mc, N=V, K=E)
+            h = None if hits is None else (hits.view((mc,), r0), hits.view((mc,), M + r0))
             cross_entropy(rec, ws.loss_rows.view((mc,), r0), logits, ws.targets.view((mc,), r0),
-                          ws.scale, want_grad=want_grad)
+                          ws.scale, want_grad=want_grad, hits=h)
             if want_grad:
                 linear_backward(rec, ws.dhf.view((mc, E), r0 * E), dW if train_head else None, None,
                                 logits, hf, W, M=mc, N=V, K=E)
@@ -364,13 +370,15 @@ class MambaModel:
         return out.reshape(B, L, V)
 
     def record_gradients(self, rec: Recorder, ws: Workspace, ids: np.ndarray, trainable: set,
-                         loss_acc: Tensor) -> None:
+                         loss_acc: Tensor, clear: bool = True) -> None:
         """One step's forward and backward for the batch already written to `ws`:
-        gradients of the mean loss in `self.grads` (cleared first), the mean loss added
-        into loss_acc[0].  `ids` (host) plan the embedding's scatter-add."""
+        gradients of the mean loss in `self.grads` (cleared first unless `clear` is False:
+        then added to what is there, for gradient accumulation), the mean loss added into
+        loss_acc[0].  `ids` (host) plan the embedding's scatter-add."""
         if "backbone.embeddings.weight" in trainable:
             ws.emb_back.prepare(ids)
-        rec.clear(self.G.flat)
+        if clear:
+            rec.clear(self.G.flat)
         self.record_forward(rec, ws)
         self.record_loss(rec, ws, want_grad=True, train_head=self._head_name() in trainable)
         sum_into(rec, loss_acc, ws.loss_rows, scale_tensor=ws.scale)

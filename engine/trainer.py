@@ -1,21 +1,24 @@
-"""Training loop and evaluation (SPEC section 4). No rich here: progress leaves by callbacks.
+"""One optimizer step on the GPU, and evaluation (SPEC section 4).  No loop over epochs
+here (that is engine/loop.py) and no rich: nothing prints.
 
-One step is one command submission: upload the batch, clear the gradients, forward,
-loss, backward, global-norm clip factor, one AdamW dispatch per trainable parameter.
-The step's mean loss and pre-clip gradient norm are accumulated on the GPU and read
-back once per epoch (the only readback).  A `StepFence` keeps at most a few steps
-queued, so progress callbacks follow the GPU and Ctrl-C stops promptly.
+A step is K micro-batches (--grad-accum), each one command submission: upload the
+batch, forward, loss, backward, gradients added up (cleared by the first).  The last
+one also records the global-norm clip factor and one AdamW dispatch per trainable
+parameter, with this step's learning rate written into AdamW's persistent uniform block.
+Each step's mean loss and pre-clip gradient norm go into a small GPU trace that the loop
+reads back every few steps (`read_trace`), never per step.  A `StepFence` keeps at most
+a few submissions queued, so progress follows the GPU and Ctrl-C stops promptly.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 
-from .errors import MemengineError, NonFiniteError
+from .errors import MemengineError
 from .gpu import StepFence
 from .model import MambaModel, perplexity
 from .ops.reduce import sum_into
@@ -23,72 +26,38 @@ from .optim import AdamW, GradClipper
 
 
 @dataclass
-class TrainOptions:
-    epochs: int = 5
-    lr: float = 1e-4
-    batch_size: int = 1
-    seq_len: int = 512
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.01
-    max_delta: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    seed: int = 0           # recorded with the run; the loop itself samples nothing
-    wsla: bool = False
-
-    def validate(self) -> None:
-        checks = [
-            (self.epochs >= 1, "--epochs must be at least 1"),
-            (self.lr > 0 and math.isfinite(self.lr), "--lr must be a positive number"),
-            (self.batch_size >= 1, "--batch-size must be at least 1"),
-            (self.seq_len >= 1, "--seq-len must be at least 1"),
-            (self.max_grad_norm >= 0, "--max-grad-norm must be >= 0 (0 disables clipping)"),
-            (self.weight_decay >= 0, "--weight-decay must be >= 0"),
-            (self.max_delta >= 0, "--max-delta must be >= 0 (0 disables the trust region)"),
-            (0 <= self.beta1 < 1, "--beta1 must be in [0, 1)"),
-            (0 <= self.beta2 < 1, "--beta2 must be in [0, 1)"),
-            (self.eps > 0, "--eps must be positive"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise MemengineError(msg)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class EpochStats:
-    epoch: int
-    loss: float
-    grad_norm: float
-    tokens: int
-    tokens_per_s: float
-    elapsed_s: float
-
-
-@dataclass
 class EvalResult:
-    loss: float
+    loss: float              # mean next-token loss (nats)
     perplexity: float
-    tokens: int
+    tokens: int              # targets scored
+    bits_per_token: float = float("nan")
+    top1_accuracy: float = float("nan")
+    top5_accuracy: float = float("nan")
+
+    def to_dict(self, prefix: str = "") -> dict:
+        return {f"{prefix}loss": self.loss, f"{prefix}perplexity": self.perplexity, f"{prefix}tokens": self.tokens,
+                f"{prefix}bits_per_token": self.bits_per_token, f"{prefix}top1_accuracy": self.top1_accuracy,
+                f"{prefix}top5_accuracy": self.top5_accuracy}
 
 
-def _batch_shape(batches) -> tuple[int, int]:
-    shapes = {tuple(b.ids.shape) for b in batches}
+def batch_shape(batches) -> tuple[int, int]:
     if not batches:
-        raise MemengineError("no training data: the text is too short to form one window of 2 tokens")
+        raise MemengineError("no data: the text is too short to form one window of 2 tokens")
+    shapes = {tuple(b.ids.shape) for b in batches}
     if len(shapes) != 1:
         raise ValueError(f"batches must share one shape, got {sorted(shapes)}")
     return shapes.pop()
 
 
 class Trainer:
-    """Full fine-tuning or WSLA (x_proj only) with AdamW, on the GPU."""
+    """Full fine-tuning, or WSLA (x_proj only), with AdamW on the GPU.
 
-    def __init__(self, model: MambaModel, options: TrainOptions, optimizer_state: dict | None = None):
-        options.validate()
+    `options` needs lr, beta1, beta2, eps, weight_decay, max_delta, max_grad_norm (a
+    TrainOptions); `wsla` picks the trainable set.  `trace_capacity`: the most steps
+    between two `read_trace` calls."""
+
+    def __init__(self, model: MambaModel, options, optimizer_state: dict | None = None, *, wsla: bool = False,
+                 trace_capacity: int = 1):
         self.model = model
         self.options = options
         rt = model.rt
@@ -97,78 +66,94 @@ class Trainer:
         if optimizer_state:
             self.opt.load_state_dict(optimizer_state)
         self.clipper = GradClipper(rt)
-        self._loss_acc = rt.empty((1,), name="epoch_loss")
+        self.names = model.trainable_names(wsla)
+        self.trainable = set(self.names)
+        self.params = {n: model.P.views[n] for n in self.names}
+        self.grads = {n: model.G.views[n] for n in self.names}
+        self.capacity = max(1, int(trace_capacity))
+        # trace[j] = loss of the j-th step since the last read, trace[cap + j] = its grad norm
+        self.trace = rt.zeros((2 * self.capacity,), name="trace")
+        self.pending = 0
+        self.fence = StepFence(rt)
 
     def optimizer_state(self) -> dict:
         return self.opt.state_dict()
 
-    def fit(self, batches: list, on_epoch: Callable | None = None,
-            on_progress: Callable | None = None) -> list:
-        model, o, rt = self.model, self.options, self.model.rt
-        B, L = _batch_shape(batches)
+    def step(self, micro: list, lr: float) -> int:
+        """Record and submit one optimizer step over the micro-batches `micro` (Batch of one
+        shape); returns the input tokens it trained on.  No readback."""
+        if self.pending >= self.capacity:
+            raise RuntimeError("Trainer.step: the trace is full; read_trace() first")
+        model, rt = self.model, self.model.rt
+        B, L = batch_shape(micro)
         ws = model.workspace(B, L)
-        names = model.trainable_names(o.wsla)
-        trainable = set(names)
-        params = {n: model.P.views[n] for n in names}
-        grads = {n: model.G.views[n] for n in names}
-        grad_list = list(grads.values())
-        history = []
-        total = len(batches)
-        fence = StepFence(rt)
-        for epoch in range(1, o.epochs + 1):
-            t0 = time.perf_counter()
+        n_total = sum(int(b.n_targets) for b in micro)
+        j = self.pending
+        loss_slot = self.trace.view((1,), j)
+        norm_slot = self.trace.view((1,), self.capacity + j)
+        self.opt.lr = float(lr)
+        tokens = 0
+        for i, b in enumerate(micro):
+            self.fence.wait()  # keeps at most fence.depth submissions queued (no readback)
+            model.write_batch(ws, b.ids, b.targets, denominator=n_total)
             rec = rt.recorder()
-            rec.clear(self._loss_acc)
-            self.clipper.reset_epoch(rec)
+            model.record_gradients(rec, ws, b.ids, self.trainable, loss_slot, clear=(i == 0))
+            if i == len(micro) - 1:
+                self.clipper.record(rec, list(self.grads.values()), self.options.max_grad_norm)
+                rec.copy(self.clipper.norm, norm_slot)
+                self.opt.record_step(rec, self.params, self.grads, self.clipper.factor)
+            self.fence.mark(rec)
             rec.submit()
-            tokens = 0
-            for step, batch in enumerate(batches, 1):
-                fence.wait()  # keeps at most fence.depth steps queued (no readback)
-                model.write_batch(ws, batch.ids, batch.targets)
-                model.record_gradients(rec, ws, batch.ids, trainable, self._loss_acc)
-                self.clipper.record(rec, grad_list, o.max_grad_norm)
-                self.opt.record_step(rec, params, grads, self.clipper.factor)
-                fence.mark(rec)
-                rec.submit()
-                tokens += int(batch.n_tokens)
-                if on_progress is not None:
-                    on_progress(step, total)
-            # the one readback of the epoch (a GPU sync point)
-            loss = float(rt.read(self._loss_acc)[0]) / total
-            gnorm = self.clipper.mean_norm()
-            elapsed = time.perf_counter() - t0
-            stats = EpochStats(epoch, loss, gnorm, tokens, tokens / elapsed if elapsed > 0 else 0.0, elapsed)
-            history.append(stats)
-            if on_epoch is not None:
-                on_epoch(stats)
-            if not math.isfinite(loss):
-                raise NonFiniteError(
-                    f"loss became non-finite ({loss}) in epoch {epoch}; try a smaller --lr "
-                    "or --max-grad-norm; nothing was written")
-        return history
+            tokens += int(b.n_tokens)
+        self.pending += 1
+        return tokens
+
+    def read_trace(self) -> tuple[np.ndarray, np.ndarray]:
+        """(losses, grad norms) of the steps since the last read (a GPU sync point)."""
+        n = self.pending
+        if n == 0:
+            return np.zeros(0), np.zeros(0)
+        rt = self.model.rt
+        both = rt.read(self.trace).astype(np.float64)
+        rec = rt.recorder()
+        rec.clear(self.trace)
+        rec.submit()
+        self.pending = 0
+        return both[:n], both[self.capacity:self.capacity + n]
 
 
-def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = None) -> EvalResult:
-    """Mean next-token loss and perplexity over the batches (one readback at the end)."""
+def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = None,
+             fence: StepFence | None = None) -> EvalResult:
+    """Mean next-token loss, perplexity, bits per token and top-1/top-5 next-token accuracy
+    over the batches.  Everything is summed on the GPU, per batch, into one buffer read
+    back once at the end (then added up in float64).  `fence`: a training loop's own, so
+    repeated evaluations create no buffers."""
     rt = model.rt
-    B, L = _batch_shape(batches)
+    B, L = batch_shape(batches)
     ws = model.workspace(B, L)
-    acc = rt.empty((1,), name="eval_loss")
+    M = ws.M
+    hits = rt.scratch(("eval.hits", M), (2 * M,))
+    sums = rt.scratch(("eval.sums", len(batches)), (3 * len(batches),))
     rec = rt.recorder()
-    rec.clear(acc)
+    rec.clear(sums)
     n_targets = 0
     total = len(batches)
-    fence = StepFence(rt)
-    for step, batch in enumerate(batches, 1):
+    fence = fence or StepFence(rt)
+    for i, batch in enumerate(batches):
         fence.wait()
         n_targets += model.write_batch(ws, batch.ids, batch.targets)
         model.record_forward(rec, ws)
-        model.record_loss(rec, ws, want_grad=False)
-        sum_into(rec, acc, ws.loss_rows)
+        model.record_loss(rec, ws, want_grad=False, hits=hits)
+        sum_into(rec, sums.view((1,), 3 * i), ws.loss_rows)
+        sum_into(rec, sums.view((1,), 3 * i + 1), hits.view((M,)))
+        sum_into(rec, sums.view((1,), 3 * i + 2), hits.view((M,), M))
         fence.mark(rec)
         rec.submit()
         if on_progress is not None:
-            on_progress(step, total)
-    loss = float(rt.read(acc)[0]) / max(n_targets, 1)
-    rt.free(acc)
-    return EvalResult(loss, perplexity(loss), n_targets)
+            on_progress(i + 1, total)
+    s = rt.read(sums).astype(np.float64).reshape(-1, 3).sum(axis=0)
+    n = max(n_targets, 1)
+    loss = float(s[0] / n)
+    return EvalResult(loss=loss, perplexity=perplexity(loss), tokens=n_targets,
+                      bits_per_token=loss / math.log(2.0), top1_accuracy=float(s[1] / n),
+                      top5_accuracy=float(s[2] / n))

@@ -22,6 +22,7 @@ from memengine.cli.main import app
 from conftest import SAMPLE_TEXT, make_checkpoint
 
 COMMANDS = ["init", "info", "eval", "train", "adapt", "quantize", "demo"]
+EVAL_KEYS = {"loss", "perplexity", "tokens", "bits_per_token", "top1_accuracy", "top5_accuracy"}
 
 
 def run(*args, input=None, env=None):
@@ -143,8 +144,10 @@ def test_eval_json_is_one_object(tiny_ckpt_ro, sample_text):
     lines = r.stdout.splitlines()
     assert len(lines) == 1
     d = json.loads(lines[0])
-    assert set(d) == {"loss", "perplexity", "tokens"}
+    assert set(d) == EVAL_KEYS
     assert np.isfinite(d["loss"]) and abs(d["perplexity"] - np.exp(d["loss"])) < 1e-3 * d["perplexity"]
+    assert abs(d["bits_per_token"] - d["loss"] / np.log(2)) < 1e-9
+    assert 0 <= d["top1_accuracy"] <= d["top5_accuracy"] <= 1
     assert d["tokens"] == len(SAMPLE_TEXT.encode()) - 1
     # untrained byte model: loss near ln(256)
     assert 4.0 < d["loss"] < 7.0
@@ -154,7 +157,7 @@ def test_eval_stdin_subprocess_stdout_pure(tiny_ckpt_ro):
     r = run_proc("eval", tiny_ckpt_ro, "--data", "-", "--seq-len", "32", "--json", input=SAMPLE_TEXT)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert len(lines) == 1 and set(json.loads(lines[0])) == {"loss", "perplexity", "tokens"}
+    assert len(lines) == 1 and set(json.loads(lines[0])) == EVAL_KEYS
     assert "XDG_RUNTIME_DIR" not in r.stderr
     assert "\x1b[" not in r.stderr  # no colour when stderr is not a terminal
 

@@ -47,7 +47,7 @@ def test_train_json_and_outputs(trained):
     epochs = [e for e in events if e["event"] == "epoch"]
     assert [e["epoch"] for e in epochs] == [1, 2, 3]
     for e in epochs:
-        assert set(e) == {"event", "epoch", "loss", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
+        assert set(e) == {"event", "epoch", "step", "loss", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
         assert np.isfinite(e["loss"]) and e["grad_norm"] > 0
     assert events[-1]["event"] == "summary" and events[-1]["output"] == str(out)
     assert events[-1]["final_loss"] == epochs[-1]["loss"]
@@ -57,6 +57,11 @@ def test_train_json_and_outputs(trained):
     rec = json.loads((out / "memengine.json").read_text())
     assert rec["options"]["epochs"] == 3 and rec["options"]["lr"] == 3e-3
     assert rec["memengine_version"] and rec["adapter"]
+    assert [e for e in rec["history"] if e["event"] == "epoch"] == epochs
+    steps = [e for e in events if e["event"] == "step"]  # --log-every 10 by default
+    assert steps and [e["step"] for e in steps] == list(range(10, epochs[-1]["step"] + 1, 10))
+    for e in steps:
+        assert set(e) == {"event", "step", "epoch", "loss", "grad_norm", "lr", "tokens", "tokens_per_s"}
     opt = load_file(str(out / "optimizer.safetensors"))
     assert any(k.endswith(".exp_avg") for k in opt)
     # the human table went to stderr
@@ -234,34 +239,28 @@ def test_tokenizer_override_and_copy(tiny_ckpt_ro, tmp_path):
     assert_one_line_error(r.stderr, "nope.json")
 
 
-def test_engine_adapt_rollback_restores_weights(tiny_ckpt_ro):
-    """engine.adapt: a forced regression restores every tensor bit for bit."""
-    from memengine.engine.adapt import adapt
-    from memengine.engine.checkpoint import load_checkpoint
-    from memengine.engine.data import make_batches, make_windows
-    from memengine.engine.gpu import get_runtime
-    from memengine.engine.model import MambaModel
-    from memengine.engine.tokenizer import load_tokenizer
-    from memengine.engine.trainer import TrainOptions
+def test_engine_adapt_rollback_writes_nothing(tiny_ckpt_ro, sample_text, tmp_path):
+    """engine.run.run_adapt: a forced regression trains, then rolls back (exit status 3,
+    nothing written); with rollback off the adapted x_proj tensors are written."""
+    from memengine.engine.options import AdaptOptions
+    from memengine.engine.run import run_adapt
 
-    from conftest import SAMPLE_TEXT
-
-    c = load_checkpoint(tiny_ckpt_ro)
-    ids = load_tokenizer(tiny_ckpt_ro).encode(SAMPLE_TEXT)
-    batches = make_batches(make_windows(ids, 64), 1, 64)
-    model = MambaModel.from_checkpoint(get_runtime(), c)
-    before = model.state_dict()
     seen = []
-    res = adapt(model, batches, TrainOptions(epochs=2, lr=1e-2, max_delta=0.05), None, tolerance=0.5,
-                on_epoch=seen.append)
-    assert res.rolled_back and "perplexity" in res.reason
-    assert len(seen) == 2 and res.changed_tensors  # it did train before rolling back
-    assert all(".x_proj." in n for n in res.changed_tensors)
-    after = model.state_dict()
-    for name, a in before.items():
-        assert a.tobytes() == after[name].tobytes(), name
-    # with rollback off the adapted weights stay
-    res2 = adapt(model, batches, TrainOptions(epochs=1, lr=1e-2, max_delta=0.05), None, tolerance=0.5,
-                 rollback=False)
-    assert not res2.rolled_back and res2.optimizer_state
-    assert any(model.state_dict()[n].tobytes() != before[n].tobytes() for n in res2.changed_tensors)
+
+    class Seen:
+        def __getattr__(self, name):
+            return lambda *a: seen.append(a[0]) if name == "on_epoch" else None
+
+    out = tmp_path / "o"
+    opts = dict(ckpt=tiny_ckpt_ro, data=[str(sample_text)], output=out, epochs=2, lr=1e-2, seq_len=64,
+                tolerance=0.5)
+    res = run_adapt(AdaptOptions(**opts), Seen())
+    assert res.exit_code == 3 and res.adapt.rolled_back and "perplexity" in res.adapt.reason
+    assert len(seen) == 2 and res.adapt.changed_tensors  # it did train before rolling back
+    assert all(".x_proj." in n for n in res.adapt.changed_tensors)
+    assert res.output is None and not out.exists()
+    res2 = run_adapt(AdaptOptions(**opts, rollback=False))
+    assert res2.exit_code == 0 and not res2.adapt.rolled_back
+    a = load_file(str(tiny_ckpt_ro / "model.safetensors"))
+    b = load_file(str(out / "model.safetensors"))
+    assert {n for n in a if a[n].tobytes() != b[n].tobytes()} == set(res2.adapt.changed_tensors)

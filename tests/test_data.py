@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from memengine.engine.data import Batch, check_vocab, make_batches, make_windows, read_text
+from memengine.engine.data import Batch, check_vocab, make_batches, make_windows, read_documents, tokenize_documents
+from memengine.engine.tokenizer import BYTE_EOS, ByteTokenizer
 from memengine.engine.errors import MemengineError
 
 
@@ -64,10 +65,41 @@ def test_read_files_jsonl_stdin(tmp_path):
     b.write_text("world\n")
     j = tmp_path / "c.jsonl"
     j.write_text(json.dumps({"text": "one"}) + "\n\n" + json.dumps({"text": "two", "id": 3}) + "\n")
-    assert read_text([str(a), str(b)]) == "héllo\nworld\n"
-    assert read_text([str(j)]) == "one\ntwo"
-    assert read_text(["-"], stdin=io.BytesIO("from stdin ✓".encode())) == "from stdin ✓"
-    assert read_text([str(b), "-"], stdin=io.BytesIO(b"x")) == "world\nx"
+    assert read_documents([str(a), str(b)]) == ["héllo", "world\n"]
+    assert read_documents([str(j)]) == ["one", "two"]
+    assert read_documents(["-"], stdin=io.BytesIO("from stdin ✓".encode())) == ["from stdin ✓"]
+    assert read_documents([str(b), "-"], stdin=io.BytesIO(b"x")) == ["world\n", "x"]
+
+
+def test_documents_are_separated_by_eos():
+    """Byte-level: documents joined by 0xFF (never a byte of UTF-8 text), not by newline;
+    a tokenizer without an end-of-text token joins them with a newline."""
+    tok = ByteTokenizer()
+    ids = tokenize_documents(["ab", "c", "dé"], tok)
+    assert ids.tolist() == [97, 98, BYTE_EOS, 99, BYTE_EOS, 100, 0xC3, 0xA9]
+    assert BYTE_EOS not in tok.encode("any text \u00ff\U0001F40D")  # UTF-8 never holds 0xFF
+
+    class NoEos(ByteTokenizer):
+        eos_id = None
+
+    assert tokenize_documents(["ab", "c"], NoEos()).tolist() == [97, 98, 10, 99]
+
+
+def test_hf_tokenizer_eos(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from memengine.engine.tokenizer import HFTokenizer
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "<|endoftext|>": 3, "</s>": 4}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+    assert tok.eos_id == 3  # the first of the usual names
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+    assert tok.eos_id == 4  # tokenizer_config.json says which
+    assert tokenize_documents(["hello world", "world"], tok).tolist() == [1, 2, 4, 2]
 
 
 def test_read_text_stdin_default(monkeypatch):
@@ -75,31 +107,31 @@ def test_read_text_stdin_default(monkeypatch):
         buffer = io.BytesIO(b"piped text")
 
     monkeypatch.setattr("sys.stdin", FakeStdin())
-    assert read_text("-") == "piped text"
+    assert read_documents("-") == ["piped text"]
 
 
 def test_read_text_errors(tmp_path):
     with pytest.raises(MemengineError, match="nope.txt"):
-        read_text([str(tmp_path / "nope.txt")])
+        read_documents([str(tmp_path / "nope.txt")])
     e = tmp_path / "empty.txt"
     e.write_bytes(b"")
     with pytest.raises(MemengineError, match="empty.txt"):
-        read_text([str(e)])
+        read_documents([str(e)])
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"ok \xff\xfe")
     with pytest.raises(MemengineError, match="bad.txt.*UTF-8"):
-        read_text([str(bad)])
+        read_documents([str(bad)])
     jl = tmp_path / "d.jsonl"
     jl.write_text('{"text": "a"}\n{"txt": "b"}\n')
     with pytest.raises(MemengineError, match="d.jsonl:2"):
-        read_text([str(jl)])
+        read_documents([str(jl)])
     jl.write_text('{"text": "a"}\nnot json\n')
     with pytest.raises(MemengineError, match="d.jsonl:2"):
-        read_text([str(jl)])
+        read_documents([str(jl)])
     with pytest.raises(MemengineError, match="stdin"):
-        read_text(["-"], stdin=io.BytesIO(b""))
+        read_documents(["-"], stdin=io.BytesIO(b""))
     with pytest.raises(MemengineError):
-        read_text([])
+        read_documents([])
 
 
 def test_check_vocab():

@@ -1,0 +1,83 @@
+"""The optimizer-state file beside a checkpoint (optimizer.safetensors): AdamW's moments by
+parameter name ("<name>.exp_avg", "<name>.exp_avg_sq") and its step count ("__step__").
+
+A later train or adapt on that checkpoint resumes the moments (SPEC section 4).  A file
+that does not fit the model (a moment for a tensor the model lacks, or of another shape)
+is one clear error naming the tensor, before any training.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .errors import MemengineError
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+FORMAT = "memengine-adamw"
+
+
+def path_beside(checkpoint: Path) -> Path:
+    p = Path(checkpoint)
+    return (p if p.is_dir() else p.parent) / OPTIMIZER_FILE
+
+
+def load(path: Path, model) -> dict | None:
+    """The state in `path` (None when there is no file), checked against `model`."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    from safetensors.numpy import load_file
+
+    try:
+        state = load_file(str(p))
+    except Exception as e:
+        raise MemengineError(f"{p}: cannot read optimizer state ({str(e).splitlines()[0] if str(e) else e})") from e
+    check(state, model, str(p))
+    return state
+
+
+def check(state: dict, model, where: str) -> None:
+    """Every entry names a tensor of `model` with a moment of that tensor's shape."""
+    for key, arr in state.items():
+        if key == "__step__":
+            if np.asarray(arr).size != 1:
+                raise MemengineError(f"{where}: optimizer state entry '__step__' is not one number")
+            continue
+        if key.endswith(".exp_avg_sq"):
+            name, other = key[: -len(".exp_avg_sq")], "exp_avg"
+        elif key.endswith(".exp_avg"):
+            name, other = key[: -len(".exp_avg")], "exp_avg_sq"
+        else:
+            raise MemengineError(f"{where}: unexpected optimizer state entry '{key}'")
+        if f"{name}.{other}" not in state:
+            raise MemengineError(f"{where}: optimizer state for tensor '{name}' has no {other}")
+        if name not in model.shapes:
+            raise MemengineError(f"{where}: optimizer state for tensor '{name}', which this model does not have "
+                                 "(the state belongs to another model)")
+        want = (tuple(model.shapes[name]), tuple(model.gpu_shapes[name]))
+        shape = tuple(np.shape(arr))
+        if shape not in want:
+            raise MemengineError(f"{where}: optimizer state for tensor '{name}' has shape {list(shape)}, the "
+                                 f"model's tensor has {list(want[0])} (the state belongs to another model)")
+        if np.asarray(arr).dtype != np.float32 or not np.isfinite(arr).all():
+            raise MemengineError(f"{where}: optimizer state for tensor '{name}' is not finite float32")
+
+
+def save(directory: Path, state: dict | None) -> None:
+    """Write `state` (AdamW.state_dict()) as optimizer.safetensors in `directory`."""
+    if not state:
+        return
+    from safetensors.numpy import save_file
+
+    arrays = {k: np.ascontiguousarray(v) for k, v in state.items()}
+    save_file(arrays, str(Path(directory) / OPTIMIZER_FILE), metadata={"format": FORMAT})
+
+
+def step_count(state: dict | None) -> int:
+    if not state or "__step__" not in state:
+        return 0
+    v = float(np.asarray(state["__step__"]).reshape(-1)[0])
+    return int(v) if math.isfinite(v) else 0

@@ -1,0 +1,374 @@
+"""Runs: `run_eval`, `run_train`, `run_adapt` take an options dataclass (engine/options.py)
+and a `Listener` (engine/listener.py), do the whole job and return a result; the command
+line only parses and renders.
+
+A training run: open the checkpoint (or the --resume checkpoint), tokenizer, data and
+runtime; check the optimizer state; run the training loop (engine/loop.py) with periodic
+checkpoints written by `_Run.save_step`; then write OUT (engine/staging.py) with the
+model, optimizer state, trainer state and run record (engine/records.py).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from . import adapt as wsla
+from . import optim_state, records, snapshots, staging
+from .data import make_batches, make_windows, read_sources, token_stream
+from .errors import Interrupted, MemengineError, NonFiniteError
+from .listener import Listener
+from .loop import LoopState, TrainingLoop
+from .options import AdaptOptions, EvalOptions, TrainOptions
+from .sampler import split_windows
+from .setup import open_checkpoint, open_runtime, open_tokenizer, tokenizer_file
+from .trainer import EvalResult, Trainer, evaluate
+
+STATE_VERSION = 1
+
+
+# =========================================================================== eval
+@dataclass
+class EvalReport:
+    checkpoint: str
+    result: EvalResult
+    adapter: str
+    compare: Optional[str] = None
+    other: Optional[EvalResult] = None
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        if self.other is None:
+            return self.result.to_dict()
+        a, b = self.result.to_dict(), self.other.to_dict()
+        return {"a": {"checkpoint": self.checkpoint, **a}, "b": {"checkpoint": self.compare, **b},
+                "difference": {k: b[k] - a[k] for k in a if k != "tokens"}}
+
+
+def _evaluate_checkpoint(path: Path, docs, source, o: EvalOptions, listener: Listener, verbose: bool,
+                         phase: str) -> tuple[EvalResult, str]:
+    from .model import MambaModel
+    from . import interrupts
+
+    c = open_checkpoint(path)
+    tok = open_tokenizer(path, o.tokenizer)
+    stream = token_stream(docs, source, tok, c.config.vocab_size)
+    batches = make_batches(make_windows(stream.ids, o.seq_len), o.batch_size, o.seq_len)
+    rt = open_runtime(o.device, verbose)
+    listener.on_note(f"adapter: {rt.describe()}")
+    model = MambaModel.from_checkpoint(rt, c)
+
+    def progress(i, n):
+        listener.on_eval_progress(phase, i, n)
+        interrupts.check()
+
+    with interrupts.deferred():
+        return evaluate(model, batches, on_progress=progress), rt.describe()
+
+
+def run_eval(o: EvalOptions, listener: Listener | None = None, *, verbose: bool = False) -> EvalReport:
+    """Loss, perplexity, bits per token and top-1/top-5 accuracy of a checkpoint on some
+    text; with `compare`, of a second checkpoint on the same text too."""
+    listener = listener or Listener()
+    o.validate()
+    t0 = time.perf_counter()
+    for p in (o.ckpt, o.compare):
+        if p is not None and not Path(p).exists():
+            raise MemengineError(f"{p}: no such checkpoint (expected a directory or a .safetensors file)")
+    docs, source = read_sources(o.data)
+    res, adapter = _evaluate_checkpoint(Path(o.ckpt), docs, source, o, listener, verbose, str(o.ckpt))
+    rep = EvalReport(str(o.ckpt), res, adapter)
+    if o.compare is not None:
+        other, _ = _evaluate_checkpoint(Path(o.compare), docs, source, o, listener, verbose, str(o.compare))
+        if other.tokens != res.tokens:
+            listener.on_warning(f"the two checkpoints tokenize the data differently ({res.tokens:,} vs "
+                                f"{other.tokens:,} tokens): per-token figures are not comparable")
+        rep.compare, rep.other = str(o.compare), other
+    rep.elapsed_s = time.perf_counter() - t0
+    return rep
+
+
+# =========================================================================== train / adapt
+@dataclass
+class RunResult:
+    kind: str
+    output: Optional[Path]          # None when nothing was written (adapt rolled back)
+    state: LoopState
+    adapter: str
+    elapsed_s: float
+    adapt: Optional[wsla.AdaptResult] = None
+    best: Optional[dict] = None
+    exit_code: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def epochs(self) -> list[dict]:
+        return [e for e in self.state.history if e["event"] == "epoch"]
+
+    def summary(self) -> dict:
+        ep = self.epochs()
+        last_eval = self.state.last_eval
+        out = {"event": "summary"}
+        if self.adapt is not None:
+            out.update(self.adapt.summary())
+        out.update({
+            "output": None if self.output is None else str(self.output),
+            "final_loss": ep[-1]["loss"] if ep else float("nan"),
+            "first_loss": ep[0]["loss"] if ep else float("nan"),
+            "epochs": ep[-1]["epoch"] if ep else 0,
+            "steps": self.state.step,
+            "tokens": int(sum(e["tokens"] for e in ep)),
+            "elapsed_s": self.elapsed_s,
+            "adapter": self.adapter,
+        })
+        if last_eval is not None:
+            out["val_loss"] = last_eval["val_loss"]
+            out["val_perplexity"] = last_eval["val_perplexity"]
+        if self.best is not None:
+            out["best_step"] = self.best["step"]
+            out["best_val_loss"] = self.best["val_loss"]
+        return out
+
+
+class _Run:
+    """The set-up and the outputs of one train/adapt invocation."""
+
+    def __init__(self, o: TrainOptions, listener: Listener, verbose: bool):
+        from .model import MambaModel
+
+        self.o = o.validate()
+        self.listener = lis = listener
+        self.snap = snapshots.locate(o.resume) if o.resume is not None else None
+        snap = self.snap
+        if snap is not None and snap.kind != o.KIND:
+            raise MemengineError(f"--resume {o.resume}: that run was '{snap.kind}'; continue it with "
+                                 f"memengine {snap.kind} --resume")
+        self.out = Path(o.output) if o.output is not None else snap.run_dir
+        self.in_place = snap is not None and self.out.resolve() == snap.run_dir.resolve()
+        source = snap.dir if snap is not None else Path(o.ckpt)
+        staging.check_output(self.out, o.force, inputs=() if self.in_place else (source,), owned=self.in_place)
+        if self.in_place:
+            later = snapshots.later_steps(self.out, snap.step)
+            if later and not o.force:
+                raise MemengineError(
+                    f"--resume {o.resume}: {self.out} holds checkpoints after step {snap.step} "
+                    f"({later[0].name}, ...); continuing from step {snap.step} would mix two runs "
+                    "(use --force to delete them)")
+        self.input = str(snap.state.get("input")) if snap is not None else str(o.ckpt)
+
+        self.ckpt = open_checkpoint(source)
+        self.tok = open_tokenizer(source, o.tokenizer)
+        vocab = self.ckpt.config.vocab_size
+        docs, desc = read_sources(o.data)
+        self.stream = token_stream(docs, desc, self.tok, vocab)
+        windows = make_windows(self.stream.ids, o.seq_len)
+        self.all_windows = windows
+        val_windows = []
+        self.val_stream = None
+        if o.val_data:
+            vdocs, vdesc = read_sources(o.val_data, "--val-data")
+            self.val_stream = token_stream(vdocs, vdesc, self.tok, vocab, "--val-data")
+            val_windows = make_windows(self.val_stream.ids, o.seq_len)
+        elif o.val_fraction > 0:
+            train_idx, val_idx = split_windows(len(windows), o.val_fraction, o.seed)
+            val_windows = [windows[i] for i in val_idx]
+            windows = [windows[i] for i in train_idx]
+        self.windows = windows
+        self.val_batches = make_batches(val_windows, o.batch_size, o.seq_len) if val_windows else None
+        self.data_info = {"sha256": self.stream.fingerprint(), "tokens": int(self.stream.ids.size),
+                          "documents": self.stream.documents, "windows": len(self.all_windows)}
+        if self.val_stream is not None:
+            self.data_info["val_sha256"] = self.val_stream.fingerprint()
+        if snap is not None:
+            self._check_same_data(snap.state.get("data") or {})
+
+        self.rt = open_runtime(o.device, verbose)
+        self.adapter = self.rt.describe()
+        lis.on_note(f"adapter: {self.adapter}")
+        self.model = MambaModel.from_checkpoint(self.rt, self.ckpt)
+        opt_file = optim_state.path_beside(source)
+        opt_state = optim_state.load(opt_file, self.model)
+        if opt_state is not None and snap is None:
+            n = sum(1 for k in opt_state if k.endswith(".exp_avg"))
+            lis.on_note(f"resuming optimizer state from {opt_file} ({n} moments)")
+        elif snap is None:
+            pass
+        elif opt_state is None:
+            raise MemengineError(f"--resume {snap.dir}: no {optim_state.OPTIMIZER_FILE}; cannot continue exactly")
+        self.state = LoopState.from_dict(snap.state.get("loop") or {}) if snap is not None else LoopState()
+        self.segments = list(snap.state.get("segments") or []) if snap is not None else []
+        self.segments.append(records.segment(self.adapter, None if snap is None else str(snap.dir), self.state.step))
+        if snap is not None:
+            lis.on_note(f"resuming {snap.dir} at step {snap.step}")
+        self.trainer = Trainer(self.model, o, opt_state, wsla=o.WSLA, trace_capacity=o.log_every)
+        self.claimed = self.in_place
+        self.extra_state: dict = dict(snap.state.get("extra") or {}) if snap is not None else {}
+        title = f"{'adapt (WSLA)' if o.WSLA else 'train'} {o.ckpt if snap is None else snap.dir} -> {self.out}"
+        self.loop = TrainingLoop(self.trainer, self.windows, o, val_batches=self.val_batches, listener=lis,
+                                 state=self.state, on_save=self.save_step, title=title)
+        if self.in_place and o.force:
+            for d in snapshots.later_steps(self.out, snap.step):
+                staging.remove_dir(d)
+        lp = self.loop
+        what = (f"adapting {len(self.trainer.names)} x_proj tensor(s)" if o.WSLA
+                else f"training {len(self.trainer.names)} tensors")
+        val = f", {lp.val_batches and sum(b.n_windows for b in lp.val_batches) or 0} held out" if lp.val_batches else ""
+        lis.on_note(f"{what} on {self.stream.ids.size:,} tokens ({len(self.windows)} windows{val}; "
+                    f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
+                    + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else ""))
+
+    def _check_same_data(self, rec: dict) -> None:
+        for key, flag in (("sha256", "--data"), ("val_sha256", "--val-data")):
+            if rec.get(key) != self.data_info.get(key):
+                raise MemengineError(
+                    f"--resume: {flag} is not the data the run was trained on (its tokens differ); a resumed "
+                    "run continues on the same data (start a new run from the checkpoint to train on other data)")
+
+    # ------------------------------------------------------------------ writing
+    def trainer_state(self) -> dict:
+        segs = [dict(s) for s in self.segments]
+        segs[-1]["last_step"] = self.state.step
+        return {"format": snapshots.STATE_FORMAT, "version": STATE_VERSION, "kind": self.o.KIND,
+                "step": self.state.step, "epoch": (self.loop.order.state()["epoch"]), "input": self.input,
+                "options": self.o.to_dict(), "data": self.data_info, "extra": self.extra_state,
+                "segments": segs, "loop": self.loop.state_dict()}
+
+    def write_checkpoint(self, directory: Path) -> None:
+        """Model (F32), optimizer state and trainer state into `directory`."""
+        from .checkpoint import save_checkpoint
+        import numpy as np
+
+        tensors = self.model.state_dict()
+        for name, a in tensors.items():
+            if not np.all(np.isfinite(a)):
+                raise NonFiniteError(f"tensor {name} holds NaN/Inf after training")
+        save_checkpoint(directory, self.ckpt.config, tensors, dtype="F32", tokenizer_path=tokenizer_file(self.tok),
+                        metadata={"producer": f"memengine {records.version()}", "step": str(self.state.step)})
+        optim_state.save(directory, self.trainer.optimizer_state())
+        staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
+
+    def save_step(self, loop: TrainingLoop) -> Path:
+        if not self.claimed:
+            staging.claim_dir(self.out, self.o.force)
+            self.claimed = True
+        d = snapshots.step_dir(self.out, self.state.step)
+        with staging.staged_output(d, force=True) as tmp:
+            self.write_checkpoint(tmp)
+        best = self.state.best["step"] if (self.o.keep_best and self.state.best) else None
+        snapshots.prune(self.out, self.o.keep_last, keep=best)
+        return d
+
+    def publish(self, result: dict) -> Path:
+        """Write OUT: the final (or with --keep-best the best) model, optimizer and trainer
+        state, and memengine.json."""
+        st = self.state
+        best_dir = None
+        if self.o.keep_best and st.best is not None:
+            best_dir = snapshots.step_dir(self.out, st.best["step"])
+        ctx = staging.publish_files(self.out) if self.claimed else staging.staged_output(self.out, self.o.force)
+        with ctx as tmp:
+            if best_dir is not None and best_dir.is_dir():
+                for f in sorted(best_dir.iterdir()):
+                    if f.is_file():
+                        shutil.copyfile(f, tmp / f.name)
+            else:
+                self.write_checkpoint(tmp)
+            segs = [dict(s) for s in self.segments]
+            segs[-1].update(finished=records.now(), last_step=st.step)
+            rec = records.run_record(self.o.KIND, self.o.to_dict(), input_path=self.input, adapter=self.adapter,
+                                     segments=segs, history=st.history, result=result,
+                                     extra={"best": st.best} if self.o.keep_best else None)
+            staging.write_json(tmp / staging.RECORD_FILE, rec)
+        return self.out
+
+    def kept(self) -> str:
+        """What an interrupted or failed run leaves behind, for its one-line message."""
+        steps = snapshots.list_steps(self.out) if self.claimed else []
+        if not steps:
+            return "nothing was written"
+        return f"the last checkpoint is {steps[-1][1]} (continue with --resume {self.out})"
+
+    def train(self) -> None:
+        try:
+            self.loop.run()
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted; {self.kept()}") from None
+        except NonFiniteError as e:
+            raise NonFiniteError(f"{e}; {self.kept()}") from None
+
+
+def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: bool = False) -> RunResult:
+    """Fine-tune every parameter as `o` says and write OUT (see the module doc)."""
+    r = _Run(o, listener or Listener(), verbose)
+    t0 = time.perf_counter()
+    r.train()
+    elapsed = time.perf_counter() - t0
+    res = RunResult("train", r.out, r.state, r.adapter, elapsed, best=r.state.best if o.keep_best else None)
+    summary = res.summary()
+    r.publish({k: v for k, v in summary.items() if k != "event"})
+    return res
+
+
+def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: bool = False) -> RunResult:
+    """WSLA as `o` says: perplexity before, training of x_proj, perplexity after, and
+    rollback (exit status 3, nothing written) on regression."""
+    from . import interrupts
+
+    lis = listener or Listener()
+    r = _Run(o, lis, verbose)
+    batches = make_batches(r.all_windows, o.batch_size, o.seq_len)
+
+    def measure(phase: str) -> EvalResult:
+        def progress(i, n):
+            lis.on_eval_progress(f"perplexity {phase}", i, n)
+            interrupts.check()
+
+        try:
+            with interrupts.deferred():
+                return evaluate(r.model, batches, on_progress=progress, fence=r.trainer.fence)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted; {r.kept()}") from None
+
+    before = r.extra_state.get("before")
+    if before is None:
+        ev = measure("before")
+        if not math.isfinite(ev.perplexity):
+            raise MemengineError(f"perplexity of the input model on the adapt text is not finite "
+                                 f"({ev.perplexity}); the checkpoint cannot be adapted")
+        before = {"perplexity": ev.perplexity, "loss": ev.loss, "tokens": ev.tokens}
+        r.extra_state["before"] = before
+    start = wsla.snapshot(r.model)
+    t0 = time.perf_counter()
+    failure = ""
+    try:
+        r.train()
+    except NonFiniteError as e:
+        failure = f"non-finite training loss ({e})"
+    after = measure("after") if not failure else None
+    elapsed = time.perf_counter() - t0
+    ppl_after = after.perplexity if after is not None else float("nan")
+    reason = wsla.regression(before["perplexity"], ppl_after, o.tolerance, failure)
+    changed, max_abs = wsla.changes(start, r.model.state_dict(), r.trainer.names)
+    epochs = [e for e in r.state.history if e["event"] == "epoch"]
+    norms = [e["grad_norm"] for e in epochs]
+    rolled_back = bool(reason) and o.rollback
+    if rolled_back:
+        r.model.load_state_dict(start)
+    elif reason:
+        reason = "not rolled back (--no-rollback): " + reason
+    else:
+        reason = f"perplexity {before['perplexity']:.4f} -> {ppl_after:.4f} (within x{o.tolerance:g})"
+    result = wsla.AdaptResult(
+        perplexity_before=before["perplexity"], perplexity_after=ppl_after,
+        grad_norm=float(sum(norms) / len(norms)) if norms else float("nan"), rolled_back=rolled_back,
+        reason=reason, changed_tensors=changed, max_abs_delta=max_abs, loss_before=before["loss"],
+        loss_after=after.loss if after is not None else float("nan"))
+    res = RunResult("adapt", None if rolled_back else r.out, r.state, r.adapter, elapsed, adapt=result,
+                    best=r.state.best if o.keep_best else None, exit_code=3 if rolled_back else 0)
+    if not rolled_back:
+        summary = res.summary()
+        r.publish({k: v for k, v in summary.items() if k != "event"})
+    return res

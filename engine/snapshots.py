@@ -1,0 +1,120 @@
+"""Periodic checkpoints of a run and what --resume reads back.
+
+    OUT/checkpoints/step-K/   model.safetensors, config.json (+ tokenizer.json)  <- transformers loads it
+                              optimizer.safetensors                             <- AdamW moments by name
+                              trainer_state.json                                <- step, data position, RNG,
+                                                                                   schedule, sums, history
+    OUT/                      the same files for the run's result (+ memengine.json)
+
+A step directory is written whole into a hidden temporary directory and renamed into
+place (engine/staging.py), so a listing never shows a partial one.  `--resume DIR` takes a
+step directory, or an OUT: the highest step among OUT/checkpoints/step-*/ and OUT itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .errors import MemengineError
+from .staging import remove_dir
+
+STATE_FILE = "trainer_state.json"
+CHECKPOINTS_DIR = "checkpoints"
+STATE_FORMAT = "memengine-trainer-state"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step-{int(step)}"
+
+
+def list_steps(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of the complete checkpoints under run_dir, oldest first."""
+    d = Path(run_dir) / CHECKPOINTS_DIR
+    if not d.is_dir():
+        return []
+    out = []
+    for p in d.iterdir():
+        m = _STEP.match(p.name)
+        if m and p.is_dir() and (p / STATE_FILE).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def read_state(directory: Path) -> dict:
+    p = Path(directory) / STATE_FILE
+    try:
+        st = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MemengineError(f"--resume {directory}: no {STATE_FILE} (not a memengine checkpoint)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MemengineError(f"--resume {p}: cannot read ({str(e).splitlines()[0] if str(e) else e})") from None
+    if not isinstance(st, dict) or st.get("format") != STATE_FORMAT or not isinstance(st.get("step"), int):
+        raise MemengineError(f"--resume {p}: not a memengine trainer state")
+    return st
+
+
+@dataclass
+class Snapshot:
+    """A checkpoint to resume from."""
+
+    dir: Path            # holds the model, optimizer state and trainer state
+    step: int
+    state: dict          # trainer_state.json
+    run_dir: Path        # the OUT it belongs to
+
+    @property
+    def kind(self) -> str:
+        return str(self.state.get("kind", "train"))
+
+
+def locate(path: Path) -> Snapshot:
+    """The checkpoint --resume DIR means: DIR itself when it is a step directory, else the
+    highest step among DIR/checkpoints/step-*/ and DIR (a finished OUT)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise MemengineError(f"--resume {p}: no such directory")
+    if _STEP.match(p.name) and p.parent.name == CHECKPOINTS_DIR:
+        st = read_state(p)
+        return Snapshot(p, int(st["step"]), st, p.parent.parent)
+    cands = [(s, 1, d) for s, d in list_steps(p)]
+    if (p / STATE_FILE).is_file():
+        st = read_state(p)
+        cands.append((int(st["step"]), 0, p))
+    if not cands:
+        raise MemengineError(f"--resume {p}: no checkpoint there (no {CHECKPOINTS_DIR}/step-K/ and no {STATE_FILE})")
+    step, _, d = max(cands)
+    st = read_state(d)
+    return Snapshot(d, step, st, p)
+
+
+def recorded_options(path: Path, kind: str) -> dict:
+    """The options of the run --resume continues (after checking it is the same kind)."""
+    snap = locate(path)
+    if snap.kind != kind:
+        raise MemengineError(f"--resume {path}: that run was '{snap.kind}'; continue it with "
+                             f"memengine {snap.kind} --resume {path}")
+    opts = snap.state.get("options")
+    return dict(opts) if isinstance(opts, dict) else {}
+
+
+def later_steps(run_dir: Path, step: int) -> list[Path]:
+    return [d for s, d in list_steps(run_dir) if s > step]
+
+
+def prune(run_dir: Path, keep_last: int, keep: Optional[int] = None) -> list[Path]:
+    """Remove all but the newest `keep_last` checkpoints (and step `keep`, the best)."""
+    if keep_last <= 0:
+        return []
+    steps = list_steps(run_dir)
+    newest = {s for s, _ in steps[-keep_last:]}
+    gone = []
+    for s, d in steps:
+        if s not in newest and s != keep:
+            remove_dir(d)
+            gone.append(d)
+    return gone
