@@ -125,18 +125,22 @@ class Trainer:
 def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = None,
              fence: StepFence | None = None) -> EvalResult:
     """Mean next-token loss, perplexity, bits per token and top-1/top-5 next-token accuracy
-    over the batches.  Everything is summed on the GPU, per batch, into one buffer read
-    back once at the end (then added up in float64).  `fence`: a training loop's own, so
+    over the batches.  Everything is summed on the GPU, per window, into one buffer read
+    back once at the end and added up in float64 in window order, so the result does not
+    depend on how the windows were batched (a training run's held-out pass at its batch
+    size equals `memengine eval` at batch size 1).  `fence`: a training loop's own, so
     repeated evaluations create no buffers."""
     rt = model.rt
     B, L = batch_shape(batches)
     ws = model.workspace(B, L)
     M = ws.M
+    n_windows = sum(int(b.n_windows) for b in batches)
     hits = rt.scratch(("eval.hits", M), (2 * M,))
-    sums = rt.scratch(("eval.sums", len(batches)), (3 * len(batches),))
+    sums = rt.scratch(("eval.sums", n_windows), (3, n_windows))
     rec = rt.recorder()
     rec.clear(sums)
     n_targets = 0
+    w = 0
     total = len(batches)
     fence = fence or StepFence(rt)
     for i, batch in enumerate(batches):
@@ -144,14 +148,15 @@ def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = No
         n_targets += model.write_batch(ws, batch.ids, batch.targets)
         model.record_forward(rec, ws)
         model.record_loss(rec, ws, want_grad=False, hits=hits)
-        sum_into(rec, sums.view((1,), 3 * i), ws.loss_rows)
-        sum_into(rec, sums.view((1,), 3 * i + 1), hits.view((M,)))
-        sum_into(rec, sums.view((1,), 3 * i + 2), hits.view((M,), M))
+        for r in range(int(batch.n_windows)):
+            for k, x in enumerate((ws.loss_rows, hits.view((M,)), hits.view((M,), M))):
+                sum_into(rec, sums.view((1,), k * n_windows + w), x.view((L,), r * L))
+            w += 1
         fence.mark(rec)
         rec.submit()
         if on_progress is not None:
             on_progress(i + 1, total)
-    s = rt.read(sums).astype(np.float64).reshape(-1, 3).sum(axis=0)
+    s = rt.read(sums).astype(np.float64).sum(axis=1)
     n = max(n_targets, 1)
     loss = float(s[0] / n)
     return EvalResult(loss=loss, perplexity=perplexity(loss), tokens=n_targets,

@@ -58,6 +58,12 @@ def test_resume_continues_exactly(rt):
     spe = full.steps_per_epoch
     stop = spe + 1  # inside the second epoch
     assert spe >= 2
+    steps = [e for e in full.state.history if e["event"] == "step"]
+    for ep in epochs_of(full):  # an epoch's loss and norm are the means of its steps'
+        mine = [e for e in steps if e["epoch"] == ep["epoch"]]
+        assert len(mine) == spe and ep["tokens"] == sum(e["tokens"] for e in mine)
+        assert abs(ep["loss"] - np.mean([e["loss"] for e in mine])) < 1e-12
+        assert abs(ep["grad_norm"] - np.mean([e["grad_norm"] for e in mine])) < 1e-12
 
     first = MambaModel(rt, CFG, init_weights(CFG, 1))
     part = fit(first, ws, TrainOptions(epochs=3, max_steps=stop, **opts))
