@@ -43,7 +43,8 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1):
     from memengine.engine.data import Batch
     from memengine.engine.init import init_weights
     from memengine.engine.model import MambaModel
-    from memengine.engine.trainer import TrainOptions, Trainer
+    from memengine.engine.options import TrainOptions
+    from memengine.engine.trainer import Trainer
 
     cfg = MambaConfig(**SHAPES[shape])
     model = MambaModel(rt, cfg, init_weights(cfg, 0))
@@ -51,13 +52,18 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1):
     ids = rng.integers(0, cfg.vocab_size, size=(B, L)).astype(np.int32)
     tg = rng.integers(0, cfg.vocab_size, size=(B, L)).astype(np.int32)
     batch = Batch(ids=ids, targets=tg, n_targets=B * L, n_tokens=B * L)
-    tr = Trainer(model, TrainOptions(epochs=1, batch_size=B, seq_len=L))
-    tr.fit([batch] * warmup)
+    o = TrainOptions(batch_size=B, seq_len=L)
+    tr = Trainer(model, o, trace_capacity=max(steps, warmup))
+    for _ in range(warmup):
+        tr.step([batch], o.lr)
+    tr.read_trace()  # a sync point: the timing starts on an idle GPU
     t0 = time.perf_counter()
-    hist = tr.fit([batch] * steps)
+    for _ in range(steps):
+        tr.step([batch], o.lr)
+    losses, _ = tr.read_trace()  # waits for the last step
     dt = time.perf_counter() - t0
     extra = 4 * (model.P.numel + model.G.numel)
-    return dict(tokens_per_s=B * L * steps / dt, step_s=dt / steps, loss=hist[-1].loss,
+    return dict(tokens_per_s=B * L * steps / dt, step_s=dt / steps, loss=float(losses[-1]),
                 peak_bytes=rt.peak_bytes + extra)
 
 
@@ -66,19 +72,23 @@ def profile_step(rt, shape, B, L):
     from memengine.engine.data import Batch
     from memengine.engine.init import init_weights
     from memengine.engine.model import MambaModel
-    from memengine.engine.trainer import TrainOptions, Trainer
+    from memengine.engine.options import TrainOptions
+    from memengine.engine.trainer import Trainer
 
     cfg = MambaConfig(**SHAPES[shape])
     model = MambaModel(rt, cfg, init_weights(cfg, 0))
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, size=(B, L)).astype(np.int32)
     batch = Batch(ids=ids, targets=ids, n_targets=B * L, n_tokens=B * L)
-    tr = Trainer(model, TrainOptions(epochs=1, batch_size=B, seq_len=L))
-    tr.fit([batch])
+    o = TrainOptions(batch_size=B, seq_len=L)
+    tr = Trainer(model, o)
+    tr.step([batch], o.lr)
+    tr.read_trace()
     if not rt.enable_profiling():
         print("the adapter has no timestamp queries; no profile", file=sys.stderr)
         return []
-    tr.fit([batch])
+    tr.step([batch], o.lr)
+    tr.read_trace()
     rows = rt.profile_report()
     rt.profiler = None
     return [list(r) for r in rows]

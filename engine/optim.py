@@ -1,7 +1,7 @@
 """Optimizer side of a training step, all on the GPU, no readback inside a step.
 
 * `GradClipper` – global L2 norm over every trainable gradient (a deterministic two-stage
-  reduction, shaders/reduce.wgsl), the clip factor, and an epoch accumulator of the norm.
+  reduction, shaders/reduce.wgsl) and the clip factor.
 * `AdamW` – one fused kernel dispatch per parameter (shaders/adamw.wgsl), moments keyed by
   parameter NAME (SPEC section 4), per-step uniforms in one persistent uniform buffer.
 
@@ -31,16 +31,13 @@ class GradClipper:
 
     After `record` (and a submit): ``factor[0]`` = max/norm when max > 0 and norm > max,
     else 1 (also 1 when the norm is NaN/Inf: AdamW then zeroes the non-finite steps);
-    ``norm[0]`` = this step's pre-clip norm; ``norm_sum[0]`` += norm (the epoch accumulator,
-    cleared by `reset_epoch`).  `mean_norm()` reads it back (one sync, once per epoch).
+    ``norm[0]`` = this step's pre-clip norm (the trainer copies it into its trace).
     """
 
     def __init__(self, rt):
         self.rt = rt
         self.factor: Tensor = rt.upload(np.ones(1, np.float32), name="clip.factor")
-        self.norm_sum: Tensor = rt.zeros((1,), name="clip.norm_sum")
         self.norm: Tensor = rt.zeros((1,), name="clip.norm")
-        self.steps = 0  # record() calls since the last reset_epoch
 
     def record(self, rec, grads: list[Tensor], max_grad_norm: float) -> None:
         rt = self.rt
@@ -52,18 +49,7 @@ class GradClipper:
             k += record_partials(rec, g, partials, k, square=True)
         u = rt.uniform(pack("IIIIIIIIffff", k, 0, 0, 0, 0, 0, 0, 0, 0.0, float(max_grad_norm or 0.0), 0.0, 0.0))
         rec.dispatch("reduce", "clip_finish",
-                     {1: partials, 2: u, 3: self.factor, 5: self.norm_sum, 6: self.norm}, 1)
-        self.steps += 1
-
-    def reset_epoch(self, rec) -> None:
-        rec.clear(self.norm_sum)
-        self.steps = 0
-
-    def mean_norm(self) -> float:
-        """Mean pre-clip norm over the steps since reset_epoch (reads back: a sync point)."""
-        if self.steps == 0:
-            return 0.0
-        return float(self.rt.read(self.norm_sum)[0]) / self.steps
+                     {1: partials, 2: u, 3: self.factor, 5: self.norm}, 1)
 
 
 class AdamW:

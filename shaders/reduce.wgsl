@@ -31,8 +31,7 @@ struct Params {
 @group(0) @binding(2) var<uniform> P: Params;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 @group(0) @binding(4) var<storage, read> scale_t: array<f32>;
-@group(0) @binding(5) var<storage, read_write> norm_sum: array<f32>;
-@group(0) @binding(6) var<storage, read_write> norm_last: array<f32>;
+@group(0) @binding(5) var<storage, read_write> norm_last: array<f32>;
 
 var<workgroup> sh: array<f32, 256>;
 
@@ -104,7 +103,7 @@ fn reduce_finish_scaled(@builtin(local_invocation_index) lid: u32) {
 }
 
 // Gradient clipping: partials hold the per-chunk sums of squares of every gradient view.
-// out[0] <- clip factor; norm_sum[0] += norm (epoch accumulator); norm_last[0] <- norm.
+// out[0] <- clip factor; norm_last[0] <- norm.
 @compute @workgroup_size(256)
 fn clip_finish(@builtin(local_invocation_index) lid: u32) {
     let total = sum_partials(lid);
@@ -115,7 +114,6 @@ fn clip_finish(@builtin(local_invocation_index) lid: u32) {
             factor = P.max_norm / norm;
         }
         out[0] = factor;
-        norm_sum[0] = norm_sum[0] + norm;
         norm_last[0] = norm;
     }
 }
