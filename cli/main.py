@@ -197,11 +197,8 @@ def _eval(o: EvalOptions, ui: UI) -> None:
     from memengine.engine.data import describe_sources
     from memengine.engine.run import run_eval
 
-    view = ui.run_view()
-    try:
+    with ui.run_view() as view:
         rep = run_eval(o, view, verbose=ui.verbose)
-    finally:
-        view.on_finish()
     on = describe_sources(o.data)
     if rep.other is None:
         ui.kv(f"eval {o.ckpt} on {on}", _eval_rows(rep.result) + [("elapsed", f"{rep.elapsed_s:.1f}s")])
@@ -224,7 +221,8 @@ run_command(app, EvalOptions, _eval, name="eval", help="Loss, perplexity, bits p
 def _train(o: TrainOptions, ui: UI) -> None:
     from memengine.engine.run import run_train
 
-    res = run_train(o, ui.run_view(), verbose=ui.verbose)
+    with ui.run_view() as view:
+        res = run_train(o, view, verbose=ui.verbose)
     s = res.summary()
     ui.note(f"wrote {res.output} (final loss {s['final_loss']:.4f}, {s['steps']} steps, {res.elapsed_s:.1f}s)")
     ui.emit(s)
@@ -247,7 +245,8 @@ Resumes the optimizer moments from optimizer.safetensors beside CKPT when presen
 def _adapt(o: AdaptOptions, ui: UI) -> int:
     from memengine.engine.run import run_adapt
 
-    res = run_adapt(o, ui.run_view(), verbose=ui.verbose)
+    with ui.run_view() as view:
+        res = run_adapt(o, view, verbose=ui.verbose)
     a = res.adapt
     summary = res.summary()
     ui.kv("adapt summary", [
@@ -261,7 +260,9 @@ def _adapt(o: AdaptOptions, ui: UI) -> int:
     ])
     ui.emit(summary)
     if a.rolled_back:
-        ui.error(f"adaptation rolled back: {a.reason}; nothing was written")
+        left = (f"the model was not written (the run's checkpoints stay in {res.checkpoints})" if res.checkpoints
+                else "nothing was written")
+        ui.error(f"adaptation rolled back: {a.reason}; {left}")
         return EXIT_ROLLED_BACK
     ui.note(f"wrote {res.output} ({res.elapsed_s:.1f}s)")
     return 0
@@ -427,12 +428,9 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         rows = []
         for label, path in ((f"{final.name} (fp32)", final), (f"{final.name} (fp16)", f16)):
             for what, src in (("bundled text", sample), ("new sentence", note)):
-                view = ui.run_view()
-                try:
+                with ui.run_view() as view:
                     r = run_eval(EvalOptions(ckpt=path, data=[str(src)], seq_len=seq_len, device=device),
                                  view, verbose=verbose).result
-                finally:
-                    view.on_finish()
                 rows.append((label, what, float(r.loss), float(r.perplexity), int(r.tokens)))
         ui.table("fp32 vs fp16", ["model", "data", "loss", "perplexity", "tokens"], rows,
                  right=[False, False, True, True, True])

@@ -80,6 +80,7 @@ class RunView(Listener):
     """
 
     COLUMNS = ("epoch", "loss", "grad norm", "val loss", "tokens/s", "elapsed")
+    VAL = 3  # the validation column, shown when the run evaluates held-out data
 
     def __init__(self, ui: "UI"):
         self.ui = ui
@@ -91,6 +92,7 @@ class RunView(Listener):
         self.title = ""
         self.total_epochs = None
         self.last_eval: dict | None = None
+        self._val: bool | None = None
         self.status = ""               # what the progress line says now
         self.started = time.monotonic()
         self._stop = threading.Event()
@@ -98,13 +100,17 @@ class RunView(Listener):
         self._eval_bars: dict = {}
 
     # -- rendering
+    def _shown(self, row) -> tuple:
+        val = self._val is not False
+        return tuple(v for i, v in enumerate(row) if val or i != self.VAL)
+
     def _table(self) -> Table:
         t = Table(title=self.title, title_justify="left", box=None, show_edge=False,
                   header_style="bold" if self.ui.tty else "")
-        for c in self.COLUMNS:
+        for c in self._shown(self.COLUMNS):
             t.add_column(c, justify="right")
         for r in self.rows:
-            t.add_row(*r)
+            t.add_row(*self._shown(r))
         return t
 
     def _renderable(self):
@@ -123,9 +129,21 @@ class RunView(Listener):
             if time.monotonic() - self.ui.last_print >= interval and self.status:
                 self._line(f"  {self.status}  elapsed {time.monotonic() - self.started:.0f}s")
 
+    def _beat(self) -> None:
+        """Start the progress-line timer (stderr not a terminal), once."""
+        if self._thread is None and not self.ui.tty and not self.ui.quiet and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._heartbeat, name="memengine-progress", daemon=True)
+            self._thread.start()
+
     # -- engine callbacks
     def on_note(self, message: str) -> None:
+        self._beat()
         self.ui.note(message)
+
+    def on_adapter(self, description: str) -> None:
+        if self.ui.adapter_shown != description:  # once per command (the demo runs several)
+            self.ui.adapter_shown = description
+            self.on_note(f"adapter: {description}")
 
     def on_warning(self, message: str) -> None:
         self.ui.warn(message)
@@ -133,11 +151,13 @@ class RunView(Listener):
     def on_start(self, plan) -> None:
         self._close_eval_bars()
         self.plan = plan
+        self._val = plan.val_windows > 0
         self.title = plan.title
         self.total_epochs = plan.epochs
         self.started = time.monotonic()
         if self.ui.quiet:
             return
+        self._beat()
         if self.ui.tty:
             self.progress = Progress(
                 TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -148,8 +168,6 @@ class RunView(Listener):
             self.live.__enter__()
         else:
             self._line(self.title)
-            self._thread = threading.Thread(target=self._heartbeat, name="memengine-progress", daemon=True)
-            self._thread.start()
 
     def _bar(self, description: str, done: int, total: int) -> None:
         if self.live is None or self.progress is None or total < 2:
@@ -168,6 +186,7 @@ class RunView(Listener):
         self.ui.emit(event)
 
     def on_eval_progress(self, phase: str, done: int, total: int) -> None:
+        self._beat()
         self.status = f"evaluating ({phase}) {done}/{total}"
         if self.plan is None or self.live is None:
             if self.ui.tty and not self.ui.quiet:  # before training: a bar of its own
@@ -212,18 +231,14 @@ class RunView(Listener):
         if self.live is not None:
             self.live.update(self._renderable(), refresh=True)
         else:
-            self._line(f"  epoch {row[0]}  loss {row[1]}  grad norm {row[2]}  val loss {row[3]}  "
-                       f"tokens/s {row[4]}  elapsed {row[5]}")
+            self._line("  " + "  ".join(f"{c} {v}" for c, v in zip(self._shown(self.COLUMNS), self._shown(row))))
 
     def on_checkpoint(self, event: dict) -> None:
         self.ui.emit(event)
         self._line(f"  saved checkpoint {event['path']} (step {event['step']})")
 
     def on_finish(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        """The training loop ended: the table stops being live."""
         self._close_eval_bars()
         if self.live is not None:
             if self.task is not None and self.progress is not None:
@@ -233,6 +248,22 @@ class RunView(Listener):
             self.live.__exit__(None, None, None)
             self.live = None
         self.plan = None
+        self.status = ""
+
+    def close(self) -> None:
+        """The command is done with the view: stop the progress-line timer, close displays."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.on_finish()
+
+    def __enter__(self) -> "RunView":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
 
 
 class UI:
@@ -243,6 +274,7 @@ class UI:
         self.json_mode = json_mode
         self.progress_interval = progress_interval
         self.last_print = time.monotonic()
+        self.adapter_shown: str | None = None
         self.quiet = quiet
         self.verbose = verbose
         self.stdout = stdout if stdout is not None else sys.stdout

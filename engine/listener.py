@@ -50,6 +50,9 @@ class Listener:
     def on_note(self, message: str) -> None:
         pass
 
+    def on_adapter(self, description: str) -> None:
+        """The GPU adapter a run uses."""
+
     def on_warning(self, message: str) -> None:
         pass
 
@@ -75,4 +78,4 @@ class Listener:
         pass
 
     def on_finish(self) -> None:
-        """The training loop ended (normally or not); close live displays."""
+        """The training loop ended (normally or not); live displays of it can close."""

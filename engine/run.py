@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -59,7 +59,7 @@ def _evaluate_checkpoint(path: Path, docs, source, o: EvalOptions, listener: Lis
     stream = token_stream(docs, source, tok, c.config.vocab_size)
     batches = make_batches(make_windows(stream.ids, o.seq_len), o.batch_size, o.seq_len)
     rt = open_runtime(o.device, verbose)
-    listener.on_note(f"adapter: {rt.describe()}")
+    listener.on_adapter(rt.describe())
     model = MambaModel.from_checkpoint(rt, c)
 
     def progress(i, n):
@@ -103,7 +103,7 @@ class RunResult:
     adapt: Optional[wsla.AdaptResult] = None
     best: Optional[dict] = None
     exit_code: int = 0
-    extra: dict = field(default_factory=dict)
+    checkpoints: Optional[Path] = None  # where the run's checkpoints are, when OUT's model was not written
 
     def epochs(self) -> list[dict]:
         return [e for e in self.state.history if e["event"] == "epoch"]
@@ -187,7 +187,7 @@ class _Run:
 
         self.rt = open_runtime(o.device, verbose)
         self.adapter = self.rt.describe()
-        lis.on_note(f"adapter: {self.adapter}")
+        lis.on_adapter(self.adapter)
         self.model = MambaModel.from_checkpoint(self.rt, self.ckpt)
         opt_file = optim_state.path_beside(source)
         opt_state = optim_state.load(opt_file, self.model)
@@ -284,20 +284,24 @@ class _Run:
             staging.write_json(tmp / staging.RECORD_FILE, rec)
         return self.out
 
-    def kept(self) -> str:
-        """What an interrupted or failed run leaves behind, for its one-line message."""
+    def last_checkpoint(self) -> Optional[Path]:
         steps = snapshots.list_steps(self.out) if self.claimed else []
-        if not steps:
+        return steps[-1][1] if steps else None
+
+    def left(self) -> str:
+        """What an interrupted or failed run leaves behind, for its one-line message."""
+        last = self.last_checkpoint()
+        if last is None:
             return "nothing was written"
-        return f"the last checkpoint is {steps[-1][1]} (continue with --resume {self.out})"
+        return f"the last checkpoint is {last} (continue with --resume {self.out})"
 
     def train(self) -> None:
         try:
             self.loop.run()
         except KeyboardInterrupt:
-            raise Interrupted(f"interrupted; {self.kept()}") from None
+            raise Interrupted(f"interrupted; {self.left()}") from None
         except NonFiniteError as e:
-            raise NonFiniteError(f"{e}; {self.kept()}") from None
+            raise NonFiniteError(f"{e}; {self.left()}") from None
 
 
 def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: bool = False) -> RunResult:
@@ -330,7 +334,7 @@ def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: boo
             with interrupts.deferred():
                 return evaluate(r.model, batches, on_progress=progress, fence=r.trainer.fence)
         except KeyboardInterrupt:
-            raise Interrupted(f"interrupted; {r.kept()}") from None
+            raise Interrupted(f"interrupted; {r.left()}") from None
 
     before = r.extra_state.get("before")
     if before is None:
@@ -367,7 +371,8 @@ def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: boo
         reason=reason, changed_tensors=changed, max_abs_delta=max_abs, loss_before=before["loss"],
         loss_after=after.loss if after is not None else float("nan"))
     res = RunResult("adapt", None if rolled_back else r.out, r.state, r.adapter, elapsed, adapt=result,
-                    best=r.state.best if o.keep_best else None, exit_code=3 if rolled_back else 0)
+                    best=r.state.best if o.keep_best else None, exit_code=3 if rolled_back else 0,
+                    checkpoints=(r.out / snapshots.CHECKPOINTS_DIR) if rolled_back and r.last_checkpoint() else None)
     if not rolled_back:
         summary = res.summary()
         r.publish({k: v for k, v in summary.items() if k != "event"})

@@ -473,7 +473,8 @@ def test_progress_line_when_stderr_is_not_a_terminal():
     view.on_progress(Progress(step=3, total_steps=10, epoch=1, step_in_epoch=3, steps_per_epoch=5, lr=1e-3,
                               last_loss=2.5))
     time.sleep(0.4)
-    view.on_finish()
+    view.on_finish()  # the loop ended: the timer goes on until the command closes the view
+    view.close()
     lines = err.getvalue().splitlines()
     beats = [ln for ln in lines if "step 3/10" in ln]
     assert beats and "loss 2.5000" in beats[0] and "elapsed" in beats[0]
