@@ -158,7 +158,7 @@ def make_windows(ids: np.ndarray, seq_len: int) -> list[tuple[np.ndarray, np.nda
     Window k covers inputs ids[k*L : k*L+L] and targets ids[k*L+1 : k*L+L+1]; the final
     partial window is kept when it has at least 2 tokens (one input, one target)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise MemengineError(f"--seq-len must be a positive integer (got {seq_len!r})")
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r} (TrainOptions validates the flag)")
     a = np.asarray(ids).reshape(-1).astype(np.int32)
     if a.size < 2:
         raise MemengineError(
@@ -184,9 +184,9 @@ def make_batches(windows: list[tuple[np.ndarray, np.ndarray]], batch_size: int, 
     """Group windows, in order, into batches of exactly [batch_size, seq_len] (padding rows and
     positions have id 0 and target -1) so the GPU shapes never change."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise MemengineError(f"--batch-size must be a positive integer (got {batch_size!r})")
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise MemengineError(f"--seq-len must be a positive integer (got {seq_len!r})")
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
     B, L = int(batch_size), int(seq_len)
     batches = []
     for start in range(0, len(windows), B):

@@ -294,3 +294,27 @@ def test_output_equal_to_input_refused(tiny_ckpt, sample_text):
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, "input")
     assert tree_digest(tiny_ckpt) == before
+
+
+@pytest.mark.parametrize("name", ["eval", "train", "adapt"])
+def test_run_command_flags_come_from_the_options_dataclass(name):
+    """Each field of the run's options dataclass is a parameter of the command, with the
+    dataclass's help and default (nothing restated in the CLI)."""
+    import dataclasses
+
+    import typer
+
+    from memengine.engine.options import AdaptOptions, EvalOptions, TrainOptions, spec_of
+
+    cls = {"eval": EvalOptions, "train": TrainOptions, "adapt": AdaptOptions}[name]
+    cmd = typer.main.get_command(app).commands[name]
+    params = {p.name: p for p in cmd.params}
+    for f in cls.option_fields():
+        p = params[f.name]
+        want = spec_of(f).help.format(**(cls.help_values() if hasattr(cls, "help_values") else {}))
+        assert getattr(p, "help", want) == want, f.name
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert p.default == default or (p.default in (None, ()) and default in (None, [])), (f.name, p.default)
+    assert set(params) - {f.name for f in cls.option_fields()} == {"config", "json_out", "quiet", "verbose"}
+    if name == "adapt":
+        assert params["max_delta"].default == 0.05 and params["tolerance"].default == 1.25

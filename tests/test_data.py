@@ -36,7 +36,7 @@ def test_partial_final_window_rules():
     assert len(w) == 3 and w[-1][0].tolist() == [8] and w[-1][1].tolist() == [9]
     with pytest.raises(MemengineError, match="at least 2"):
         make_windows(np.arange(1), 4)
-    with pytest.raises(MemengineError, match="seq-len"):
+    with pytest.raises(ValueError, match="seq_len"):
         make_windows(np.arange(10), 0)
 
 
@@ -54,7 +54,7 @@ def test_batches_fixed_shape_and_padding():
     assert last.targets.tolist() == [[10, 11, -1, -1], [-1, -1, -1, -1]]
     assert last.n_targets == 2 == last.n_tokens
     assert sum(b.n_targets for b in bs) == 10  # every next-token pair counted once
-    with pytest.raises(MemengineError, match="batch-size"):
+    with pytest.raises(ValueError, match="batch_size"):
         make_batches(w, 0, 4)
 
 

@@ -481,3 +481,16 @@ def test_progress_line_when_stderr_is_not_a_terminal():
     n = len(err.getvalue())
     time.sleep(0.2)
     assert len(err.getvalue()) == n  # the timer stopped with the run
+
+
+def test_nonfinite_loss_keeps_the_last_checkpoint(tiny_ckpt_ro, text, tmp_path):
+    out = tmp_path / "out"
+    r = run("train", tiny_ckpt_ro, "--data", text, "-o", out, "--seq-len", "32", "--epochs", "3", "--lr", "1e30",
+            "--max-grad-norm", "0", "--save-every", "1", "--json")
+    assert r.exit_code == 1, r.stderr
+    assert_one_line_error(r.stderr, "non-finite")
+    saved = sorted(int(p.name[5:]) for p in (out / "checkpoints").iterdir())
+    assert saved and f"step-{saved[-1]}" in r.stderr and "--resume" in r.stderr
+    assert not (out / "model.safetensors").exists()  # OUT's model is only the result of a finished run
+    st = json.loads((out / "checkpoints" / f"step-{saved[-1]}" / "trainer_state.json").read_text())
+    assert all(np.isfinite(e["loss"]) for e in st["loop"]["history"] if "loss" in e)
