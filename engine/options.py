@@ -72,6 +72,17 @@ def flag_of(cls, name: str) -> str:
     return (s.flags[0] if s.flags else "--" + name.replace("_", "-")).split("/")[0]
 
 
+def given(cls, name: str, value: Any) -> str:
+    """How a person would have typed `value` for option `name`: "--lr 0.1", "--no-shuffle"."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    s = spec_of(f)
+    if isinstance(value, bool):
+        pair = (s.flags[0] if s.flags else "--" + name.replace("_", "-")).split("/")
+        return pair[0] if value or len(pair) == 1 else pair[1]
+    shown = " ".join(map(str, value)) if isinstance(value, list) else value
+    return f"{flag_of(cls, name)} {shown}"
+
+
 # ----------------------------------------------------------------------- checks
 def at_least(n):
     return (lambda v: v is None or v >= n, f"must be at least {n}")
@@ -115,9 +126,7 @@ class Options:
         return typing.get_type_hints(cls)
 
     def bad(self, name: str, why: str) -> MemengineError:
-        value = getattr(self, name)
-        shown = " ".join(map(str, value)) if isinstance(value, list) else value
-        return MemengineError(f"{flag_of(type(self), name)} {shown}: {why}")
+        return MemengineError(f"{given(type(self), name, getattr(self, name))}: {why}")
 
     def validate(self) -> "Options":
         """Every field's own check, then the checks between fields; one line naming the flag."""

@@ -158,6 +158,8 @@ class _Run:
                     f"({later[0].name}, ...); continuing from step {snap.step} would mix two runs "
                     "(use --force to delete them)")
         self.input = str(snap.state.get("input")) if snap is not None else str(o.ckpt)
+        if snap is not None:
+            self._check_same_run(snap.state.get("options") or {})
 
         self.ckpt = open_checkpoint(source)
         self.tok = open_tokenizer(source, o.tokenizer)
@@ -191,13 +193,11 @@ class _Run:
         self.model = MambaModel.from_checkpoint(self.rt, self.ckpt)
         opt_file = optim_state.path_beside(source)
         opt_state = optim_state.load(opt_file, self.model)
-        if opt_state is not None and snap is None:
+        if snap is not None and opt_state is None:
+            raise MemengineError(f"--resume {snap.dir}: no {optim_state.OPTIMIZER_FILE}; cannot continue exactly")
+        if snap is None and opt_state is not None:
             n = sum(1 for k in opt_state if k.endswith(".exp_avg"))
             lis.on_note(f"resuming optimizer state from {opt_file} ({n} moments)")
-        elif snap is None:
-            pass
-        elif opt_state is None:
-            raise MemengineError(f"--resume {snap.dir}: no {optim_state.OPTIMIZER_FILE}; cannot continue exactly")
         self.state = LoopState.from_dict(snap.state.get("loop") or {}) if snap is not None else LoopState()
         self.segments = list(snap.state.get("segments") or []) if snap is not None else []
         self.segments.append(records.segment(self.adapter, None if snap is None else str(snap.dir), self.state.step))
@@ -215,10 +215,24 @@ class _Run:
         lp = self.loop
         what = (f"adapting {len(self.trainer.names)} x_proj tensor(s)" if o.WSLA
                 else f"training {len(self.trainer.names)} tensors")
-        val = f", {lp.val_batches and sum(b.n_windows for b in lp.val_batches) or 0} held out" if lp.val_batches else ""
+        val = f", {sum(b.n_windows for b in lp.val_batches)} held out" if lp.val_batches else ""
         lis.on_note(f"{what} on {self.stream.ids.size:,} tokens ({len(self.windows)} windows{val}; "
                     f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
                     + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else ""))
+
+    # options that fix which windows each step sees: a resumed run keeps them
+    SAME_RUN = ("seq_len", "batch_size", "grad_accum", "seed", "shuffle", "val_fraction")
+
+    def _check_same_run(self, recorded: dict) -> None:
+        from .options import given
+
+        cls = type(self.o)
+        for key in self.SAME_RUN:
+            if key in recorded and recorded[key] != getattr(self.o, key):
+                raise MemengineError(
+                    f"--resume: {given(cls, key, getattr(self.o, key))} differs from the resumed run's "
+                    f"{given(cls, key, recorded[key])}; it decides which windows each step sees, so a resumed run "
+                    "keeps it")
 
     def _check_same_data(self, rec: dict) -> None:
         for key, flag in (("sha256", "--data"), ("val_sha256", "--val-data")):

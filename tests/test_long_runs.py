@@ -494,3 +494,16 @@ def test_nonfinite_loss_keeps_the_last_checkpoint(tiny_ckpt_ro, text, tmp_path):
     assert not (out / "model.safetensors").exists()  # OUT's model is only the result of a finished run
     st = json.loads((out / "checkpoints" / f"step-{saved[-1]}" / "trainer_state.json").read_text())
     assert all(np.isfinite(e["loss"]) for e in st["loop"]["history"] if "loss" in e)
+
+
+def test_resume_keeps_what_decides_the_data_order(tiny_ckpt_ro, text, tmp_path):
+    out = tmp_path / "out"
+    r = run("train", tiny_ckpt_ro, "-o", out, "--data", text, "--seq-len", "32", "--batch-size", "4",
+            "--max-steps", "2", "--save-every", "2")
+    assert r.exit_code == 0, r.stderr
+    for flag, value in (("--seed", "3"), ("--batch-size", "2"), ("--grad-accum", "2"), ("--no-shuffle", None)):
+        r = run("train", "--resume", out, "--max-steps", "4", flag, *([value] if value else []))
+        assert r.exit_code == 2, flag
+        assert_one_line_error(r.stderr, flag)
+    r = run("train", "--resume", out, "--max-steps", "4", "--lr", "1e-3")  # the lr may change
+    assert r.exit_code == 0, r.stderr
