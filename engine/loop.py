@@ -58,6 +58,12 @@ class LoopState:
         return cls(**known)
 
 
+def reads_apart(options, n_windows: int) -> int:
+    """The most steps between two reads of the trainer's trace: --log-every, or an epoch
+    (the loop reads at every epoch's end)."""
+    return max(1, min(options.log_every, math.ceil(n_windows / (options.batch_size * options.grad_accum))))
+
+
 def total_steps(options, steps_per_epoch: int) -> int:
     """Steps the run ends at: --epochs and --max-steps, whichever comes first."""
     limits = []
@@ -209,7 +215,8 @@ def fit(model, windows: list, options, *, optimizer_state: dict | None = None, v
         listener: Listener | None = None, state: LoopState | None = None) -> TrainingLoop:
     """Train `model` in memory (no files): the loop of `train`/`adapt` without their set-up
     and outputs.  Returns the loop (its `.state`, `.trainer.optimizer_state()`)."""
-    trainer = Trainer(model, options, optimizer_state, wsla=options.WSLA, trace_capacity=options.log_every)
+    trainer = Trainer(model, options, optimizer_state, wsla=options.WSLA,
+                      trace_capacity=reads_apart(options, len(windows)))
     loop = TrainingLoop(trainer, windows, options, val_batches=val_batches, listener=listener, state=state)
     loop.run()
     return loop

@@ -310,6 +310,8 @@ class TrainOptions(Options):
             raise self.bad("min_lr", "needs --lr-schedule linear or cosine")
         if self.min_lr > self.lr:
             raise self.bad("min_lr", f"must not exceed --lr {self.lr:g}")
+        if self.eval_every and not (self.val_data or self.val_fraction > 0):
+            raise self.bad("eval_every", "needs --val-data or --val-fraction")
         if self.keep_best and not (self.val_data or self.val_fraction > 0):
             raise self.bad("keep_best", "needs --val-data or --val-fraction (the best is by validation loss)")
         if self.keep_best and not self.save_every:

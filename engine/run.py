@@ -10,6 +10,7 @@ model, optimizer state, trainer state and run record (engine/records.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import time
@@ -18,11 +19,11 @@ from pathlib import Path
 from typing import Optional
 
 from . import adapt as wsla
-from . import optim_state, records, snapshots, staging
+from . import interrupts, optim_state, records, snapshots, staging
 from .data import make_batches, make_windows, read_sources, token_stream
 from .errors import Interrupted, MemengineError, NonFiniteError
 from .listener import Listener
-from .loop import LoopState, TrainingLoop
+from .loop import LoopState, TrainingLoop, reads_apart
 from .options import AdaptOptions, EvalOptions, TrainOptions
 from .sampler import split_windows
 from .setup import open_checkpoint, open_runtime, open_tokenizer, tokenizer_file
@@ -52,7 +53,6 @@ class EvalReport:
 def _evaluate_checkpoint(path: Path, docs, source, o: EvalOptions, listener: Listener, verbose: bool,
                          phase: str) -> tuple[EvalResult, str]:
     from .model import MambaModel
-    from . import interrupts
 
     c = open_checkpoint(path)
     tok = open_tokenizer(path, o.tokenizer)
@@ -203,7 +203,8 @@ class _Run:
         self.segments.append(records.segment(self.adapter, None if snap is None else str(snap.dir), self.state.step))
         if snap is not None:
             lis.on_note(f"resuming {snap.dir} at step {snap.step}")
-        self.trainer = Trainer(self.model, o, opt_state, wsla=o.WSLA, trace_capacity=o.log_every)
+        self.trainer = Trainer(self.model, o, opt_state, wsla=o.WSLA,
+                               trace_capacity=reads_apart(o, len(self.windows)))
         self.claimed = self.in_place
         self.extra_state: dict = dict(snap.state.get("extra") or {}) if snap is not None else {}
         title = f"{'adapt (WSLA)' if o.WSLA else 'train'} {o.ckpt if snap is None else snap.dir} -> {self.out}"
@@ -309,11 +310,19 @@ class _Run:
             return "nothing was written"
         return f"the last checkpoint is {last} (continue with --resume {self.out})"
 
+    @contextlib.contextmanager
+    def interruptible(self):
+        """A Ctrl-C/SIGTERM in here says what the run leaves behind."""
+        try:
+            yield
+        except Interrupted:
+            raise
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted; {self.left()}") from None
+
     def train(self) -> None:
         try:
             self.loop.run()
-        except KeyboardInterrupt:
-            raise Interrupted(f"interrupted; {self.left()}") from None
         except NonFiniteError as e:
             raise NonFiniteError(f"{e}; {self.left()}") from None
 
@@ -321,22 +330,26 @@ class _Run:
 def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: bool = False) -> RunResult:
     """Fine-tune every parameter as `o` says and write OUT (see the module doc)."""
     r = _Run(o, listener or Listener(), verbose)
-    t0 = time.perf_counter()
-    r.train()
-    elapsed = time.perf_counter() - t0
-    res = RunResult("train", r.out, r.state, r.adapter, elapsed, best=r.state.best if o.keep_best else None)
-    summary = res.summary()
-    r.publish({k: v for k, v in summary.items() if k != "event"})
+    with r.interruptible():
+        t0 = time.perf_counter()
+        r.train()
+        elapsed = time.perf_counter() - t0
+        res = RunResult("train", r.out, r.state, r.adapter, elapsed, best=r.state.best if o.keep_best else None)
+        summary = res.summary()
+        r.publish({k: v for k, v in summary.items() if k != "event"})
     return res
 
 
 def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: bool = False) -> RunResult:
     """WSLA as `o` says: perplexity before, training of x_proj, perplexity after, and
     rollback (exit status 3, nothing written) on regression."""
-    from . import interrupts
-
     lis = listener or Listener()
     r = _Run(o, lis, verbose)
+    with r.interruptible():
+        return _adapt(r, o, lis)
+
+
+def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
     batches = make_batches(r.all_windows, o.batch_size, o.seq_len)
 
     def measure(phase: str) -> EvalResult:
@@ -344,11 +357,8 @@ def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: boo
             lis.on_eval_progress(f"perplexity {phase}", i, n)
             interrupts.check()
 
-        try:
-            with interrupts.deferred():
-                return evaluate(r.model, batches, on_progress=progress, fence=r.trainer.fence)
-        except KeyboardInterrupt:
-            raise Interrupted(f"interrupted; {r.left()}") from None
+        with interrupts.deferred():
+            return evaluate(r.model, batches, on_progress=progress, fence=r.trainer.fence)
 
     before = r.extra_state.get("before")
     if before is None:
