@@ -23,6 +23,7 @@ import typer
 from memengine.engine import staging
 from memengine.engine.errors import MemengineError
 from memengine.engine.options import AdaptOptions, EvalOptions, TrainOptions
+from memengine.engine.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 from .common import EXIT_ROLLED_BACK, engine_version, guard
 from .params import JsonOpt, QuietOpt, VerboseOpt, param, run_command
@@ -43,6 +44,9 @@ app = typer.Typer(
 
 # options of non-run commands, made from the same fields as the run commands' ones
 CkptArg = param(EvalOptions, "ckpt")[0]
+RevisionOpt = param(EvalOptions, "revision")[0]
+ModelTypeOpt = param(EvalOptions, "model_type")[0]
+MaxShardSizeOpt = param(TrainOptions, "max_shard_size")[0]
 DeviceOpt = param(EvalOptions, "device")[0]
 ForceOpt = param(TrainOptions, "force")[0]
 OutOpt = Annotated[Path, typer.Option("--output", "-o", rich_help_panel="Output", help="Output checkpoint directory.")]
@@ -72,11 +76,13 @@ def _root(
     "memengine init tiny -o tiny-model",
     "memengine init small -o small-model --seed 3",
     "memengine init my-config.yaml -o model --force",
+    "memengine init mamba-130m -o m130 --max-shard-size 200MB   # transformers-style shards",
 ))
 def init(
     config: Annotated[str, typer.Argument(metavar="CONFIG", help="Built-in config name (tiny, small, mamba-130m) or a JSON/YAML file of MambaConfig keys.")],
     output: OutOpt,
     seed: Annotated[int, typer.Option("--seed", help="Random seed (same seed, same weights).")] = 0,
+    max_shard_size: MaxShardSizeOpt = DEFAULT_MAX_SHARD_SIZE,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -85,10 +91,12 @@ def init(
     """Create a new, randomly initialised checkpoint (initialised the way transformers does)."""
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
-        do_init(ui, config, output, seed, force)
+        parse_size(max_shard_size)
+        do_init(ui, config, output, seed, force, max_shard_size)
 
 
-def do_init(ui: UI, config: str, output: Path, seed: int, force: bool) -> Path:
+def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
+            max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     from memengine.engine.checkpoint import save_checkpoint
     from memengine.engine.config import expected_shapes, load_config
     from memengine.engine.init import init_weights
@@ -98,7 +106,7 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool) -> Path:
     tensors = init_weights(cfg, seed)
     n_params = int(sum(int(a.size) for a in tensors.values()))
     with staging.staged_output(output, force) as tmp:
-        save_checkpoint(tmp, cfg, tensors, dtype="F32",
+        save_checkpoint(tmp, cfg, tensors, dtype="F32", max_shard_size=max_shard_size,
                         metadata={"producer": f"memengine {engine_version()}", "seed": str(seed)})
     shapes = expected_shapes(cfg)
     ui.kv(f"initialised {output}", [
@@ -120,9 +128,14 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool) -> Path:
 @app.command(epilog=_examples(
     "memengine info tiny-model",
     "memengine info model/model.safetensors --json | jq .parameters",
+    "memengine info state-spaces/mamba-130m-hf                # a model id (local cache, else download)",
+    "memengine info my-org/my-mamba --revision v1.0            # a tag, branch or commit",
+    "memengine info weights.safetensors --model-type falcon_mamba",
 ))
 def info(
     ckpt: CkptArg,
+    revision: RevisionOpt = None,
+    model_type: ModelTypeOpt = None,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     quiet: QuietOpt = False,
@@ -131,17 +144,18 @@ def info(
     """Show a checkpoint's config, parameter count, dtypes and size, and the GPU adapter."""
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
-        from memengine.engine.optim_state import path_beside
-        from memengine.engine.setup import open_checkpoint
+        from memengine.engine.setup import open_checkpoint, resolve
 
-        c = open_checkpoint(ckpt)
+        ref = resolve(ckpt, revision, model_type)
+        c = open_checkpoint(ref, ui.warn)
         cfg = c.config
         n_params = int(sum(int(a.size) for a in c.tensors.values()))
         dtypes: dict[str, int] = {}
         for name in c.tensors:
             dt = str(c.dtypes.get(name, "F32")) if getattr(c, "dtypes", None) else "F32"
             dtypes[dt] = dtypes.get(dt, 0) + 1
-        files = [Path(ckpt)] if Path(ckpt).is_file() else sorted(p for p in Path(ckpt).iterdir() if p.is_file())
+        weight_files = c.extra.get("weight_files", [])
+        files = weight_files if ref.path.is_file() else sorted(p for p in ref.path.iterdir() if p.is_file())
         nbytes = int(sum(p.stat().st_size for p in files))
         try:
             from memengine.engine.gpu import get_runtime
@@ -152,6 +166,10 @@ def info(
             adapter, caps = f"none ({e})", None
         tok = getattr(c, "tokenizer_path", None)
         ui.kv(f"checkpoint {ckpt}", [
+            ("model type", cfg.model_type),
+            ("weights", weight_files[0].name if len(weight_files) == 1 else
+             f"{len(weight_files)} shards ({c.extra['model_file'].name})"),
+            *([("local path", str(ref.path))] if ref.repo_id else []),
             ("layers", cfg.num_hidden_layers),
             ("hidden size (E)", cfg.hidden_size),
             ("inner size (Di)", cfg.intermediate_size),
@@ -166,7 +184,7 @@ def info(
             ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(dtypes.items()))),
             ("size on disk", f"{nbytes:,} bytes"),
             ("tokenizer", str(tok) if tok else "byte-level (built-in)"),
-            ("optimizer state", "yes" if path_beside(ckpt).is_file() else "no"),
+            ("optimizer state", "yes" if c.extra.get("optimizer_path") else "no"),
             ("adapter", adapter),
             ("GPU features", "n/a" if caps is None else
              f"{', '.join(caps['features']) or 'none'}; largest binding "
@@ -175,6 +193,9 @@ def info(
         if json_out:
             ui.emit({
                 "path": str(ckpt),
+                "local_path": str(ref.path),
+                "model_type": cfg.model_type,
+                "weight_files": [p.name for p in weight_files],
                 "config": cfg.to_hf_dict(),
                 "parameters": n_params,
                 "tensors": {n: {"shape": list(a.shape), "dtype": str(c.dtypes.get(n, "F32")) if c.dtypes else "F32"}
@@ -214,6 +235,8 @@ run_command(app, EvalOptions, _eval, name="eval", help="Loss, perplexity, bits p
     "cat notes.txt | memengine eval tiny-model --data - --json",
     "memengine eval model --data a.txt --data b.jsonl --seq-len 256 --batch-size 4",
     "memengine eval base --compare tuned --data held-out.txt --seq-len 256   # A/B report",
+    "memengine eval state-spaces/mamba-130m-hf --data notes.txt   # a model id",
+    "memengine eval weights.safetensors --model-type falcon_mamba --data notes.txt",
 ))
 
 
@@ -238,6 +261,7 @@ Resumes the optimizer moments from optimizer.safetensors beside CKPT when presen
     "memengine train model --data book.txt --val-fraction 0.05 -o out --save-every 200 --keep-last 3 "
     "--lr-schedule cosine --warmup-steps 100",
     "memengine train --resume out --epochs 10   # continue in place (after Ctrl-C, or for more epochs)",
+    "memengine train state-spaces/mamba-130m-hf --data book.txt -o out --max-shard-size 200MB",
 ))
 
 
@@ -275,6 +299,7 @@ Perplexity on the adapt text is measured before and after. If a loss is non-fini
     "echo 'The lighthouse keeper counts ships at dawn.' | memengine adapt tiny-trained --data - -o adapted",
     "memengine adapt model --data note.txt -o out --lr 1e-3 --tolerance 1.1 --json",
     "memengine adapt model --data note.txt -o out --no-rollback   # keep the result even if worse",
+    "memengine adapt state-spaces/mamba-130m-hf --data note.txt -o out --max-shard-size 200MB",
 ))
 
 
@@ -284,6 +309,7 @@ Perplexity on the adapt text is measured before and after. If a loss is non-fini
     "memengine quantize model -o model-bf16 --dtype bf16",
     "memengine quantize model --dry-run            # report sizes and errors, write nothing",
     "memengine quantize model -o out --saturate    # clamp values beyond fp16's range",
+    "memengine quantize saved-by-hf/model.safetensors.index.json -o out --max-shard-size 500MB",
 ))
 def quantize(
     ckpt: CkptArg,
@@ -291,6 +317,9 @@ def quantize(
     dtype: Annotated[str, typer.Option("--dtype", help="Target dtype: f16 or bf16.")] = "f16",
     saturate: Annotated[bool, typer.Option("--saturate", help="Clamp values beyond the target's finite range instead of failing.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be written; write nothing.")] = False,
+    revision: RevisionOpt = None,
+    model_type: ModelTypeOpt = None,
+    max_shard_size: MaxShardSizeOpt = DEFAULT_MAX_SHARD_SIZE,
     json_out: JsonOpt = False,
     force: ForceOpt = False,
     quiet: QuietOpt = False,
@@ -302,25 +331,33 @@ def quantize(
         d = dtype.lower()
         if d not in ("f16", "bf16"):
             raise MemengineError(f"--dtype {dtype}: must be f16 or bf16")
-        do_quantize(ui, ckpt, output, d, saturate, dry_run, force)
+        parse_size(max_shard_size)
+        from memengine.engine.setup import resolve
+
+        do_quantize(ui, resolve(ckpt, revision, model_type), output, d, saturate, dry_run, force,
+                    max_shard_size=max_shard_size)
 
 
-def do_quantize(ui: UI, ckpt_path: Path, output: Optional[Path], dtype: str, saturate: bool, dry_run: bool,
-                force: bool) -> dict:
+def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate: bool, dry_run: bool,
+                force: bool, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> dict:
     from memengine.engine.quantize import quantize_checkpoint
 
-    src = Path(ckpt_path)
-    if not src.exists():
-        raise MemengineError(f"{src}: no such checkpoint (expected a directory or a .safetensors file)")
+    from memengine.engine.setup import open_checkpoint, resolve
+
+    ref = resolve(ckpt_path)
+    src = ref.spec
     if output is None and not dry_run:
         raise MemengineError("--output is required (or use --dry-run)")
+    if not dry_run:
+        staging.check_output(output, force, inputs=(ref.path,))
+    c = open_checkpoint(ref, ui.warn)
     if dry_run:
-        report = quantize_checkpoint(src, None if output is None else Path(output), dtype=dtype,
+        report = quantize_checkpoint(c, None if output is None else Path(output), dtype=dtype,
                                      saturate=saturate, dry_run=True)
     else:
-        staging.check_output(output, force, inputs=(src,))
         with staging.staged_output(output, force) as tmp:
-            report = quantize_checkpoint(src, tmp, dtype=dtype, saturate=saturate, dry_run=False)
+            report = quantize_checkpoint(c, tmp, dtype=dtype, saturate=saturate, dry_run=False,
+                                         source_name=ref.public_name, max_shard_size=max_shard_size)
     table = [(t.name, t.dtype_before, t.dtype_after, f"{t.bytes_before:,}", f"{t.bytes_after:,}",
               f"{8 * t.bytes_after / max(1, math.prod(t.shape)):.1f}", t.max_abs_error,
               "yes" if t.saturated else "") for t in report.tensors]

@@ -18,7 +18,9 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
+from .config import MODEL_TYPES
 from .errors import MemengineError
+from .shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 # help panels of --help
 DATA = "Data"
@@ -44,6 +46,7 @@ class Spec:
     metavar: Optional[str] = None
     envvar: Optional[str] = None
     show_default: Any = True
+    path: bool = False             # a local path: records keep only its public form (resolve.public_path)
 
 
 def opt(default: Any = MISSING, *, factory: Callable | None = None, **spec) -> Any:
@@ -143,22 +146,46 @@ class Options:
     def check_together(self) -> None:
         pass
 
-    def to_dict(self) -> dict:
+    def to_dict(self, public: bool = False) -> dict:
+        """The options as JSON values; `public`: local paths as outputs may hold them (as
+        given when relative, else the base name: no absolute local path in an output)."""
+        from .resolve import public_path
+
         out = {}
         for f in self.option_fields():
             v = getattr(self, f.name)
-            out[f.name] = str(v) if isinstance(v, Path) else (list(v) if isinstance(v, list) else v)
+            v = str(v) if isinstance(v, Path) else (list(v) if isinstance(v, list) else v)
+            if public and spec_of(f).path and v is not None:
+                v = [public_path(x) for x in v] if isinstance(v, list) else public_path(v)
+            out[f.name] = v
         return out
 
 
 # ----------------------------------------------------------------------- shared fields
+CKPT_HELP = ("Checkpoint: a directory (config.json + model.safetensors or transformers' shards), a .safetensors "
+             "file, a model.safetensors.index.json, or a Hugging Face model id (from the local cache, else "
+             "downloaded; HF_HUB_OFFLINE=1 forbids downloads).")
+
+
 def _ckpt(help_extra: str = "") -> Any:
-    return opt(None, argument=True, metavar="CKPT", config=False, restore=False, show_default=False,
-               help="Checkpoint directory (model.safetensors + config.json) or a .safetensors file." + help_extra)
+    return opt(None, argument=True, metavar="CKPT", config=False, restore=False, show_default=False, path=True,
+               help=CKPT_HELP + help_extra)
+
+
+def _revision() -> Any:
+    return opt(None, panel=RUNTIME, metavar="REV", restore=False, show_default=False,
+               help="Branch, tag or commit of a model id CKPT (default: main).")
+
+
+def _model_type() -> Any:
+    return opt(None, panel=RUNTIME, metavar="mamba|falcon_mamba", restore=False, show_default=False,
+               check=one_of(*MODEL_TYPES),
+               help="Model type of a checkpoint whose config does not state one (a bare .safetensors): "
+                    "mamba (assumed) or falcon_mamba.")
 
 
 def _data(help_extra: str = "") -> Any:
-    return opt(factory=list, flags=("--data", "-d"), panel=DATA, show_default=False, metavar="PATH",
+    return opt(factory=list, flags=("--data", "-d"), panel=DATA, show_default=False, metavar="PATH", path=True,
                help="UTF-8 text, .jsonl with a \"text\" field, or - for stdin (repeatable; the documents "
                     "of a .jsonl and files given together are separated by the tokenizer's end-of-text "
                     "token)." + help_extra)
@@ -178,7 +205,7 @@ def _device() -> Any:
 
 
 def _tokenizer() -> Any:
-    return opt(None, panel=RUNTIME, restore=False,
+    return opt(None, panel=RUNTIME, restore=False, path=True,
                help="A tokenizer.json (or its directory) to use instead of the one beside the checkpoint; "
                     "'bytes' for the built-in byte-level tokenizer (the default when there is none).")
 
@@ -188,13 +215,15 @@ def _tokenizer() -> Any:
 class EvalOptions(Options):
     KIND: ClassVar[str] = "eval"
 
-    ckpt: Optional[Path] = _ckpt()
+    ckpt: Optional[str] = _ckpt()
     data: list = _data()
     seq_len: int = _seq_len(512)
     batch_size: int = _batch_size(1)
-    compare: Optional[Path] = opt(None, panel=EVALUATION, metavar="B",
-                                  help="A second checkpoint: evaluate both on the same data and report "
-                                       "each and the difference (B minus CKPT).")
+    compare: Optional[str] = opt(None, panel=EVALUATION, metavar="B", path=True,
+                                 help="A second checkpoint (a path or a model id): evaluate both on the same "
+                                      "data and report each and the difference (B minus CKPT).")
+    revision: Optional[str] = _revision()
+    model_type: Optional[str] = _model_type()
     device: Optional[str] = _device()
     tokenizer: Optional[str] = _tokenizer()
 
@@ -214,10 +243,10 @@ class TrainOptions(Options):
     DEFAULT_EPOCHS: ClassVar[int] = 5
     WSLA: ClassVar[bool] = False  # adapt trains each layer's x_proj only
 
-    ckpt: Optional[Path] = _ckpt(" Not needed with --resume.")
+    ckpt: Optional[str] = _ckpt(" Not needed with --resume.")
     data: list = _data(" With --resume: the resumed run's files unless given.")
     output: Optional[Path] = opt(None, flags=("--output", "-o"), panel=OUTPUT, restore=False, show_default=False,
-                                 metavar="OUT",
+                                 metavar="OUT", path=True,
                                  help="Output checkpoint directory (with --resume: the resumed run's, "
                                       "so training continues in place).")
     epochs: Optional[int] = opt(None, check=at_least(1), show_default=False,
@@ -252,7 +281,7 @@ class TrainOptions(Options):
                     help="Seed of the per-epoch window shuffle and of the --val-fraction split.")
     shuffle: bool = opt(True, flags=("--shuffle/--no-shuffle",), panel=DATA,
                         help="Shuffle the windows every epoch (from --seed); --no-shuffle keeps file order.")
-    val_data: list = opt(factory=list, panel=EVALUATION, show_default=False, metavar="PATH",
+    val_data: list = opt(factory=list, panel=EVALUATION, show_default=False, metavar="PATH", path=True,
                          help="Held-out text evaluated during training (repeatable, read like --data).")
     val_fraction: float = opt(0.0, panel=EVALUATION, check=in_unit(),
                               help="Hold out this fraction of the windows of --data instead (split by "
@@ -271,9 +300,15 @@ class TrainOptions(Options):
                               "too with --keep-best).")
     keep_best: bool = opt(False, panel=CHECKPOINTS,
                           help="Make the checkpoint with the lowest validation loss OUT's model.")
-    resume: Optional[Path] = opt(None, panel=CHECKPOINTS, restore=False, metavar="DIR",
+    resume: Optional[Path] = opt(None, panel=CHECKPOINTS, restore=False, metavar="DIR", path=True,
                                  help="Continue a run from a step directory, or from an OUT (its latest "
                                       "step): same weights, optimizer, data position and schedule.")
+    max_shard_size: str = opt(DEFAULT_MAX_SHARD_SIZE, panel=OUTPUT, metavar="SIZE",
+                              help="Write the weights as shards (model-00001-of-0000N.safetensors + "
+                                   "model.safetensors.index.json) when they exceed this size: 5GB, 500MB or a "
+                                   "number of bytes, as transformers' save_pretrained.")
+    revision: Optional[str] = _revision()
+    model_type: Optional[str] = _model_type()
     device: Optional[str] = _device()
     tokenizer: Optional[str] = _tokenizer()
     force: bool = opt(False, flags=("--force", "-f"), panel=OUTPUT, config=False, restore=False,
@@ -295,6 +330,7 @@ class TrainOptions(Options):
         return self.grad_accum
 
     def check_together(self) -> None:
+        parse_size(self.max_shard_size)
         if self.ckpt is None and self.resume is None:
             raise MemengineError("missing argument CKPT (a checkpoint directory or .safetensors file)")
         if self.ckpt is not None and self.resume is not None:

@@ -23,10 +23,11 @@ from . import interrupts, optim_state, records, snapshots, staging
 from .data import make_batches, make_windows, read_sources, token_stream
 from .errors import Interrupted, MemengineError, NonFiniteError
 from .listener import Listener
+from .resolve import public_path
 from .loop import LoopState, TrainingLoop, reads_apart
 from .options import AdaptOptions, EvalOptions, TrainOptions
 from .sampler import split_windows
-from .setup import open_checkpoint, open_runtime, open_tokenizer, tokenizer_file
+from .setup import open_checkpoint, open_runtime, open_tokenizer, resolve, tokenizer_file
 from .trainer import EvalResult, Trainer, evaluate
 
 STATE_VERSION = 1
@@ -50,12 +51,12 @@ class EvalReport:
                 "difference": {k: b[k] - a[k] for k in a if k != "tokens"}}
 
 
-def _evaluate_checkpoint(path: Path, docs, source, o: EvalOptions, listener: Listener, verbose: bool,
+def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, verbose: bool,
                          phase: str) -> tuple[EvalResult, str]:
     from .model import MambaModel
 
-    c = open_checkpoint(path)
-    tok = open_tokenizer(path, o.tokenizer)
+    c = open_checkpoint(ref, listener.on_warning)
+    tok = open_tokenizer(c, o.tokenizer)
     stream = token_stream(docs, source, tok, c.config.vocab_size)
     batches = make_batches(make_windows(stream.ids, o.seq_len), o.batch_size, o.seq_len)
     rt = open_runtime(o.device, verbose)
@@ -76,14 +77,13 @@ def run_eval(o: EvalOptions, listener: Listener | None = None, *, verbose: bool 
     listener = listener or Listener()
     o.validate()
     t0 = time.perf_counter()
-    for p in (o.ckpt, o.compare):
-        if p is not None and not Path(p).exists():
-            raise MemengineError(f"{p}: no such checkpoint (expected a directory or a .safetensors file)")
+    a = resolve(o.ckpt, o.revision, o.model_type)  # before reading the data (stdin is read once)
+    b = resolve(o.compare, None, o.model_type) if o.compare is not None else None
     docs, source = read_sources(o.data)
-    res, adapter = _evaluate_checkpoint(Path(o.ckpt), docs, source, o, listener, verbose, str(o.ckpt))
+    res, adapter = _evaluate_checkpoint(a, docs, source, o, listener, verbose, str(o.ckpt))
     rep = EvalReport(str(o.ckpt), res, adapter)
-    if o.compare is not None:
-        other, _ = _evaluate_checkpoint(Path(o.compare), docs, source, o, listener, verbose, str(o.compare))
+    if b is not None:
+        other, _ = _evaluate_checkpoint(b, docs, source, o, listener, verbose, str(o.compare))
         if other.tokens != res.tokens:
             listener.on_warning(f"the two checkpoints tokenize the data differently ({res.tokens:,} vs "
                                 f"{other.tokens:,} tokens): per-token figures are not comparable")
@@ -148,7 +148,9 @@ class _Run:
                                  f"memengine {snap.kind} --resume")
         self.out = Path(o.output) if o.output is not None else snap.run_dir
         self.in_place = snap is not None and self.out.resolve() == snap.run_dir.resolve()
-        source = snap.dir if snap is not None else Path(o.ckpt)
+        ref = resolve(snap.dir if snap is not None else o.ckpt, None if snap else o.revision,
+                      None if snap else o.model_type)
+        source = ref.path
         staging.check_output(self.out, o.force, inputs=() if self.in_place else (source,), owned=self.in_place)
         if self.in_place:
             later = snapshots.later_steps(self.out, snap.step)
@@ -157,12 +159,12 @@ class _Run:
                     f"--resume {o.resume}: {self.out} holds checkpoints after step {snap.step} "
                     f"({later[0].name}, ...); continuing from step {snap.step} would mix two runs "
                     "(use --force to delete them)")
-        self.input = str(snap.state.get("input")) if snap is not None else str(o.ckpt)
+        self.input = str(snap.state.get("input")) if snap is not None else ref.public_name
         if snap is not None:
             self._check_same_run(snap.state.get("options") or {})
 
-        self.ckpt = open_checkpoint(source)
-        self.tok = open_tokenizer(source, o.tokenizer)
+        self.ckpt = open_checkpoint(ref, lis.on_warning)
+        self.tok = open_tokenizer(self.ckpt, o.tokenizer)
         vocab = self.ckpt.config.vocab_size
         docs, desc = read_sources(o.data)
         self.stream = token_stream(docs, desc, self.tok, vocab)
@@ -191,7 +193,7 @@ class _Run:
         self.adapter = self.rt.describe()
         lis.on_adapter(self.adapter)
         self.model = MambaModel.from_checkpoint(self.rt, self.ckpt)
-        opt_file = optim_state.path_beside(source)
+        opt_file = self.ckpt.directory / optim_state.OPTIMIZER_FILE
         opt_state = optim_state.load(opt_file, self.model)
         if snap is not None and opt_state is None:
             raise MemengineError(f"--resume {snap.dir}: no {optim_state.OPTIMIZER_FILE}; cannot continue exactly")
@@ -200,7 +202,8 @@ class _Run:
             lis.on_note(f"resuming optimizer state from {opt_file} ({n} moments)")
         self.state = LoopState.from_dict(snap.state.get("loop") or {}) if snap is not None else LoopState()
         self.segments = list(snap.state.get("segments") or []) if snap is not None else []
-        self.segments.append(records.segment(self.adapter, None if snap is None else str(snap.dir), self.state.step))
+        self.segments.append(records.segment(self.adapter, None if snap is None else public_path(snap.dir),
+                                             self.state.step))
         if snap is not None:
             lis.on_note(f"resuming {snap.dir} at step {snap.step}")
         self.trainer = Trainer(self.model, o, opt_state, wsla=o.WSLA,
@@ -246,22 +249,28 @@ class _Run:
     def trainer_state(self) -> dict:
         segs = [dict(s) for s in self.segments]
         segs[-1]["last_step"] = self.state.step
+        options = self.o.to_dict(public=True)
+        for key in snapshots.RUN_RELATIVE:  # found again by --resume, wherever it is run from
+            options[key] = [snapshots.relative_to_run(d, self.out) for d in getattr(self.o, key)]
         return {"format": snapshots.STATE_FORMAT, "version": STATE_VERSION, "kind": self.o.KIND,
                 "step": self.state.step, "epoch": (self.loop.order.state()["epoch"]), "input": self.input,
-                "options": self.o.to_dict(), "data": self.data_info, "extra": self.extra_state,
+                "options": options, "data": self.data_info, "extra": self.extra_state,
                 "segments": segs, "loop": self.loop.state_dict()}
 
     def write_checkpoint(self, directory: Path) -> None:
         """Model (F32), optimizer state and trainer state into `directory`."""
-        from .checkpoint import save_checkpoint
+        from .checkpoint import save_checkpoint, side_files
         import numpy as np
 
         tensors = self.model.state_dict()
         for name, a in tensors.items():
             if not np.all(np.isfinite(a)):
                 raise NonFiniteError(f"tensor {name} holds NaN/Inf after training")
-        save_checkpoint(directory, self.ckpt.config, tensors, dtype="F32", tokenizer_path=tokenizer_file(self.tok),
-                        metadata={"producer": f"memengine {records.version()}", "step": str(self.state.step)})
+        tok = tokenizer_file(self.tok)
+        save_checkpoint(directory, self.ckpt.config, tensors, dtype="F32", tokenizer_path=tok,
+                        extra_files=side_files(self.ckpt.directory, tok.parent if tok else None),
+                        metadata={"producer": f"memengine {records.version()}", "step": str(self.state.step)},
+                        max_shard_size=self.o.max_shard_size)
         optim_state.save(directory, self.trainer.optimizer_state())
         staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
 
@@ -280,6 +289,7 @@ class _Run:
         """Write OUT: the final (or with --keep-best the best) model, optimizer and trainer
         state, and memengine.json."""
         st = self.state
+        result = {**result, "output": public_path(self.out)}  # no absolute local path in an output
         best_dir = None
         if self.o.keep_best and st.best is not None:
             best_dir = snapshots.step_dir(self.out, st.best["step"])
@@ -293,7 +303,8 @@ class _Run:
                 self.write_checkpoint(tmp)
             segs = [dict(s) for s in self.segments]
             segs[-1].update(finished=records.now(), last_step=st.step)
-            rec = records.run_record(self.o.KIND, self.o.to_dict(), input_path=self.input, adapter=self.adapter,
+            rec = records.run_record(self.o.KIND, self.o.to_dict(public=True), input_path=self.input,
+                                     adapter=self.adapter,
                                      segments=segs, history=st.history, result=result,
                                      extra={"best": st.best} if self.o.keep_best else None)
             staging.write_json(tmp / staging.RECORD_FILE, rec)

@@ -1,31 +1,35 @@
-"""Opening what a run works on: the checkpoint, its tokenizer and the GPU runtime."""
+"""Opening what a run works on: the checkpoint (a path or a model id), its tokenizer and the
+GPU runtime."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
-
-from .errors import MemengineError
+from typing import Callable, Optional
 
 
-def checkpoint_dir(path: Path) -> Path:
-    p = Path(path)
-    return p if p.is_dir() else p.parent
+def resolve(spec, revision: Optional[str] = None, model_type: Optional[str] = None):
+    """CKPT -> CheckpointRef (a local path as it is, else a model id through the HF cache)."""
+    from .resolve import resolve_checkpoint
+
+    return resolve_checkpoint(spec, revision, model_type)
 
 
-def open_checkpoint(path: Path):
+def open_checkpoint(ref, warn: Optional[Callable[[str], None]] = None):
+    """Load a resolved checkpoint; the loader's assumptions go to `warn`."""
     from .checkpoint import load_checkpoint
 
-    p = Path(path)
-    if not p.exists():
-        raise MemengineError(f"{p}: no such checkpoint (expected a directory or a .safetensors file)")
-    return load_checkpoint(p)
+    c = load_checkpoint(ref.path, model_type=ref.model_type)
+    for w in c.warnings:
+        if warn is not None:
+            warn(w)
+    return c
 
 
-def open_tokenizer(ckpt_path: Path, override: Optional[str]):
+def open_tokenizer(ckpt, override: Optional[str]):
+    """--tokenizer, else the tokenizer.json beside the loaded checkpoint, else bytes."""
     from .tokenizer import load_tokenizer
 
-    return load_tokenizer(checkpoint_dir(ckpt_path), override=override)
+    return load_tokenizer(ckpt.directory, override=override)
 
 
 def tokenizer_file(tok) -> Optional[Path]:

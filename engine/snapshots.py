@@ -14,6 +14,7 @@ step directory, or an OUT: the highest step among OUT/checkpoints/step-*/ and OU
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from .staging import remove_dir
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FORMAT = "memengine-trainer-state"
+# options whose paths a trainer state holds relative to the run directory (OUT)
+RUN_RELATIVE = ("data", "val_data")
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -92,6 +95,14 @@ def locate(path: Path) -> Snapshot:
     return Snapshot(d, step, st, p)
 
 
+def relative_to_run(path: str, run_dir: Path) -> str:
+    """A data path as a trainer state holds it: relative to the run directory (no absolute
+    local path in an output, and --resume finds it from any working directory)."""
+    if str(path) == "-":
+        return "-"
+    return os.path.relpath(Path(path).resolve(), Path(run_dir).resolve())
+
+
 def recorded_options(path: Path, kind: str) -> dict:
     """The options of the run --resume continues (after checking it is the same kind)."""
     snap = locate(path)
@@ -99,7 +110,13 @@ def recorded_options(path: Path, kind: str) -> dict:
         raise MemengineError(f"--resume {path}: that run was '{snap.kind}'; continue it with "
                              f"memengine {snap.kind} --resume {path}")
     opts = snap.state.get("options")
-    return dict(opts) if isinstance(opts, dict) else {}
+    opts = dict(opts) if isinstance(opts, dict) else {}
+    for key in RUN_RELATIVE:
+        if isinstance(opts.get(key), list):
+            if "-" in opts[key]:
+                raise MemengineError(f"--resume {path}: the run read stdin; give --{key.replace('_', '-')} again")
+            opts[key] = [os.path.normpath(os.path.join(os.path.abspath(snap.run_dir), d)) for d in opts[key]]
+    return opts
 
 
 def later_steps(run_dir: Path, step: int) -> list[Path]:

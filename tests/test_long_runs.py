@@ -99,6 +99,9 @@ def test_resume_from_inside_the_second_epoch_is_bit_identical(tiny_ckpt_ro, text
 
     ours = MambaModel.from_checkpoint(get_runtime(), load_checkpoint(step4)).logits(ids.astype(np.int32))
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+    for f in [*step4.iterdir(), *b.iterdir()]:  # no absolute local path in what we wrote
+        if f.is_file():
+            assert str(tmp_path).encode() not in f.read_bytes(), f
     st = json.loads((step4 / "trainer_state.json").read_text())
     assert st["step"] == 4 and st["epoch"] == 2 and st["loop"]["order"]["index"] == 1
     assert st["loop"]["order"]["rng"]["bit_generator"] == "PCG64" and st["loop"]["schedule"]["kind"] == "cosine"
