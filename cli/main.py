@@ -43,7 +43,7 @@ app = typer.Typer(
 )
 
 # options of non-run commands, made from the same fields as the run commands' ones
-CkptArg = param(EvalOptions, "ckpt")[0]
+CkptArg = param(EvalOptions, "ckpt", str)[0]
 RevisionOpt = param(EvalOptions, "revision")[0]
 ModelTypeOpt = param(EvalOptions, "model_type")[0]
 MaxShardSizeOpt = param(TrainOptions, "max_shard_size")[0]

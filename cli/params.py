@@ -41,11 +41,12 @@ def _field(cls, name: str) -> dataclasses.Field:
     return next(f for f in dataclasses.fields(cls) if f.name == name)
 
 
-def param(cls, name: str, **override) -> tuple[Any, Any]:
-    """(Annotated type, default) of option `name` of `cls`, as a Typer parameter."""
+def param(cls, name: str, hint: Any = None, **override) -> tuple[Any, Any]:
+    """(Annotated type, default) of option `name` of `cls`, as a Typer parameter (`hint`:
+    another type, e.g. `str` for a CKPT another command requires)."""
     f = _field(cls, name)
     s = eo.spec_of(f)
-    hint = cls.types()[name]
+    hint = hint or cls.types()[name]
     text = s.help.format(**(cls.help_values() if hasattr(cls, "help_values") else {}))
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     kw: dict = {"help": text, "rich_help_panel": s.panel, "show_default": s.show_default}
