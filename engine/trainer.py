@@ -71,8 +71,10 @@ class Trainer:
         self.params = {n: model.P.views[n] for n in self.names}
         self.grads = {n: model.G.views[n] for n in self.names}
         self.capacity = max(1, int(trace_capacity))
-        # trace[j] = loss of the j-th step since the last read, trace[cap + j] = its grad norm
+        # trace[j] = loss of the j-th step since the last read, trace[cap + j] = its grad norm;
+        # a step sums its loss into one fixed scalar and copies it there (no binding per slot)
         self.trace = rt.zeros((2 * self.capacity,), name="trace")
+        self.step_loss = rt.zeros((1,), name="step_loss")
         self.pending = 0
         self.fence = StepFence(rt)
 
@@ -89,18 +91,19 @@ class Trainer:
         ws = model.workspace(B, L)
         n_total = sum(int(b.n_targets) for b in micro)
         j = self.pending
-        loss_slot = self.trace.view((1,), j)
-        norm_slot = self.trace.view((1,), self.capacity + j)
         self.opt.lr = float(lr)
         tokens = 0
         for i, b in enumerate(micro):
             self.fence.wait()  # keeps at most fence.depth submissions queued (no readback)
             model.write_batch(ws, b.ids, b.targets, denominator=n_total)
             rec = rt.recorder()
-            model.record_gradients(rec, ws, b.ids, self.trainable, loss_slot, clear=(i == 0))
+            if i == 0:
+                rec.clear(self.step_loss)
+            model.record_gradients(rec, ws, b.ids, self.trainable, self.step_loss, clear=(i == 0))
             if i == len(micro) - 1:
                 self.clipper.record(rec, list(self.grads.values()), self.options.max_grad_norm)
-                rec.copy(self.clipper.norm, norm_slot)
+                rec.copy(self.step_loss, self.trace.view((1,), j))
+                rec.copy(self.clipper.norm, self.trace.view((1,), self.capacity + j))
                 self.opt.record_step(rec, self.params, self.grads, self.clipper.factor)
             self.fence.mark(rec)
             rec.submit()
@@ -134,13 +137,13 @@ def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = No
     B, L = batch_shape(batches)
     ws = model.workspace(B, L)
     M = ws.M
-    n_windows = sum(int(b.n_windows) for b in batches)
     hits = rt.scratch(("eval.hits", M), (2 * M,))
-    sums = rt.scratch(("eval.sums", n_windows), (3, n_windows))
+    # per batch: window r's loss / top-1 / top-5 sums go to block[k * B + r] (fixed slots, so
+    # fixed bindings), and the block is copied to sums[batch] (a buffer copy)
+    block = rt.scratch(("eval.block", B), (3 * B,))
+    sums = rt.scratch(("eval.sums", len(batches), B), (len(batches) * 3 * B,))
     rec = rt.recorder()
-    rec.clear(sums)
     n_targets = 0
-    w = 0
     total = len(batches)
     fence = fence or StepFence(rt)
     for i, batch in enumerate(batches):
@@ -148,15 +151,18 @@ def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = No
         n_targets += model.write_batch(ws, batch.ids, batch.targets)
         model.record_forward(rec, ws)
         model.record_loss(rec, ws, want_grad=False, hits=hits)
+        rec.clear(block)
         for r in range(int(batch.n_windows)):
             for k, x in enumerate((ws.loss_rows, hits.view((M,)), hits.view((M,), M))):
-                sum_into(rec, sums.view((1,), k * n_windows + w), x.view((L,), r * L))
-            w += 1
+                sum_into(rec, block.view((1,), k * B + r), x.view((L,), r * L))
+        rec.copy(block, sums.view((3 * B,), 3 * B * i))
         fence.mark(rec)
         rec.submit()
         if on_progress is not None:
             on_progress(i + 1, total)
-    s = rt.read(sums).astype(np.float64).sum(axis=1)
+    per = rt.read(sums).astype(np.float64).reshape(len(batches), 3, B)
+    by_window = np.concatenate([per[i, :, :int(b.n_windows)] for i, b in enumerate(batches)], axis=1)
+    s = by_window.sum(axis=1)  # in window order: the same for any batching
     n = max(n_targets, 1)
     loss = float(s[0] / n)
     return EvalResult(loss=loss, perplexity=perplexity(loss), tokens=n_targets,

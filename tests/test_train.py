@@ -185,3 +185,34 @@ def test_steps_match_torch_adamw_with_clipping(rt):
         worst = max(worst, err)
         assert err < 1e-4, n
     print(f"weights after 2 steps: largest rel err {worst:.2e}")
+
+
+def test_steps_and_evaluations_create_nothing_per_call(rt):
+    """After the first step and the first evaluation, more steps (with a changing lr and a
+    trace read every few steps) and a longer evaluation create no buffer, bind group or
+    uniform block."""
+    from memengine.engine.trainer import Trainer
+
+    model = MambaModel(rt, CFG, init_weights(CFG, 8))
+    o = TrainOptions(batch_size=2, seq_len=32, grad_accum=2)
+    tr = Trainer(model, o, trace_capacity=4)
+    bs = batches()
+    created = []
+    real = rt.device.create_buffer
+    rt.device.create_buffer = lambda *a, **k: created.append(k.get("size")) or real(*a, **k)
+    try:
+        tr.step(bs[:2], 1e-3)
+        tr.read_trace()
+        evaluate(model, bs[:2], fence=tr.fence)
+        seen = (len(created), len(rt._bind_groups), len(rt._uniforms))
+        for k in range(8):
+            tr.step(bs[2 * (k % 2):2 * (k % 2) + 2], 1e-3 * (k + 1))
+            if k % 4 == 3:
+                tr.read_trace()
+        r = evaluate(model, bs, fence=tr.fence)
+        # the longer evaluation needs its one per-batch sums buffer, nothing else
+        assert len(created) - seen[0] <= 1, created[seen[0]:]
+        assert (len(rt._bind_groups), len(rt._uniforms)) == seen[1:]
+    finally:
+        rt.device.create_buffer = real
+    assert np.isfinite(r.loss)
