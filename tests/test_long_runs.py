@@ -510,3 +510,18 @@ def test_resume_keeps_what_decides_the_data_order(tiny_ckpt_ro, text, tmp_path):
         assert_one_line_error(r.stderr, flag)
     r = run("train", "--resume", out, "--max-steps", "4", "--lr", "1e-3")  # the lr may change
     assert r.exit_code == 0, r.stderr
+
+
+def test_adapt_resumes_exactly_and_keeps_its_before(tiny_ckpt_ro, text, tmp_path):
+    common = ["--data", text, "--seq-len", "32", "--batch-size", "2", "--epochs", "2", "--lr", "1e-3",
+              "--save-every", "3", "--no-rollback", "--json"]
+    a = tmp_path / "a"
+    ra = run("adapt", tiny_ckpt_ro, "-o", a, *common)
+    assert ra.exit_code == 0, ra.stderr
+    b = tmp_path / "b"
+    rb = run("adapt", "--resume", a / "checkpoints" / "step-3", "-o", b, "--json")
+    assert rb.exit_code == 0, rb.stderr
+    tensors_equal(a / "model.safetensors", b / "model.safetensors")
+    sa, sb = events(ra.stdout, "summary")[0], events(rb.stdout, "summary")[0]
+    assert sb["perplexity_before"] == sa["perplexity_before"]  # measured once, before the run began
+    assert sb["perplexity_after"] == sa["perplexity_after"] and sb["steps"] == sa["steps"]
