@@ -48,6 +48,9 @@ RevisionOpt = param(EvalOptions, "revision")[0]
 ModelTypeOpt = param(EvalOptions, "model_type")[0]
 MaxShardSizeOpt = param(TrainOptions, "max_shard_size")[0]
 DeviceOpt = param(EvalOptions, "device")[0]
+SeqLenOpt = param(TrainOptions, "seq_len")[0]
+BatchOpt = param(TrainOptions, "batch_size")[0]
+LrOpt = param(TrainOptions, "lr")[0]
 ForceOpt = param(TrainOptions, "force")[0]
 OutOpt = Annotated[Path, typer.Option("--output", "-o", rich_help_panel="Output", help="Output checkpoint directory.")]
 
@@ -392,9 +395,9 @@ def demo(
     shape: Annotated[str, typer.Option("--shape", help="Model shape to initialise (a built-in config name or file, as for init).")] = "tiny",
     epochs: Annotated[int, typer.Option("--epochs", min=1, help="Training epochs.")] = 6,
     chars: Annotated[int, typer.Option("--chars", min=64, help="How many characters of the bundled text to train on.")] = 4096,
-    seq_len: param(TrainOptions, "seq_len")[0] = 128,
-    batch_size: param(TrainOptions, "batch_size")[0] = 4,
-    lr: param(TrainOptions, "lr")[0] = 3e-3,
+    seq_len: SeqLenOpt = 128,
+    batch_size: BatchOpt = 4,
+    lr: LrOpt = 3e-3,
     device: DeviceOpt = None,
     force: ForceOpt = False,
     quiet: QuietOpt = False,

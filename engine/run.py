@@ -23,9 +23,9 @@ from . import interrupts, optim_state, records, snapshots, staging
 from .data import make_batches, make_windows, read_sources, token_stream
 from .errors import Interrupted, MemengineError, NonFiniteError
 from .listener import Listener
-from .resolve import public_path
 from .loop import LoopState, TrainingLoop, reads_apart
 from .options import AdaptOptions, EvalOptions, TrainOptions
+from .resolve import public_path
 from .sampler import split_windows
 from .setup import open_checkpoint, open_runtime, open_tokenizer, resolve, tokenizer_file
 from .trainer import EvalResult, Trainer, evaluate
