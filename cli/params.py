@@ -41,13 +41,13 @@ def _field(cls, name: str) -> dataclasses.Field:
     return next(f for f in dataclasses.fields(cls) if f.name == name)
 
 
-def param(cls, name: str, hint: Any = None, **override) -> tuple[Any, Any]:
+def param(cls, name: str, hint: Any = None) -> tuple[Any, Any]:
     """(Annotated type, default) of option `name` of `cls`, as a Typer parameter (`hint`:
     another type, e.g. `str` for a CKPT another command requires)."""
     f = _field(cls, name)
     s = eo.spec_of(f)
     hint = hint or cls.types()[name]
-    text = s.help.format(**(cls.help_values() if hasattr(cls, "help_values") else {}))
+    text = s.help.format(**cls.help_values())
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     kw: dict = {"help": text, "rich_help_panel": s.panel, "show_default": s.show_default}
     if s.metavar:
@@ -55,7 +55,6 @@ def param(cls, name: str, hint: Any = None, **override) -> tuple[Any, Any]:
     if s.envvar:
         kw["envvar"] = s.envvar
         kw["show_envvar"] = True
-    kw.update(override)
     if s.argument:
         kw.pop("rich_help_panel")
         info = typer.Argument(**kw)

@@ -128,6 +128,11 @@ class Options:
     def types(cls) -> dict:
         return typing.get_type_hints(cls)
 
+    @classmethod
+    def help_values(cls) -> dict:
+        """Values the help texts name ({epochs} for the kind's default epochs)."""
+        return {}
+
     def bad(self, name: str, why: str) -> MemengineError:
         return MemengineError(f"{given(type(self), name, getattr(self, name))}: {why}")
 
@@ -324,10 +329,6 @@ class TrainOptions(Options):
         if self.epochs is not None:
             return self.epochs
         return None if self.max_steps is not None else self.DEFAULT_EPOCHS
-
-    @property
-    def micro_batches(self) -> int:
-        return self.grad_accum
 
     def check_together(self) -> None:
         parse_size(self.max_shard_size)

@@ -311,7 +311,7 @@ def test_run_command_flags_come_from_the_options_dataclass(name):
     params = {p.name: p for p in cmd.params}
     for f in cls.option_fields():
         p = params[f.name]
-        want = spec_of(f).help.format(**(cls.help_values() if hasattr(cls, "help_values") else {}))
+        want = spec_of(f).help.format(**cls.help_values())
         assert getattr(p, "help", want) == want, f.name
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         assert p.default == default or (p.default in (None, ()) and default in (None, [])), (f.name, p.default)
