@@ -13,6 +13,7 @@ from typing import BinaryIO
 import numpy as np
 
 from .errors import MemengineError
+from .inputs import loads_json
 
 DEMO_TEXT = Path(__file__).resolve().parent / "data" / "demo.txt"
 IGNORE = -1
@@ -32,7 +33,7 @@ def _read_jsonl(text: str, source: str) -> list[str]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = loads_json(line, f"{source}:{n}", duplicates=True)
         except json.JSONDecodeError as e:
             raise MemengineError(f"{source}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(obj, dict) or "text" not in obj:

@@ -11,7 +11,6 @@ line (or its environment variable) > the --config file > the resumed run's optio
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 from .config import MODEL_TYPES
 from .errors import MemengineError
+from .inputs import read_config_data
 from .shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 # help panels of --help
@@ -379,17 +379,7 @@ def load_option_file(path: Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise MemengineError(f"--config {p}: file not found")
-    text = p.read_text(encoding="utf-8")
-    try:
-        if p.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MemengineError(f"--config {p}: cannot parse ({first})") from e
+    data = read_config_data(p, "--config file", f"--config {p}", yaml=p.suffix.lower() != ".json")
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -8,12 +8,12 @@ Light on purpose (no numpy): the command line imports the default and the size p
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 from .errors import MemengineError
+from .inputs import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_PATTERN = "model{suffix}.safetensors"  # huggingface_hub fills in -00001-of-00003
@@ -54,29 +54,6 @@ def split_shards(payload: dict[str, Any], max_shard_size: int,
     return split.filename_to_tensors, int(split.metadata["total_size"])
 
 
-def _no_dupes(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise ValueError(f"duplicate key {k!r}")
-        d[k] = v
-    return d
-
-
-def read_json(path: Path) -> Any:
-    """A JSON file (duplicate keys refused); any problem is one MemengineError naming it."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_dupes)
-    except FileNotFoundError:
-        raise MemengineError(f"{path}: not found") from None
-    except UnicodeDecodeError as e:
-        raise MemengineError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    except (json.JSONDecodeError, ValueError, RecursionError) as e:
-        raise MemengineError(f"{path}: not valid JSON ({str(e)[:200]})") from None
-    except OSError as e:
-        raise MemengineError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
 def shard_file(index: Path, name: Any) -> Path:
     """A shard named in an index: a plain file name beside the index (no path escapes)."""
     if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
@@ -87,7 +64,7 @@ def shard_file(index: Path, name: Any) -> Path:
 
 def read_index(index: Path) -> dict[str, str]:
     """weight_map of a model.safetensors.index.json, validated: tensor name -> shard file name."""
-    d = read_json(index)
+    d = read_json(index, "shard index")
     wm = d.get("weight_map") if isinstance(d, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise MemengineError(f"{index}: expected an object with a non-empty 'weight_map' (tensor name -> shard file)")
