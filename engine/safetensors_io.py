@@ -28,6 +28,7 @@ import numpy as np
 
 from .errors import MemengineError
 from .codec import bf16_bits_to_f32, f16_bits_to_f32
+from .inputs import loads_json, open_regular
 
 MAX_HEADER_BYTES = 100_000_000  # the limit of the reference implementation
 
@@ -76,20 +77,26 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _no_dupes(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise ValueError(f"duplicate key {k!r}")
-        d[k] = v
-    return d
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate written as a \\ud800 escape
+        return False
+    return True
 
 
 def read_header(path: str | Path) -> SafetensorsHeader:
-    """Parse and validate the header of a safetensors file (reads no tensor data)."""
+    """Parse and validate the header of a safetensors file (reads no tensor data).
+
+    As strict as the reference implementation (`safetensors`): the tensors' data_offsets,
+    taken in order, must cover the data buffer exactly (no byte before the first tensor,
+    between two, or after the last), each span must equal shape x dtype size, and the
+    header must be a UTF-8 JSON object of at most 100,000,000 bytes without NaN, negative or
+    non-integer numbers. Stricter on purpose: duplicate keys and unknown entry fields are
+    refused rather than silently resolved."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "model file") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
@@ -102,19 +109,17 @@ def read_header(path: str | Path) -> SafetensorsHeader:
             raw = f.read(n)
     except MemengineError:
         raise
-    except FileNotFoundError:
-        raise MemengineError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise MemengineError(f"{path}: is a directory, expected a .safetensors file") from None
     except OSError as e:
         raise MemengineError(f"{path}: cannot read ({e.strerror or e})") from None
     if len(raw) != n:
         raise MemengineError(f"{path}: truncated while reading the header")
     try:
         text = raw.decode("utf-8")
-        hdr = json.loads(text, object_pairs_hook=_no_dupes)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise MemengineError(f"{path}: header is not valid JSON ({str(e)[:120]})") from None
+    except UnicodeDecodeError as e:
+        raise MemengineError(f"{path}: header is not valid UTF-8 ({e.reason} at byte {8 + e.start})") from None
+    if not text.lstrip(" \t\r\n").startswith("{"):
+        raise MemengineError(f"{path}: header must be a JSON object (it does not start with '{{'); not a safetensors file")
+    hdr = loads_json(text, f"{path}: header", constants=False, negative=False)
     if not isinstance(hdr, dict):
         raise MemengineError(f"{path}: header must be a JSON object, got {type(hdr).__name__}")
 
@@ -123,11 +128,16 @@ def read_header(path: str | Path) -> SafetensorsHeader:
     if meta is not None:
         if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
             raise MemengineError(f"{path}: __metadata__ must map strings to strings")
+        if not all(_utf8(k) and _utf8(v) for k, v in meta.items()):
+            raise MemengineError(f"{path}: __metadata__ holds a string that is not valid UTF-8 (a lone surrogate escape)")
         metadata = dict(meta)
 
     data_size = size - 8 - n
     tensors: dict[str, TensorInfo] = {}
     for name, e in hdr.items():
+        if not _utf8(name):
+            raise MemengineError(f"{path}: a tensor name {name.encode('utf-8', 'backslashreplace')[:80]!r} is not valid "
+                                 "UTF-8 (a lone surrogate escape)")
         where = f"{path}: tensor '{name}'"
         if not isinstance(e, dict):
             raise MemengineError(f"{where}: entry must be an object")
@@ -158,12 +168,30 @@ def read_header(path: str | Path) -> SafetensorsHeader:
         if extra:
             raise MemengineError(f"{where}: unexpected key(s) {sorted(extra)}")
         tensors[name] = TensorInfo(name, dtype, tuple(shape), begin, end)
-
-    spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise MemengineError(f"{path}: tensors '{n0}' and '{n1}' overlap (bytes {b1}..{min(e0, e1)})")
+    _check_coverage(path, tensors, data_size)
     return SafetensorsHeader(path, tensors, metadata, 8 + n, size)
+
+
+def _check_coverage(path: Path, tensors: dict[str, TensorInfo], data_size: int) -> None:
+    """The spans, in (begin, end) order, must tile the data buffer [0, data_size) exactly,
+    as the reference implementation requires: bytes that belong to no tensor (before the
+    first, between two, after the last) or to two tensors mean a corrupt or doctored file."""
+    pos, prev = 0, None
+    for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if t.begin < pos:
+            p = tensors[prev]
+            raise MemengineError(f"{path}: tensors '{prev}' (bytes {p.begin}..{p.end}) and '{t.name}' (bytes "
+                                 f"{t.begin}..{t.end}) overlap; corrupt or doctored file")
+        if t.begin > pos:
+            where = f"before tensor '{t.name}', the first in the data," if prev is None else \
+                f"between tensors '{prev}' and '{t.name}'"
+            raise MemengineError(f"{path}: data bytes {pos}..{t.begin} {where} belong to no tensor; the offsets must "
+                                 "cover the data exactly (corrupt, or not written by a safetensors writer)")
+        pos, prev = t.end, t.name
+    if pos != data_size:
+        where = f"after the last tensor '{prev}'" if prev is not None else "(the header lists no tensor)"
+        raise MemengineError(f"{path}: {data_size - pos} data byte(s) {where} belong to no tensor; the offsets must "
+                             "cover the data exactly (corrupt, or something was appended to the file)")
 
 
 def _decode(buf: bytes, info: TensorInfo, raw: bool) -> np.ndarray:
@@ -199,7 +227,7 @@ def read_safetensors(path: str | Path, *, names: list[str] | None = None, raw: b
     tensors: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     try:
-        with open(hdr.path, "rb") as f:
+        with open_regular(hdr.path, "model file") as f:
             for nm in want:
                 info = hdr.tensors[nm]
                 f.seek(hdr.data_start + info.begin)

@@ -216,3 +216,141 @@ def test_writer_roundtrip_vs_reference_reader(tmp_path, spec, meta):
         else:
             assert np.array_equal(ref[k].numpy(), v)
             assert t[k].shape == v.shape
+
+
+# ------------------------------------------------------------------ as strict as the reference
+from safetensors import safe_open  # noqa: E402
+
+# what we refuse on purpose though the reference accepts it (documented in read_header)
+STRICTER = ("duplicate key", "unexpected key", "unsupported dtype", "dimensions is implausible")
+
+
+def _reference_accepts(path) -> bool:
+    try:
+        with safe_open(str(path), "numpy") as f:
+            f.keys()
+        return True
+    except Exception:
+        return False
+
+
+def _ours(path) -> str | None:
+    """None when our reader accepts the header, else its one-line message."""
+    try:
+        read_header(path)
+        return None
+    except MemengineError as e:
+        msg = str(e)
+        assert str(path) in msg and "\n" not in msg, msg
+        return msg
+
+
+def _raw(header_text: bytes, data: bytes) -> bytes:
+    return struct.pack("<Q", len(header_text)) + header_text + data
+
+
+F4 = np.arange(4, dtype=np.float32).tobytes()
+_A = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+REFERENCE_REFUSES = {
+    "bytes after the last tensor": _build({"a": _A}, F4 + b"xx", pad=False),
+    "bytes before the first tensor": _build({"a": {**_A, "data_offsets": [4, 20]}}, b"JUNK" + F4, pad=False),
+    "a gap between tensors": _build({"a": {**_A, "shape": [2], "data_offsets": [0, 8]},
+                                     "b": {**_A, "shape": [1], "data_offsets": [12, 16]}}, F4, pad=False),
+    "data and no tensor": _build({}, F4, pad=False),
+    "an empty tensor inside another": _build({"a": _A, "z": {**_A, "shape": [0], "data_offsets": [4, 4]}}, F4),
+    "overlapping tensors": _build({"a": _A, "b": {**_A, "shape": [2], "data_offsets": [8, 16]}}, F4),
+    "a lone surrogate in a name": _raw(b'{"\\ud800": {"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', F4),
+    "a negative zero in a shape": _raw(b'{"a": {"dtype":"F32","shape":[-0],"data_offsets":[0,0]}}', b""),
+    "NaN in a shape": _raw(b'{"a": {"dtype":"F32","shape":[NaN],"data_offsets":[0,16]}}', F4),
+    "a float offset": _raw(b'{"a": {"dtype":"F32","shape":[4],"data_offsets":[0,16.0]}}', F4),
+    "a header that is a list": _raw(b"[]", b""),
+    "a byte-order mark": _raw(b'\xef\xbb\xbf{"a": {"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', F4),
+    "NUL padding": _raw(b'{"a": {"dtype":"F32","shape":[4],"data_offsets":[0,16]}}\0\0', F4),
+    "invalid UTF-8": _raw(b'{"a\xff": {"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', F4),
+    "nesting 10^5 deep": _raw(b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b""),
+    "a 5000-digit number": _raw(b'{"a": {"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,16]}}', F4),
+    "a shape whose size overflows": _build({"a": {**_A, "shape": [2**62, 2**62]}}, F4),
+    "__metadata__ twice": _raw(b'{"__metadata__":{}, "__metadata__":{}}', b""),
+    "a header length beyond the limit": struct.pack("<Q", 100_000_001) + b"{}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFERENCE_REFUSES))
+def test_refused_where_the_reference_refuses(tmp_path, case):
+    p = tmp_path / "r.safetensors"
+    p.write_bytes(REFERENCE_REFUSES[case])
+    assert not _reference_accepts(p), case
+    assert _ours(p) is not None, case
+
+
+def test_the_reference_accepts_what_we_accept(tmp_path):
+    # leading/trailing JSON whitespace, an empty tensor at a boundary, no tensors at all
+    p = tmp_path / "a.safetensors"
+    for raw in (_raw(b' {"a": {"dtype":"F32","shape":[4],"data_offsets":[0,16]}}\n  ', F4),
+                _build({"a": _A, "z": {**_A, "shape": [0], "data_offsets": [16, 16]}}, F4),
+                _build({"__metadata__": {"k": "v"}}, b""), BASE):
+        p.write_bytes(raw)
+        assert _reference_accepts(p) and _ours(p) is None
+
+
+_st_layout = st.lists(st.tuples(st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "F64"]),
+                                st.lists(st.integers(0, 3), max_size=3)), min_size=0, max_size=5)
+
+
+@FUZZ
+@given(_st_layout, st.data())
+def test_fuzz_layouts_decided_like_the_reference(tmp_path, layout, data):
+    """Random tensor layouts, then offsets shifted, tensors dropped from the header, bytes
+    added before/between/after: we accept exactly when the reference does."""
+    header, off = {}, 0
+    for i, (dt, shape) in enumerate(layout):
+        n = int(np.prod(shape)) * {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U8": 1, "F64": 8}[dt]
+        header[f"t{i}"] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    size = off
+    for _ in range(data.draw(st.integers(0, 3))):
+        kind = data.draw(st.sampled_from(["shift", "end", "drop", "grow", "shrink"]))
+        if kind in ("shift", "end", "drop") and not header:
+            continue
+        if kind == "grow":
+            size += data.draw(st.integers(1, 9))
+        elif kind == "shrink":
+            size = max(0, size - data.draw(st.integers(1, 9)))
+        else:
+            name = data.draw(st.sampled_from(sorted(header)))
+            if kind == "drop":
+                del header[name]
+            else:
+                delta = data.draw(st.integers(-9, 9))
+                offs = header[name]["data_offsets"]
+                if kind == "shift":
+                    offs[0] = max(0, offs[0] + delta)
+                offs[1] = max(offs[0], offs[1] + delta)
+    p = tmp_path / "l.safetensors"
+    p.write_bytes(_build(header, bytes(size), pad=data.draw(st.booleans())))
+    ours = _ours(p)
+    assert (ours is None) == _reference_accepts(p), ours
+
+
+@FUZZ
+@given(st.data())
+def test_fuzz_mutations_refused_where_the_reference_refuses(tmp_path, data):
+    raw = bytearray(BASE)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        kind = data.draw(st.sampled_from(["flip", "insert", "delete"]))
+        if kind == "flip":
+            raw[i] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "insert":
+            raw[i:i] = data.draw(st.binary(min_size=1, max_size=4))
+        else:
+            del raw[i:i + data.draw(st.integers(1, 4))]
+        if not raw:
+            return
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(bytes(raw))
+    ours, ref = _ours(p), _reference_accepts(p)
+    if not ref:
+        assert ours is not None
+    elif ours is not None:
+        assert any(s in ours for s in STRICTER), ours
