@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MemengineError
+from .inputs import read_config_data
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # model_type -> the transformers class that loads it
 MODEL_TYPES = {"mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM"}
+
+MAX_VOCAB = 2**31 - 1  # token ids are i32 on the GPU and in the data pipeline
 
 # Keys of the original `mamba_ssm` config.json (state-spaces/mamba-130m) -> HF names.
 _LEGACY_KEYS = {"d_model": "hidden_size", "n_layer": "num_hidden_layers"}
@@ -85,6 +88,28 @@ class MambaConfig:
             return math.ceil(self.hidden_size / 16)
         return int(self.time_step_rank)
 
+    @property
+    def n_tensors(self) -> int:
+        """len(expected_shapes(self)), without building it."""
+        per_layer = 9 + bool(self.use_conv_bias) + 2 * bool(self.use_bias)
+        return 2 + self.num_hidden_layers * per_layer + (not self.tie_word_embeddings)
+
+    @property
+    def n_params(self) -> int:
+        """Parameters of the model (the elements of every tensor), without building the shapes."""
+        V, E, N, K = self.vocab_size, self.hidden_size, self.state_size, self.conv_kernel
+        Di, R = self.intermediate_size, self.dt_rank
+        layer = (E + 2 * Di * E + Di * K + (R + 2 * N) * Di + Di * R + Di + Di * N + Di + E * Di
+                 + Di * bool(self.use_conv_bias) + (2 * Di + E) * bool(self.use_bias))
+        return V * E * (1 + (not self.tie_word_embeddings)) + E + self.num_hidden_layers * layer
+
+    @property
+    def largest_tensor(self) -> int:
+        """Elements of the largest tensor."""
+        V, E, N, K = self.vocab_size, self.hidden_size, self.state_size, self.conv_kernel
+        Di, R = self.intermediate_size, self.dt_rank
+        return max(V * E, 2 * Di * E, (R + 2 * N) * Di, Di * N, Di * K, Di * R)
+
     # -- validation ------------------------------------------------------------------
     def validate(self, source: str = "config") -> None:
         def bad(key: str, why: str) -> MemengineError:
@@ -102,6 +127,11 @@ class MambaConfig:
             self.time_step_rank = r = int(r)
         if r != "auto" and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
             raise bad("time_step_rank", 'must be "auto" or a positive integer')
+        if r != "auto" and r > self.hidden_size:
+            raise bad("time_step_rank", f"must not exceed hidden_size ({self.hidden_size}): the dt projection is "
+                                        'low-rank ("auto" = ceil(hidden_size / 16))')
+        if self.vocab_size > MAX_VOCAB:
+            raise bad("vocab_size", f"must be at most {MAX_VOCAB:,} (token ids are 32-bit signed integers)")
         for key in ("use_bias", "use_conv_bias", "tie_word_embeddings", "rescale_prenorm_residual", "residual_in_fp32"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be true or false")
@@ -201,24 +231,7 @@ def available_configs() -> list[str]:
 
 
 def _read_config_file(path: Path) -> dict:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise MemengineError(f"config file '{path}' not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise MemengineError(f"cannot read config file '{path}': {e}") from None
-    if path.suffix.lower() in (".yaml", ".yml"):
-        try:
-            import yaml
-
-            data = yaml.safe_load(text)
-        except Exception as e:
-            raise MemengineError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise MemengineError(f"config file '{path}' is not valid JSON: {e}") from None
+    data = read_config_data(path, "config file")
     if not isinstance(data, dict):
         raise MemengineError(f"config file '{path}' must hold a JSON/YAML object")
     return data
@@ -243,28 +256,46 @@ def load_config(name_or_path: str | Path) -> MambaConfig:
 
 def expected_shapes(cfg: MambaConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name -> shape, in MambaForCausalLM.state_dict() order."""
+    return dict(iter_expected_shapes(cfg))
+
+
+def iter_expected_shapes(cfg: MambaConfig):
+    """(name, shape) of every tensor, in order, one at a time: a check can stop at the first
+    bad one without building all of them (a config may claim 10^9 layers)."""
     V, E, N, K = cfg.vocab_size, cfg.hidden_size, cfg.state_size, cfg.conv_kernel
     Di, R = cfg.intermediate_size, cfg.dt_rank
-    shapes: dict[str, tuple[int, ...]] = {"backbone.embeddings.weight": (V, E)}
+    yield "backbone.embeddings.weight", (V, E)
     for i in range(cfg.num_hidden_layers):
         p = f"backbone.layers.{i}."
-        shapes[p + "norm.weight"] = (E,)
+        yield p + "norm.weight", (E,)
         m = p + "mixer."
-        shapes[m + "A_log"] = (Di, N)
-        shapes[m + "D"] = (Di,)
-        shapes[m + "conv1d.weight"] = (Di, 1, K)
+        yield m + "A_log", (Di, N)
+        yield m + "D", (Di,)
+        yield m + "conv1d.weight", (Di, 1, K)
         if cfg.use_conv_bias:
-            shapes[m + "conv1d.bias"] = (Di,)
-        shapes[m + "in_proj.weight"] = (2 * Di, E)
+            yield m + "conv1d.bias", (Di,)
+        yield m + "in_proj.weight", (2 * Di, E)
         if cfg.use_bias:
-            shapes[m + "in_proj.bias"] = (2 * Di,)
-        shapes[m + "x_proj.weight"] = (R + 2 * N, Di)
-        shapes[m + "dt_proj.weight"] = (Di, R)
-        shapes[m + "dt_proj.bias"] = (Di,)
-        shapes[m + "out_proj.weight"] = (E, Di)
+            yield m + "in_proj.bias", (2 * Di,)
+        yield m + "x_proj.weight", (R + 2 * N, Di)
+        yield m + "dt_proj.weight", (Di, R)
+        yield m + "dt_proj.bias", (Di,)
+        yield m + "out_proj.weight", (E, Di)
         if cfg.use_bias:
-            shapes[m + "out_proj.bias"] = (E,)
-    shapes["backbone.norm_f.weight"] = (E,)
+            yield m + "out_proj.bias", (E,)
+    yield "backbone.norm_f.weight", (E,)
     if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, E)
-    return shapes
+        yield "lm_head.weight", (V, E)
+
+
+def check_kernel_limits(cfg: MambaConfig, source: str | None = None) -> None:
+    """Refuse a shape the GPU kernels cannot run (before any upload). The limits are the ops'
+    own: `MAX_N` of the selective scan, `MAX_K` of the conv1d (None: no limit)."""
+    from .ops import conv1d, scan
+
+    for key, value, limit, op in (("state_size", cfg.state_size, scan.MAX_N, "selective scan"),
+                                  ("conv_kernel", cfg.conv_kernel, conv1d.MAX_K, "causal conv1d")):
+        if limit is not None and value > limit:
+            raise MemengineError(f"{source + ': ' if source else 'the model: '}{key} {value} is beyond what "
+                                 f"memengine's {op} kernel runs (at most {limit}); this model cannot be evaluated "
+                                 "or trained here")

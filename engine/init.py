@@ -21,9 +21,22 @@ import math
 import numpy as np
 
 from .config import MambaConfig, expected_shapes
+from .hostmem import check_fits
+
+# host bytes per tensor beyond its data (name, shape, array object) while the weights are built
+TENSOR_OVERHEAD = 1024
+
+
+def host_bytes(cfg: MambaConfig) -> int:
+    """What `init_weights` holds at its peak: every tensor in f32, plus the f64 draw of the
+    largest one, plus the bookkeeping per tensor."""
+    return 4 * cfg.n_params + 8 * cfg.largest_tensor + TENSOR_OVERHEAD * cfg.n_tensors
 
 
 def init_weights(cfg: MambaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Fresh f32 weights for `cfg` (refused with one line when they cannot fit in host memory)."""
+    check_fits(host_bytes(cfg), f"initialising {cfg.n_params:,} parameters in {cfg.n_tensors:,} tensors",
+               "reduce vocab_size, hidden_size, expand, state_size or num_hidden_layers in the config")
     rng = np.random.default_rng(seed)
     std = cfg.initializer_range or 0.02
     Di, N, K, R = cfg.intermediate_size, cfg.state_size, cfg.conv_kernel, cfg.dt_rank

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import MambaConfig, expected_shapes
+from .config import MambaConfig, check_kernel_limits, expected_shapes
 from .errors import MemengineError
 from .gpu import Recorder, Runtime, Tensor
 from .ops.conv1d import conv1d_backward, conv1d_forward
@@ -169,6 +169,7 @@ class MambaModel:
     """A Mamba-1 causal LM whose parameters live on the GPU."""
 
     def __init__(self, rt: Runtime, config: MambaConfig, tensors: dict):
+        check_kernel_limits(config)
         self.rt = rt
         self.cfg = config
         self.shapes = dict(expected_shapes(config))

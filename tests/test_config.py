@@ -139,3 +139,19 @@ def test_init_matches_transformers_distributions():
     dt = np.log1p(np.exp(ours["backbone.layers.0.mixer.dt_proj.bias"].astype(np.float64)))
     assert dt.min() >= 0.001 * 0.999 and dt.max() <= 0.1 * 1.001
     assert _ks_uniform(np.log(dt), np.log(0.001), np.log(0.1)) < 0.15
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(use_bias=True, tie_word_embeddings=False),
+                                dict(use_conv_bias=False, expand=3, time_step_rank=5)])
+def test_counts_without_building_the_shapes_match_transformers(kw):
+    # n_params / n_tensors / largest_tensor are what the host-memory checks use before any
+    # allocation; the oracle is a (meta-device) transformers model
+    cfg = MambaConfig(vocab_size=50, hidden_size=24, state_size=3, num_hidden_layers=2, conv_kernel=3, **kw)
+    with torch.device("meta"):
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(**cfg.to_hf_dict()))
+    assert cfg.n_params == sum(p.numel() for p in model.parameters())  # a tied head is counted once
+    sd = model.state_dict()
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight")
+    assert cfg.n_tensors == len(sd)
+    assert cfg.largest_tensor == max(v.numel() for v in sd.values())

@@ -29,6 +29,7 @@ from ..gpu import Recorder, Tensor, bound, cdiv, pack
 
 SHADER = "selective_scan"
 WG = 256
+MAX_N = WG   # the largest state_size the kernels run (None: no limit); checked before any upload
 CHUNK = 64   # checkpoint interval = the chunked backward's chunk (8 * its SUB; multiple of 8 and 4)
 ROWS = 64    # rows per partial sum in the column reductions
 # Two complete paths, each checked against the other and against torch:
