@@ -10,6 +10,8 @@ the tensor. Writing is atomic per file (temp file in the target dir + os.replace
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +20,13 @@ from typing import Any
 import numpy as np
 
 from .codec import encode, normalize_dtype
-from .config import MODEL_TYPES, MambaConfig, expected_shapes
+from .config import MODEL_TYPES, MambaConfig, expected_shapes, iter_expected_shapes
 from .errors import MemengineError
+from .hostmem import check_fits
+from .inputs import check_regular, loads_json, read_json
 from .safetensors_io import (BF16Bits, F16Bits, SafetensorsHeader, atomic_write_bytes, read_header, read_safetensors,
                              write_safetensors)
-from .shards import (DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SHARD_NAME, parse_size, read_index, read_json, shard_file,
-                     split_shards)
+from .shards import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SHARD_NAME, parse_size, read_index, shard_file, split_shards
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -34,6 +37,7 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 CONFIG_METADATA_KEY = "config"
 
 _ALIASES = {"backbone.embedding.weight": "backbone.embeddings.weight"}
+_LAYER = re.compile(r"backbone\.layers\.(\d{1,9})\.")  # a longer index is no layer of a loadable model
 
 
 @dataclass
@@ -69,13 +73,14 @@ def infer_config(tensors: dict[str, tuple]) -> MambaConfig:
         return s
 
     V, E = need("backbone.embeddings.weight", 2)
-    layer_ids = {int(m.group(1)) for k in shapes if (m := re.match(r"backbone\.layers\.(\d+)\.", k))}
+    layer_ids = _layer_ids(shapes)
     if not layer_ids:
         raise MemengineError("cannot infer the model shape: no 'backbone.layers.N.*' tensors")
     n_layers = max(layer_ids) + 1
-    missing = sorted(set(range(n_layers)) - layer_ids)
-    if missing:
-        raise MemengineError(f"cannot infer the model shape: layer {missing[0]} has no tensors ('backbone.layers.{missing[0]}.*')")
+    if len(layer_ids) != n_layers:  # the first gap is at most len(layer_ids)
+        gap = next(i for i in range(len(layer_ids) + 1) if i not in layer_ids)
+        raise MemengineError(f"cannot infer the model shape: layer {gap} has no tensors ('backbone.layers.{gap}.*') "
+                             f"though layer {n_layers - 1} has")
     p = "backbone.layers.0.mixer."
     two_di, e2 = need(p + "in_proj.weight", 2)
     Di = two_di // 2
@@ -98,6 +103,10 @@ def infer_config(tensors: dict[str, tuple]) -> MambaConfig:
 
 
 # -------------------------------------------------------------------------- checks
+def _layer_ids(names) -> set[int]:
+    return {int(m.group(1)) for k in names if (m := _LAYER.match(k))}
+
+
 def _canonicalize(tensors: dict[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tensors.items():
@@ -109,12 +118,20 @@ def _canonicalize(tensors: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def check_tensors(cfg: MambaConfig, shapes: dict[str, tuple], where: str) -> None:
-    """Keys and shapes against expected_shapes(cfg): one-line error naming the first bad tensor."""
-    exp = expected_shapes(cfg)
-    for name, shape in exp.items():
+    """Keys and shapes against expected_shapes(cfg): one-line error naming the first bad tensor.
+
+    The expected tensors are walked one at a time, so a config that claims far more tensors
+    than the file holds (10^9 layers) is refused at the first missing one."""
+    n_expected = 0
+    for name, shape in iter_expected_shapes(cfg):
+        n_expected += 1
         if name not in shapes:
             hint = ""
-            if name.endswith(".bias") and (".in_proj." in name or ".out_proj." in name):
+            m = _LAYER.match(name)
+            if m and int(m.group(1)) >= (held := len(_layer_ids(shapes))):
+                hint = (f" (the config has num_hidden_layers={cfg.num_hidden_layers:,} but the weights hold {held} "
+                        "layer(s); fix num_hidden_layers in the config)")
+            elif name.endswith(".bias") and (".in_proj." in name or ".out_proj." in name):
                 hint = " (config has use_bias=true)"
             elif name.endswith("conv1d.bias"):
                 hint = " (config has use_conv_bias=true)"
@@ -124,9 +141,11 @@ def check_tensors(cfg: MambaConfig, shapes: dict[str, tuple], where: str) -> Non
         if tuple(shapes[name]) != tuple(shape):
             raise MemengineError(
                 f"{where}: tensor '{name}' has shape {list(shapes[name])}, expected {list(shape)} for this config")
-    for name in shapes:
-        if name not in exp:
-            raise MemengineError(f"{where}: unexpected tensor '{name}' (shape {list(shapes[name])}) for this config")
+    if len(shapes) != n_expected:  # every expected name is in shapes, so this dict is no larger than the file
+        exp = expected_shapes(cfg)
+        for name in shapes:
+            if name not in exp:
+                raise MemengineError(f"{where}: unexpected tensor '{name}' (shape {list(shapes[name])}) for this config")
 
 
 def _check_finite(name: str, a: np.ndarray, where: str) -> None:
@@ -152,9 +171,18 @@ def _drop_tied_head(cfg: MambaConfig, tensors: dict[str, Any], where: str) -> No
 # --------------------------------------------------------------------------- loading
 def _read_json_config(path: Path) -> tuple[MambaConfig, str | None]:
     """(config, the model_type it states or None)."""
-    d = read_json(path)
+    d = read_json(path, "config file")
     cfg = MambaConfig.from_dict(d, source=str(path))
     return cfg, d.get("model_type")
+
+
+def _present(path: Path, what: str) -> bool:
+    """True for a regular file, False when nothing is there; anything else (a FIFO, a device,
+    a directory) is refused rather than skipped or read."""
+    if not os.path.lexists(path):
+        return False
+    check_regular(path, what)
+    return True
 
 
 def _sharded_headers(index: Path) -> list[SafetensorsHeader]:
@@ -165,7 +193,7 @@ def _sharded_headers(index: Path) -> list[SafetensorsHeader]:
     headers = []
     for shard in shards:
         f = shard_file(index, shard)
-        if not f.is_file():
+        if not _present(f, "shard"):
             raise MemengineError(f"{index}: shard '{shard}' is missing from {index.parent}")
         hdr = read_header(f)
         for name in hdr.tensors:
@@ -185,23 +213,23 @@ def _locate(p: Path) -> tuple[Path, Path | None, Path]:
     """(the weight file, or the index of a shard set; config.json or None; the checkpoint dir)."""
     if p.is_dir():
         cfg_file = p / CONFIG_FILE
-        if (p / MODEL_FILE).is_file():  # as transformers: a single file wins over an index
+        if _present(p / MODEL_FILE, "model file"):  # as transformers: a single file wins over an index
             weights = p / MODEL_FILE
-        elif (p / INDEX_FILE).is_file():
+        elif _present(p / INDEX_FILE, "shard index"):
             weights = p / INDEX_FILE
         else:
             cands = [c for c in sorted(p.glob("*.safetensors")) if c.name != OPTIMIZER_FILE]
             if len(cands) != 1:
                 raise MemengineError(f"{p}: no {MODEL_FILE} (or {INDEX_FILE}) in the checkpoint directory")
             weights = cands[0]
-        if not cfg_file.is_file():
+        if not _present(cfg_file, "config file"):
             raise MemengineError(f"{p}: no {CONFIG_FILE} in the checkpoint directory")
         return weights, cfg_file, p
     d = p.parent
-    cfg_file = d / CONFIG_FILE if (d / CONFIG_FILE).is_file() else None
+    cfg_file = d / CONFIG_FILE if _present(d / CONFIG_FILE, "config file") else None
     if p.name.endswith(".index.json"):
         return p, cfg_file, d
-    if (d / INDEX_FILE).is_file() and p.name != MODEL_FILE:
+    if p.name != MODEL_FILE and _present(d / INDEX_FILE, "shard index"):
         try:
             listed = p.name in read_index(d / INDEX_FILE).values()
         except MemengineError:
@@ -239,10 +267,7 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None) -> Check
         meta_hdr = next((h for h in headers if CONFIG_METADATA_KEY in h.metadata), None)
         if meta_hdr is not None:
             cfg_where = f"{meta_hdr.path} __metadata__ config"
-            try:
-                d = json.loads(meta_hdr.metadata[CONFIG_METADATA_KEY])
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise MemengineError(f"{meta_hdr.path}: __metadata__ 'config' is not valid JSON ({e})") from None
+            d = loads_json(meta_hdr.metadata[CONFIG_METADATA_KEY], f"{meta_hdr.path}: __metadata__ 'config'")
             cfg = MambaConfig.from_dict(d, source=cfg_where)
             stated = d.get("model_type") if isinstance(d, dict) else None
         else:
@@ -267,6 +292,12 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None) -> Check
     if cfg.tie_word_embeddings and "lm_head.weight" in shapes:
         shapes.pop("lm_head.weight")  # decided after decoding (identical -> dropped)
     check_tensors(cfg, shapes, where)
+    tok = directory / TOKENIZER_FILE
+    tok_present = _present(tok, "tokenizer file")
+    opt_present = _present(directory / OPTIMIZER_FILE, "optimizer state")
+    check_fits(host_bytes([t for h in headers for t in h.tensors.values()]),
+               f"{where}: decoding the weights to float32 (memengine computes in float32)",
+               "use a machine with more memory")
 
     raw: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
@@ -281,15 +312,24 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None) -> Check
     for name, a in ordered.items():
         _check_finite(name, a, where)
 
-    tok = directory / TOKENIZER_FILE
     extra: dict[str, Any] = {"metadata": dict(headers[0].metadata), "model_file": weights,
                              "weight_files": [h.path for h in headers]}
-    if (directory / OPTIMIZER_FILE).is_file():
+    if opt_present:
         extra["optimizer_path"] = directory / OPTIMIZER_FILE
     return Checkpoint(
         config=cfg, tensors=ordered, dtypes={k: dtypes[k] for k in ordered}, path=p,
-        tokenizer_path=tok if tok.is_file() else None, extra=extra, warnings=warnings,
+        tokenizer_path=tok if tok_present else None, extra=extra, warnings=warnings,
     )
+
+
+def host_bytes(infos) -> int:
+    """Host memory `load_checkpoint` needs at its peak for tensors `infos` (TensorInfo):
+    every tensor decoded to float32, plus the raw bytes and a copy of the largest in flight."""
+    from .safetensors_io import DTYPES
+
+    numel = [math.prod(t.shape) for t in infos]
+    largest = max((n * max(4, DTYPES[t.dtype][1]) for n, t in zip(numel, infos)), default=0)
+    return 4 * sum(numel) + 2 * largest
 
 
 def side_files(checkpoint_dir: Path | None, tokenizer_dir: Path | None) -> dict[str, Path]:
@@ -300,7 +340,7 @@ def side_files(checkpoint_dir: Path | None, tokenizer_dir: Path | None) -> dict[
     out: dict[str, Path] = {}
     for d, names in ((checkpoint_dir, (GENERATION_CONFIG_FILE,)), (tokenizer_dir, TOKENIZER_SIDE_FILES)):
         for name in names if d is not None else ():
-            if (Path(d) / name).is_file():
+            if _present(Path(d) / name, "side file"):
                 out[name] = Path(d) / name
     return out
 
