@@ -17,8 +17,12 @@ from typing import Optional, Protocol, runtime_checkable
 import numpy as np
 
 from .errors import MemengineError
+from .hostmem import check_fits
+from .inputs import check_regular
 
 TOKENIZER_FILE = "tokenizer.json"
+MAX_ID = 2**31 - 1  # token ids are i32 on the GPU
+JSON_EXPANSION = 10  # host bytes per byte of tokenizer.json once `tokenizers` has parsed it (generous)
 BYTE_NAMES = ("bytes", "byte", "byte-level")
 BYTE_EOS = 0xFF  # never a byte of UTF-8 text
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -59,6 +63,9 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        size = check_regular(self.path, "tokenizer file").st_size
+        check_fits(JSON_EXPANSION * size, f"tokenizer file '{self.path}' ({size:,} bytes)",
+                   "is it the right file? a tokenizer.json is rarely more than tens of MB")
         try:
             from tokenizers import Tokenizer as _Tok
         except ImportError:  # pragma: no cover
@@ -90,7 +97,12 @@ class HFTokenizer:
         return None
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        ids = np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        if ids.size and int(ids.max()) > MAX_ID:
+            i = int(np.argmax(ids > MAX_ID))
+            raise MemengineError(f"tokenizer '{self.path}': token id {int(ids[i]):,} (position {i}) is beyond 32-bit "
+                                 "token ids; this tokenizer cannot serve a memengine model")
+        return ids.astype(np.int32)
 
     def decode(self, ids) -> str:
         a = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -109,14 +121,14 @@ def load_tokenizer(checkpoint_dir: str | Path | None, override: str | None = Non
         p = Path(override)
         if p.is_dir():
             p = p / TOKENIZER_FILE
-        if not p.is_file():
+        if not p.exists():
             raise MemengineError(f"--tokenizer: '{override}' not found (give a tokenizer.json, its directory, or 'bytes')")
-        return HFTokenizer(p)
+        return HFTokenizer(p)  # refuses a FIFO or device
     if checkpoint_dir is not None:
         d = Path(checkpoint_dir)
-        if d.is_file():
+        if not d.is_dir():
             d = d.parent
         p = d / TOKENIZER_FILE
-        if p.is_file():
+        if p.exists():  # a FIFO or device there is refused, not skipped for the byte-level tokenizer
             return HFTokenizer(p)
     return ByteTokenizer()
