@@ -296,6 +296,6 @@ def check_kernel_limits(cfg: MambaConfig, source: str | None = None) -> None:
     for key, value, limit, op in (("state_size", cfg.state_size, scan.MAX_N, "selective scan"),
                                   ("conv_kernel", cfg.conv_kernel, conv1d.MAX_K, "causal conv1d")):
         if limit is not None and value > limit:
-            raise MemengineError(f"{source + ': ' if source else 'the model: '}{key} {value} is beyond what "
+            raise MemengineError(f"{source or 'the model config'}: {key} {value} is beyond what "
                                  f"memengine's {op} kernel runs (at most {limit}); this model cannot be evaluated "
                                  "or trained here")
