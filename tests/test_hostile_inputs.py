@@ -255,7 +255,7 @@ def test_init_config_json_parser_limits(tmp_path, value, needle):
     one_error(r.stderr, "c.json", needle)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(depth=st.integers(0, 3000), digits=st.integers(1, 6000), yaml=st.booleans())
 def test_fuzz_config_files_only_parse_or_refuse(tmp_path, depth, digits, yaml):
     """Any nesting depth and number length: a config file loads or is refused in one line
