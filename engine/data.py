@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,8 @@ from typing import BinaryIO
 import numpy as np
 
 from .errors import MemengineError
-from .inputs import loads_json
+from .hostmem import check_fits
+from .inputs import file_kind, loads_json
 
 DEMO_TEXT = Path(__file__).resolve().parent / "data" / "demo.txt"
 IGNORE = -1
@@ -45,6 +48,23 @@ def _read_jsonl(text: str, source: str) -> list[str]:
     return docs
 
 
+def _check_data_file(path: Path, given: str) -> None:
+    """Before reading a data file: a device (/dev/zero never ends), a socket or a directory
+    is refused; a regular file must fit in host memory.  A FIFO is read: it is what a shell's
+    `<(command)` gives."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise MemengineError(f"data file '{given}' not found") from None
+    except OSError as e:
+        raise MemengineError(f"data file '{given}': cannot read ({e.strerror or e})") from None
+    if stat.S_ISREG(st.st_mode):
+        check_fits(st.st_size, f"data file '{given}' ({st.st_size:,} bytes)",
+                   "is it the right file? split it, or train on part of it")
+    elif not stat.S_ISFIFO(st.st_mode):
+        raise MemengineError(f"data file '{given}' is {file_kind(st.st_mode)}, not a text file")
+
+
 def read_documents(paths: list[str] | str, stdin: BinaryIO | None = None) -> list[str]:
     """The documents of `paths` ('-' = stdin): a text file is one document, each line of a
     *.jsonl file is one (its "text" field).  A missing, undecodable or empty source raises
@@ -68,6 +88,7 @@ def read_documents(paths: list[str] | str, stdin: BinaryIO | None = None) -> lis
             found = [_decode(raw, src)]
         else:
             path = Path(p)
+            _check_data_file(path, p)
             try:
                 raw = path.read_bytes()
             except FileNotFoundError:

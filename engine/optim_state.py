@@ -9,6 +9,7 @@ is one clear error naming the tensor, before any training.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -25,25 +26,34 @@ def path_beside(checkpoint: Path) -> Path:
 
 
 def load(path: Path, model) -> dict | None:
-    """The state in `path` (None when there is no file), checked against `model`."""
+    """The state in `path` (None when there is no file), checked against `model`: names,
+    shapes and dtypes from the header (strict, engine/safetensors_io.py) before any data is
+    read, then the values."""
     p = Path(path)
-    if not p.is_file():
+    if not os.path.lexists(p):
         return None
-    from safetensors.numpy import load_file
+    from .safetensors_io import read_header, read_safetensors
 
     try:
-        state = load_file(str(p))
-    except Exception as e:
-        raise MemengineError(f"{p}: cannot read optimizer state ({str(e).splitlines()[0] if str(e) else e})") from e
+        hdr = read_header(p)  # a FIFO, a device or a malformed header is refused here
+    except MemengineError as e:
+        raise MemengineError(f"{p}: cannot read optimizer state ({e})") from None
+    check_header({k: (i.shape, i.dtype) for k, i in hdr.tensors.items()}, model, str(p))
+    try:
+        state, _, _ = read_safetensors(p)
+    except MemengineError as e:
+        raise MemengineError(f"{p}: cannot read optimizer state ({e})") from None
     check(state, model, str(p))
     return state
 
 
-def check(state: dict, model, where: str) -> None:
-    """Every entry names a tensor of `model` with a moment of that tensor's shape."""
-    for key, arr in state.items():
+def check_header(entries: dict, model, where: str) -> None:
+    """Every entry (name -> (shape, safetensors dtype)) names a tensor of `model` with an F32
+    moment of that tensor's shape; '__step__' is one number."""
+    for key, (shape, dtype) in entries.items():
+        shape = tuple(int(d) for d in shape)
         if key == "__step__":
-            if np.asarray(arr).size != 1:
+            if math.prod(shape) != 1:
                 raise MemengineError(f"{where}: optimizer state entry '__step__' is not one number")
             continue
         if key.endswith(".exp_avg_sq"):
@@ -52,17 +62,27 @@ def check(state: dict, model, where: str) -> None:
             name, other = key[: -len(".exp_avg")], "exp_avg_sq"
         else:
             raise MemengineError(f"{where}: unexpected optimizer state entry '{key}'")
-        if f"{name}.{other}" not in state:
+        if f"{name}.{other}" not in entries:
             raise MemengineError(f"{where}: optimizer state for tensor '{name}' has no {other}")
         if name not in model.shapes:
             raise MemengineError(f"{where}: optimizer state for tensor '{name}', which this model does not have "
                                  "(the state belongs to another model)")
         want = (tuple(model.shapes[name]), tuple(model.gpu_shapes[name]))
-        shape = tuple(np.shape(arr))
         if shape not in want:
             raise MemengineError(f"{where}: optimizer state for tensor '{name}' has shape {list(shape)}, the "
                                  f"model's tensor has {list(want[0])} (the state belongs to another model)")
-        if np.asarray(arr).dtype != np.float32 or not np.isfinite(arr).all():
+        if dtype != "F32":
+            raise MemengineError(f"{where}: optimizer state for tensor '{name}' is not finite float32")
+
+
+def check(state: dict, model, where: str) -> None:
+    """Every entry names a tensor of `model` with a finite float32 moment of that tensor's
+    shape."""
+    check_header({k: (np.shape(a), "F32" if np.asarray(a).dtype == np.float32 else str(np.asarray(a).dtype))
+                  for k, a in state.items()}, model, where)
+    for key, arr in state.items():
+        if key != "__step__" and not np.isfinite(arr).all():
+            name = key.rsplit(".", 1)[0]
             raise MemengineError(f"{where}: optimizer state for tensor '{name}' is not finite float32")
 
 

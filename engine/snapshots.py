@@ -13,7 +13,6 @@ step directory, or an OUT: the highest step among OUT/checkpoints/step-*/ and OU
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -21,11 +20,16 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import MemengineError
+from .hostmem import check_fits
+from .inputs import check_regular, read_json
 from .staging import remove_dir
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FORMAT = "memengine-trainer-state"
+# trainer_state.json holds every event of the run: larger than a config, still bounded
+MAX_STATE_BYTES = 2**30
+JSON_EXPANSION = 10  # host bytes per byte of JSON once parsed into Python objects (generous)
 # options whose paths a trainer state holds relative to the run directory (OUT)
 RUN_RELATIVE = ("data", "val_data")
 _STEP = re.compile(r"^step-(\d+)$")
@@ -50,12 +54,15 @@ def list_steps(run_dir: Path) -> list[tuple[int, Path]]:
 
 def read_state(directory: Path) -> dict:
     p = Path(directory) / STATE_FILE
+    if not os.path.lexists(p):
+        raise MemengineError(f"--resume {directory}: no {STATE_FILE} (not a memengine checkpoint)")
+    size = check_regular(p, "--resume: trainer state").st_size  # a FIFO or device is refused, not read
+    check_fits(JSON_EXPANSION * size, f"--resume: trainer state '{p}' ({size:,} bytes)",
+               "is it the right file?")
     try:
-        st = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise MemengineError(f"--resume {directory}: no {STATE_FILE} (not a memengine checkpoint)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MemengineError(f"--resume {p}: cannot read ({str(e).splitlines()[0] if str(e) else e})") from None
+        st = read_json(p, "--resume: trainer state", max_bytes=MAX_STATE_BYTES)
+    except MemengineError as e:
+        raise MemengineError(f"--resume {e}" if str(e).startswith(str(p)) else str(e)) from None
     if not isinstance(st, dict) or st.get("format") != STATE_FORMAT or not isinstance(st.get("step"), int):
         raise MemengineError(f"--resume {p}: not a memengine trainer state")
     return st

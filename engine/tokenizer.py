@@ -6,11 +6,12 @@ byte-level tokenizer uses 255: the byte 0xFF never occurs in UTF-8 text, so the 
 can never be confused with text.  A tokenizer.json uses the `eos_token` of a
 tokenizer_config.json beside it, else the first of the usual end-of-text tokens it has
 (`<|endoftext|>`, `</s>`, `<eos>`, `<|end_of_text|>`), else none (documents are then
-joined with a newline)."""
+joined with a newline).  Both files are read as untrusted (engine/inputs.py): a FIFO, a
+device, a file too large or JSON nested too deep is one error line."""
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Optional, Protocol, runtime_checkable
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from .errors import MemengineError
 from .hostmem import check_fits
-from .inputs import check_regular
+from .inputs import check_regular, read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 MAX_ID = 2**31 - 1  # token ids are i32 on the GPU
@@ -81,11 +82,9 @@ class HFTokenizer:
 
     def _find_eos(self) -> Optional[int]:
         cfg = self.path.parent / "tokenizer_config.json"
-        if cfg.is_file():
-            try:
-                tok = json.loads(cfg.read_text(encoding="utf-8")).get("eos_token")
-            except (ValueError, OSError, AttributeError):
-                tok = None
+        if os.path.lexists(cfg):  # a FIFO, a device, a huge or a nested-bomb file there is refused
+            data = read_json(cfg, "tokenizer config")
+            tok = data.get("eos_token") if isinstance(data, dict) else None
             if isinstance(tok, dict):
                 tok = tok.get("content")
             if isinstance(tok, str) and self._tok.token_to_id(tok) is not None:

@@ -1,4 +1,4 @@
-"""Hostile model, config and tokenizer inputs are refused before any work: exit 2 and one
+"""Hostile model, config, tokenizer and run inputs are refused before any work: exit 2 and one
 `error:` line naming the file, tensor or key, never a hang, a traceback, an internal error
 or the OOM killer.
 
@@ -55,6 +55,13 @@ def run_limited(*args, timeout=60, memory=4 << 30):
     env.pop("MEMENGINE_DEBUG", None)
     r = subprocess.run([sys.executable, "-m", "memengine.cli.main", *[str(a) for a in args]], capture_output=True,
                        text=True, env=env, timeout=timeout, preexec_fn=limit)
+    return r.returncode, r.stderr
+
+
+def run_python_limited(code: str, timeout=60, memory=4 << 30):
+    """Python `code` in a child process with a wall-clock and an address-space limit."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (memory, memory)))
     return r.returncode, r.stderr
 
 
@@ -317,10 +324,10 @@ def test_option_file_alias_bomb_not_expanded(tmp_path, tiny_ckpt_ro, sample_text
 
 @pytest.mark.parametrize("value, needle", [(DEEP, "nested"), (DIGITS, "5,000 characters")])
 def test_jsonl_line_parser_limits(value, needle, tmp_path):
-    from memengine.engine.data import read_text
+    from memengine.engine.data import read_documents
 
     (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n{"text": "x", "y": ' + value + "}\n")
-    refused(lambda: read_text([str(tmp_path / "d.jsonl")]), "d.jsonl:2", needle)
+    refused(lambda: read_documents([str(tmp_path / "d.jsonl")]), "d.jsonl:2", needle)
 
 
 # ===================================================================== shapes the kernels cannot run
@@ -374,3 +381,80 @@ def test_tokenizer_file_beyond_host_memory_refused(tiny_ckpt, sample_text):
     rc, err = run_limited("eval", tiny_ckpt, "--data", sample_text, "--seq-len", "16", timeout=60)
     assert rc == 2
     one_error(err, "tokenizer.json", "host memory")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "deep"])
+def test_tokenizer_config_read_with_bounds(tmp_path, kind):
+    from memengine.engine.tokenizer import HFTokenizer
+
+    tok = _word_tokenizer(tmp_path / "tokenizer.json")
+    cfg = tmp_path / "tokenizer_config.json"
+    if kind == "fifo":  # it used to be skipped in silence (and the end-of-text token guessed)
+        with fifo(cfg):
+            refused(lambda: HFTokenizer(tok), "tokenizer_config.json", "a FIFO (named pipe)")
+    else:  # a RecursionError used to escape
+        cfg.write_text('{"eos_token": "w1", "x": ' + DEEP + "}")
+        refused(lambda: HFTokenizer(tok), "tokenizer_config.json", "nested")
+
+
+def test_tokenizer_config_beyond_its_size_refused(tiny_ckpt, sample_text):
+    _word_tokenizer(tiny_ckpt / "tokenizer.json", n=200)
+    with open(tiny_ckpt / "tokenizer_config.json", "wb") as f:
+        f.truncate(2**42)  # sparse: 4 TiB on paper, read whole before
+    rc, err = run_limited("eval", tiny_ckpt, "--data", sample_text, "--seq-len", "16", timeout=60)
+    assert rc == 2
+    one_error(err, "tokenizer_config.json", "at most")
+
+
+# ===================================================================== run files (--resume, optimizer state, data)
+@pytest.mark.parametrize("kind", ["fifo", "deep"])
+def test_trainer_state_read_with_bounds(tmp_path, kind):
+    from memengine.engine.snapshots import STATE_FILE, read_state
+
+    p = tmp_path / STATE_FILE
+    if kind == "fifo":  # opening it used to block until a writer came
+        with fifo(p):
+            refused(lambda: read_state(tmp_path), "--resume", STATE_FILE, "a FIFO (named pipe)")
+    else:  # a RecursionError used to escape
+        p.write_text('{"format": "memengine-trainer-state", "step": 1, "x": ' + DEEP + "}")
+        refused(lambda: read_state(tmp_path), "--resume", STATE_FILE, "nested")
+
+
+def test_fifo_optimizer_state_not_skipped(tmp_path):
+    from memengine.engine import optim_state
+
+    p = tmp_path / optim_state.OPTIMIZER_FILE  # it used to be taken for no state at all
+    with fifo(p):
+        refused(lambda: optim_state.load(p, model=None), optim_state.OPTIMIZER_FILE, "a FIFO (named pipe)")
+
+
+def test_optimizer_state_shapes_checked_before_its_data_is_read(tmp_path):
+    from memengine.engine import optim_state
+
+    p = tmp_path / optim_state.OPTIMIZER_FILE
+    n = 2**40  # 4 TiB of moments on paper, in a sparse file the header tiles exactly
+    header = json.dumps({"w.exp_avg": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]},
+                         "w.exp_avg_sq": {"dtype": "F32", "shape": [4], "data_offsets": [4 * n, 4 * n + 16]}}).encode()
+    with open(p, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + 4 * n + 16)
+    # in a child: reading the data first (the bug) exhausts memory
+    code = ("import sys\nfrom memengine.engine import optim_state\nfrom memengine.engine.errors import MemengineError\n"
+            "class Model:\n    shapes = gpu_shapes = {'w': (4,)}\n"
+            f"try:\n    optim_state.load({str(p)!r}, Model())\n"
+            "except MemengineError as e:\n    print(f'error: {e}', file=sys.stderr)\n    sys.exit(2)\n")
+    rc, err = run_python_limited(code, timeout=60)
+    assert rc == 2
+    one_error(err, "tensor 'w'", f"shape [{n}]")
+
+
+@pytest.mark.parametrize("kind", ["device", "huge"])
+def test_data_file_device_or_beyond_host_memory_refused(tmp_path, tiny_ckpt_ro, kind):
+    data = "/dev/zero"  # read until memory ran out
+    if kind == "huge":
+        data = tmp_path / "big.txt"
+        with open(data, "wb") as f:
+            f.truncate(2**42)  # sparse: 4 TiB on paper
+    rc, err = run_limited("eval", tiny_ckpt_ro, "--data", data, "--seq-len", "16", timeout=60)
+    assert rc == 2
+    one_error(err, str(data), "character device" if kind == "device" else "host memory")
