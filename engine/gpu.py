@@ -213,6 +213,11 @@ class Runtime:
         self.has_timestamps = "timestamp-query" in self.adapter.features
         if self.has_timestamps:
             feats.append("timestamp-query")
+        # subgroup operations (shuffles within a SIMD group): kernels that use them go
+        # through the helpers of shaders/subgroups.wgsl and keep a workgroup-memory path
+        self.has_subgroups = "subgroup" in self.adapter.features
+        if self.has_subgroups:
+            feats.append("subgroup")
         self.features = set(self.adapter.features)
         with _silence_fd2(not verbose):
             self.device = self.adapter.request_device_sync(required_features=feats, required_limits=want)
@@ -246,6 +251,11 @@ class Runtime:
         }
 
     # ------------------------------------------------------------------ shaders
+    # A shader whose first line is this marker gets the subgroup helpers put in front of
+    # it: shaders/subgroups.wgsl where the device has subgroups, else the stand-ins of
+    # shaders/subgroups_off.wgsl (sg_size() == 1, so kernels take their workgroup path).
+    SUBGROUP_MARKER = "// requires: subgroups"
+
     def module(self, name: str):
         mod = self._modules.get(name)
         if mod is None:
@@ -254,6 +264,9 @@ class Runtime:
                 code = path.read_text()
             except FileNotFoundError as e:
                 raise RuntimeError(f"shader file not found: shaders/{name}.wgsl") from e
+            if code.startswith(self.SUBGROUP_MARKER):
+                shim = "subgroups" if self.has_subgroups else "subgroups_off"
+                code = _wgsl_path(shim).read_text() + "\n" + code
             try:
                 mod = self.device.create_shader_module(label=name, code=code)
             except Exception as e:

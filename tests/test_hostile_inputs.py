@@ -331,12 +331,33 @@ def test_jsonl_line_parser_limits(value, needle, tmp_path):
 
 
 # ===================================================================== shapes the kernels cannot run
-@pytest.mark.parametrize("key, value", [("state_size", 300), ("conv_kernel", 8)])
+@pytest.mark.parametrize("key, value", [("conv_kernel", 8)])
 def test_shapes_beyond_the_kernels_refused_before_work(tmp_path, sample_text, key, value):
     d = make_checkpoint(tmp_path / "m", {key: value})
     r = run("eval", d, "--data", sample_text, "--seq-len", "16")
     assert r.exit_code == 2
     one_error(r.stderr, f"{key} {value}", "at most")
+
+
+def test_state_size_limit_read_from_the_scan(monkeypatch):
+    """The selective scan takes any state_size (scan.MAX_N is None); a limit set there is
+    what check_kernel_limits enforces."""
+    from memengine.engine.config import check_kernel_limits
+    from memengine.engine.ops import scan
+
+    cfg = MambaConfig.from_dict({**TINY, "state_size": 300})
+    assert scan.MAX_N is None
+    check_kernel_limits(cfg)
+    monkeypatch.setattr(scan, "MAX_N", 256)
+    refused(lambda: check_kernel_limits(cfg), "state_size 300", "at most 256")
+
+
+def test_large_state_size_runs(tmp_path, sample_text):
+    """state_size 300 (beyond the 256 of the earlier scan kernels) evaluates."""
+    d = make_checkpoint(tmp_path / "m", {"state_size": 300})
+    r = run("eval", d, "--data", sample_text, "--seq-len", "16", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert np.isfinite(json.loads(r.stdout.strip().splitlines()[-1])["loss"])
 
 
 @pytest.mark.parametrize("changes, needle", [

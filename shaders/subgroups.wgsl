@@ -1,0 +1,10 @@
+// Subgroup helpers, put in front of a shader whose first line is `// requires: subgroups`
+// when the device has the `subgroup` feature (shaders/subgroups_off.wgsl otherwise).
+// Call them from control flow that every invocation of the subgroup reaches.
+// (naga 0.32 takes subgroup built-ins without an `enable subgroups;` directive and rejects it)
+
+// invocations in this subgroup (call where all of them are active)
+fn sg_size() -> u32 { return subgroupAdd(1u); }
+// the value of the invocation whose subgroup index is this one's XOR mask
+fn sg_xor(v: f32, mask: u32) -> f32 { return subgroupShuffleXor(v, mask); }
+fn sg_xor_u(v: u32, mask: u32) -> u32 { return subgroupShuffleXor(v, mask); }

@@ -1,0 +1,6 @@
+// Stand-ins for shaders/subgroups.wgsl on devices without subgroups: a subgroup of one,
+// so kernels that ask sg_size() take their workgroup-memory path.
+
+fn sg_size() -> u32 { return 1u; }
+fn sg_xor(v: f32, mask: u32) -> f32 { return v; }
+fn sg_xor_u(v: u32, mask: u32) -> u32 { return v; }
