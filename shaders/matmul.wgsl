@@ -98,7 +98,9 @@ fn matmul_forward(@builtin(local_invocation_id) lid: vec3<u32>,
 // matmul_fast: the same product for operands whose rows start on 16-byte boundaries and
 // whose contiguous dimension is a multiple of 4 (every linear layer of a real model).
 // A 128x128 tile of C per workgroup of 256 threads, each thread an 8x8 register block
-// (two vec4 columns x eight rows); K walked in steps of 8 through workgroup memory.
+// (two vec4 columns x eight rows); K walked in steps of BK through workgroup memory, which
+// is double-buffered (DBUF): the next tile's global loads are issued before this tile's
+// arithmetic and stored into the other buffer after it, so one barrier per tile.
 // fast flags: bit 0 accumulate, bit 1 bias, bit 2 A transposed (stored [K, lda], M
 // contiguous), bit 3 B transposed (stored [N, ldb], K contiguous).
 // Offsets and leading dimensions are in floats and are multiples of 4.
@@ -118,22 +120,25 @@ struct FastParams {
 @group(0) @binding(3) var<storage, read> bias1: array<f32>;
 @group(0) @binding(4) var<uniform> F: FastParams;
 
-var<workgroup> As4: array<vec4<f32>, 256>;   // [8][32] vec4 = [BK][BM]
-var<workgroup> Bs4: array<vec4<f32>, 256>;   // [8][32] vec4 = [BK][BN]
+override BK: u32 = 16u;       // K per tile: 8 or 16
+override DBUF: bool = true;   // double-buffered workgroup memory
+// [buffer * 16 + k][32 vec4]: a k-row of the A tile (128 rows of C) / B tile (128 columns)
+var<workgroup> As4: array<array<vec4<f32>, 32>, 32>;
+var<workgroup> Bs4: array<array<vec4<f32>, 32>, 32>;
 
-override PREFETCH: bool = true;
-
-// Tile loads: 8 x 128 floats of A (or B) = 256 vec4, one per thread.
-fn fast_load_a(k0: u32, k_hi: u32, row0: u32, tid: u32) -> vec4<f32> {
+// Tile loads: BK x 128 floats of A (or B) = BK*32 vec4, BK/8 per thread; slot i of thread
+// tid is vec4 number e = tid + 256*i of the tile.
+fn fast_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
     if ((F.flags & 4u) != 0u) {            // A^T stored [K, lda]: M contiguous
-        let k = tid / 32u;
-        let mq = tid % 32u;
+        let k = e / 32u;
+        let mq = e % 32u;
         if (k0 + k < k_hi && row0 + mq * 4u < F.M) {
             return A4[(F.a_off + (k0 + k) * F.lda + row0 + mq * 4u) / 4u];
         }
     } else {                                // A stored [M, lda]: K contiguous
-        let m = tid / 2u;
-        let kq = tid % 2u;
+        let kpr = BK / 4u;
+        let m = e / kpr;
+        let kq = e % kpr;
         if (row0 + m < F.M && k0 + kq * 4u < k_hi) {
             return A4[(F.a_off + (row0 + m) * F.lda + k0 + kq * 4u) / 4u];
         }
@@ -141,30 +146,34 @@ fn fast_load_a(k0: u32, k_hi: u32, row0: u32, tid: u32) -> vec4<f32> {
     return vec4<f32>(0.0);
 }
 
-fn fast_store_a(v: vec4<f32>, tid: u32) {
+fn fast_store_a(v: vec4<f32>, e: u32, buf: u32) {
+    let base = buf * 16u;
     if ((F.flags & 4u) != 0u) {
-        As4[(tid / 32u) * 32u + tid % 32u] = v;
+        As4[base + e / 32u][e % 32u] = v;
     } else {
-        let m = tid / 2u;
-        let base = (tid % 2u) * 128u + m / 4u;
+        let kpr = BK / 4u;
+        let m = e / kpr;
+        let k = base + (e % kpr) * 4u;
+        let q = m / 4u;
         let c = m % 4u;
-        As4[base][c] = v.x;
-        As4[base + 32u][c] = v.y;
-        As4[base + 64u][c] = v.z;
-        As4[base + 96u][c] = v.w;
+        As4[k][q][c] = v.x;
+        As4[k + 1u][q][c] = v.y;
+        As4[k + 2u][q][c] = v.z;
+        As4[k + 3u][q][c] = v.w;
     }
 }
 
-fn fast_load_b(k0: u32, k_hi: u32, col0: u32, tid: u32) -> vec4<f32> {
+fn fast_load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f32> {
     if ((F.flags & 8u) != 0u) {            // B^T stored [N, ldb]: K contiguous
-        let n = tid / 2u;
-        let kq = tid % 2u;
+        let kpr = BK / 4u;
+        let n = e / kpr;
+        let kq = e % kpr;
         if (col0 + n < F.N && k0 + kq * 4u < k_hi) {
             return B4[(F.b_off + (col0 + n) * F.ldb + k0 + kq * 4u) / 4u];
         }
     } else {                                // B stored [K, ldb]: N contiguous
-        let k = tid / 32u;
-        let nq = tid % 32u;
+        let k = e / 32u;
+        let nq = e % 32u;
         if (k0 + k < k_hi && col0 + nq * 4u < F.N) {
             return B4[(F.b_off + (k0 + k) * F.ldb + col0 + nq * 4u) / 4u];
         }
@@ -172,17 +181,20 @@ fn fast_load_b(k0: u32, k_hi: u32, col0: u32, tid: u32) -> vec4<f32> {
     return vec4<f32>(0.0);
 }
 
-fn fast_store_b(v: vec4<f32>, tid: u32) {
+fn fast_store_b(v: vec4<f32>, e: u32, buf: u32) {
+    let base = buf * 16u;
     if ((F.flags & 8u) != 0u) {
-        let n = tid / 2u;
-        let base = (tid % 2u) * 128u + n / 4u;
+        let kpr = BK / 4u;
+        let n = e / kpr;
+        let k = base + (e % kpr) * 4u;
+        let q = n / 4u;
         let c = n % 4u;
-        Bs4[base][c] = v.x;
-        Bs4[base + 32u][c] = v.y;
-        Bs4[base + 64u][c] = v.z;
-        Bs4[base + 96u][c] = v.w;
+        Bs4[k][q][c] = v.x;
+        Bs4[k + 1u][q][c] = v.y;
+        Bs4[k + 2u][q][c] = v.z;
+        Bs4[k + 3u][q][c] = v.w;
     } else {
-        Bs4[(tid / 32u) * 32u + tid % 32u] = v;
+        Bs4[base + e / 32u][e % 32u] = v;
     }
 }
 
@@ -207,27 +219,41 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
     var c8 = vec4<f32>(0.0); var c9 = vec4<f32>(0.0); var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
     var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0); var c14 = vec4<f32>(0.0); var c15 = vec4<f32>(0.0);
 
-    // The next tile's global loads are issued before this tile's arithmetic (register
-    // prefetch), so their latency hides behind it; PREFETCH=false is the plain order.
-    var va = fast_load_a(k_lo, k_hi, row0, tid);
-    var vb = fast_load_b(k_lo, k_hi, col0, tid);
-    for (var k0 = k_lo; k0 < k_hi; k0 += 8u) {
-        if (!PREFETCH) {
-            va = fast_load_a(k0, k_hi, row0, tid);
-            vb = fast_load_b(k0, k_hi, col0, tid);
+    // the first tile into buffer 0; then per tile: issue the next tile's loads (registers),
+    // multiply this one, store the next one, barrier
+    let nl = BK / 8u;   // vec4 per thread and operand: 1 or 2
+    var va0 = fast_load_a(k_lo, k_hi, row0, tid);
+    var vb0 = fast_load_b(k_lo, k_hi, col0, tid);
+    var va1 = vec4<f32>(0.0);
+    var vb1 = vec4<f32>(0.0);
+    if (nl > 1u) {
+        va1 = fast_load_a(k_lo, k_hi, row0, tid + 256u);
+        vb1 = fast_load_b(k_lo, k_hi, col0, tid + 256u);
+    }
+    fast_store_a(va0, tid, 0u);
+    fast_store_b(vb0, tid, 0u);
+    if (nl > 1u) {
+        fast_store_a(va1, tid + 256u, 0u);
+        fast_store_b(vb1, tid + 256u, 0u);
+    }
+    workgroupBarrier();
+    var buf = 0u;
+    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
+        let more = k0 + BK < k_hi;
+        if (more) {
+            va0 = fast_load_a(k0 + BK, k_hi, row0, tid);
+            vb0 = fast_load_b(k0 + BK, k_hi, col0, tid);
+            if (nl > 1u) {
+                va1 = fast_load_a(k0 + BK, k_hi, row0, tid + 256u);
+                vb1 = fast_load_b(k0 + BK, k_hi, col0, tid + 256u);
+            }
         }
-        fast_store_a(va, tid);
-        fast_store_b(vb, tid);
-        workgroupBarrier();
-        if (PREFETCH && k0 + 8u < k_hi) {
-            va = fast_load_a(k0 + 8u, k_hi, row0, tid);
-            vb = fast_load_b(k0 + 8u, k_hi, col0, tid);
-        }
-        for (var k = 0u; k < 8u; k++) {
-            let a0 = As4[k * 32u + ty];
-            let a1 = As4[k * 32u + 16u + ty];
-            let b0 = Bs4[k * 32u + tx];
-            let b1 = Bs4[k * 32u + 16u + tx];
+        let kb = buf * 16u;
+        for (var k = 0u; k < BK; k++) {
+            let a0 = As4[kb + k][ty];
+            let a1 = As4[kb + k][16u + ty];
+            let b0 = Bs4[kb + k][tx];
+            let b1 = Bs4[kb + k][16u + tx];
             c0 += a0.x * b0;  c1 += a0.x * b1;
             c2 += a0.y * b0;  c3 += a0.y * b1;
             c4 += a0.z * b0;  c5 += a0.z * b1;
@@ -236,6 +262,19 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
             c10 += a1.y * b0; c11 += a1.y * b1;
             c12 += a1.z * b0; c13 += a1.z * b1;
             c14 += a1.w * b0; c15 += a1.w * b1;
+        }
+        if (DBUF) {
+            buf = 1u - buf;
+        } else {
+            workgroupBarrier();   // everyone is done with the only buffer
+        }
+        if (more) {
+            fast_store_a(va0, tid, buf);
+            fast_store_b(vb0, tid, buf);
+            if (nl > 1u) {
+                fast_store_a(va1, tid + 256u, buf);
+                fast_store_b(vb1, tid + 256u, buf);
+            }
         }
         workgroupBarrier();
     }

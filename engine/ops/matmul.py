@@ -10,9 +10,10 @@ import os
 
 from ..gpu import Recorder, Tensor, bound, cdiv, pack
 
-# "reference" forces the plain kernel everywhere (the fast one must match it)
+# "reference" forces the plain kernel everywhere (the fast one must match it); "nosplit"
+# turns split-K off
 _MODE = os.environ.get("MEMENGINE_MATMUL", "auto")
-# pipeline-overridable constants of matmul_fast (benchmarks compare PREFETCH on and off)
+# pipeline-overridable constants of matmul_fast (BK, DBUF): the benchmark compares them
 FAST_CONSTANTS: dict = {}
 
 
@@ -29,17 +30,20 @@ def _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tens
 
 
 def _split_k(rt, M: int, N: int, K: int, tiles: int) -> int:
-    """How many K slices to use when there are too few output tiles to fill the GPU."""
-    if _MODE == "nosplit" or K < 2048 or tiles >= _TARGET_TILES:
+    """How many K slices to use when there are too few output tiles to fill the GPU:
+    enough for about four rounds of workgroups (so the last, partial round costs little),
+    each slice at least _MIN_SLICE_K long."""
+    if _MODE == "nosplit" or tiles >= _TARGET_TILES or K < 2 * _MIN_SLICE_K:
         return 1
-    s = min(cdiv(_TARGET_TILES, tiles), K // 1024, 64)
+    s = min(cdiv(4 * _TARGET_TILES, tiles), K // _MIN_SLICE_K, 64)
     while s > 1 and 4 * s * M * N > min(rt.max_binding, 256 * 2**20):
         s -= 1
     return max(s, 1)
 
 
-# enough workgroups to occupy a large GPU twice over (132 SMs on an H100/H200)
+# workgroups that fill a large GPU once (132 SMs on an H100/H200, two 256-thread tiles each)
 _TARGET_TILES = 264
+_MIN_SLICE_K = 512
 
 
 def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K: int,
@@ -82,7 +86,7 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         tiles = cdiv(N, 128) * cdiv(M, 128)
         slices = _split_k(rec.rt, M, N, K, tiles)
         if slices > 1:
-            ks = cdiv(cdiv(K, slices), 8) * 8
+            ks = cdiv(cdiv(K, slices), 16) * 16   # a whole number of BK tiles
             slices = cdiv(K, ks)
             part = rec.rt.scratch("matmul_splitk", (slices * M * N,))
             u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
