@@ -1,21 +1,32 @@
-"""memengine vs PyTorch, measured in the same run on the same device.
+"""memengine against its peers, measured in the same run on the same device; every figure a ratio.
 
-    python benchmarks/bench.py --suite train --shapes tiny --seq 128 --batch 1
-    python benchmarks/bench.py --suite all --torch-device cuda --out results.json   # on a GPU machine
+    python benchmarks/bench.py --suite scan,matmul,train --out results.json        # on a GPU machine
+    python benchmarks/bench.py --suite train --shapes tiny --seq 128 --batch 1     # anywhere
+
+The peer is mamba-ssm (the authors' fused CUDA kernels) where it can be imported: build it
+with ../shared/peers/build_peers.sh and put /tmp/peers/mamba_ssm-2.3.2.post1 on PYTHONPATH
+(--peer-wait waits for a build running in the background).  transformers' MambaForCausalLM
+(its pure-PyTorch loop over time steps, the slow path) is a secondary row (--slow-path).
 
 Suites:
-  train   tokens/s of one training step (forward + backward + AdamW): memengine (wgpu)
-          vs transformers' MambaForCausalLM + torch.optim.AdamW, fp32 (TF32 off and on
-          on CUDA); peak GPU memory of each.
-  matmul  GFLOP/s of our matmul kernel vs torch.matmul (fp32, TF32 off).
-  scan    selective-scan forward and backward effective GB/s (bytes read + written once).
+  scan    selective-scan forward + backward at B 8, L 2048, Di 1536, N 16 (ms, GPU time by
+          timestamp queries) vs mamba-ssm's selective_scan_fn forward + backward (CUDA events)
+  matmul  every matrix product of a training step of the model shape (in_proj, x_proj,
+          dt_proj, out_proj, LM head: forward, input gradient, weight gradient, with the
+          step's transposes and strides) vs torch.matmul fp32 with TF32 off (cuBLAS)
+  train   tokens/s and peak memory of a training step (forward, backward, clip, AdamW) vs
+          mamba-ssm's MambaLMHeadModel + torch.optim.AdamW in fp32 (TF32 off) and bf16
+          autocast; --slow-path adds transformers' MambaForCausalLM (fp32)
 
-Prints a table and writes every number to --out (JSON).
+--variants also times the kernel configurations that are not the default; --profile times
+one training step kernel by kernel.  Prints a table last and writes every number to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
 import json
 import os
 import platform
@@ -33,177 +44,110 @@ SHAPES = {
     "mamba-130m": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24),
 }
 
+# matmul_fast pipeline constants and split-K settings compared by --variants
+MATMUL_VARIANTS = {
+    "default": {},
+    "BK8": {"constants": {"BK": 8}},
+    "single-buffer": {"constants": {"DBUF": 0}},
+    "BK8-single-buffer": {"constants": {"BK": 8, "DBUF": 0}},
+    "no-split-K": {"mode": "nosplit"},
+    "split-K-1024": {"min_slice_k": 1024},
+}
+SCAN_VARIANTS = {"default": True, "workgroup-memory": False}   # scan.SUBGROUPS
+
 
 def _median(xs):
     return float(np.median(np.asarray(xs)))
 
 
-def bench_memengine_train(rt, shape, B, L, steps, warmup=1):
-    from memengine.engine.config import MambaConfig
-    from memengine.engine.data import Batch
-    from memengine.engine.init import init_weights
-    from memengine.engine.model import MambaModel
-    from memengine.engine.options import TrainOptions
-    from memengine.engine.trainer import Trainer
+def _cuda():
+    try:
+        import torch
 
-    cfg = MambaConfig(**SHAPES[shape])
-    model = MambaModel(rt, cfg, init_weights(cfg, 0))
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, cfg.vocab_size, size=(B, L)).astype(np.int32)
-    tg = rng.integers(0, cfg.vocab_size, size=(B, L)).astype(np.int32)
-    batch = Batch(ids=ids, targets=tg, n_targets=B * L, n_tokens=B * L)
-    o = TrainOptions(batch_size=B, seq_len=L)
-    tr = Trainer(model, o, trace_capacity=max(steps, warmup))
+        return torch if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def _gpu_ms(rt, fn, reps=5, warmup=2):
+    """Median GPU time (timestamp queries, ms) of the dispatches fn(rec) records, and the
+    median wall time of the same (submit + wait).  Kernel names -> ms of the median run."""
     for _ in range(warmup):
-        tr.step([batch], o.lr)
-    tr.read_trace()  # a sync point: the timing starts on an idle GPU
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tr.step([batch], o.lr)
-    losses, _ = tr.read_trace()  # waits for the last step
-    dt = time.perf_counter() - t0
-    extra = 4 * (model.P.numel + model.G.numel)
-    return dict(tokens_per_s=B * L * steps / dt, step_s=dt / steps, loss=float(losses[-1]),
-                peak_bytes=rt.peak_bytes + extra)
-
-
-def profile_step(rt, shape, B, L):
-    from memengine.engine.config import MambaConfig
-    from memengine.engine.data import Batch
-    from memengine.engine.init import init_weights
-    from memengine.engine.model import MambaModel
-    from memengine.engine.options import TrainOptions
-    from memengine.engine.trainer import Trainer
-
-    cfg = MambaConfig(**SHAPES[shape])
-    model = MambaModel(rt, cfg, init_weights(cfg, 0))
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, cfg.vocab_size, size=(B, L)).astype(np.int32)
-    batch = Batch(ids=ids, targets=ids, n_targets=B * L, n_tokens=B * L)
-    o = TrainOptions(batch_size=B, seq_len=L)
-    tr = Trainer(model, o)
-    tr.step([batch], o.lr)
-    tr.read_trace()
-    if not rt.enable_profiling():
-        print("the adapter has no timestamp queries; no profile", file=sys.stderr)
-        return []
-    tr.step([batch], o.lr)
-    tr.read_trace()
-    rows = rt.profile_report()
-    rt.profiler = None
-    return [list(r) for r in rows]
-
-
-def bench_torch_train(shape, B, L, steps, device, tf32, warmup=1):
-    import torch
-    import transformers
-
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-    cfg = transformers.MambaConfig(**SHAPES[shape])
-    torch.manual_seed(0)
-    m = transformers.MambaForCausalLM(cfg).to(device).train()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.01)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (B, L), generator=g).to(device)
-    tg = torch.randint(0, cfg.vocab_size, (B, L), generator=g).to(device)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        logits = m(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), tg.reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        opt.step()
-        return loss
-
-    for _ in range(warmup):
-        step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    return dict(tokens_per_s=B * L * steps / dt, step_s=dt / steps, loss=float(loss), peak_bytes=peak)
-
-
-def bench_matmul(rt, sizes, torch_device, reps=5, constants=None):
-    from memengine.engine.ops import matmul as mm
-    from memengine.engine.ops.matmul import matmul
-
-    mm.FAST_CONSTANTS = dict(constants or {})
-
-    rows = []
-    for (M, N, K) in sizes:
-        rng = np.random.default_rng(0)
-        A = rt.upload(rng.standard_normal((M, K), dtype=np.float32))
-        B = rt.upload(rng.standard_normal((K, N), dtype=np.float32))
-        C = rt.empty((M, N))
+        rec = rt.recorder(); fn(rec); rec.submit()
+    rt.sync()
+    walls = []
+    for _ in range(reps):
         rec = rt.recorder()
-        matmul(rec, C, A, B, M=M, N=N, K=K)
+        fn(rec)
+        t0 = time.perf_counter()
         rec.submit()
         rt.sync()
-        times = []
+        walls.append(time.perf_counter() - t0)
+    gpu, parts = None, {}
+    if rt.enable_profiling():
+        runs = []
         for _ in range(reps):
-            rec = rt.recorder()
-            for _ in range(4):
-                matmul(rec, C, A, B, M=M, N=N, K=K)
-            t0 = time.perf_counter()
-            rec.submit()
-            rt.sync()
-            times.append((time.perf_counter() - t0) / 4)
-        ours = 2 * M * N * K / _median(times) / 1e9
-        # correctness spot check
-        a, b = rt.read(A)[:8], rt.read(B)
-        err = float(np.abs(rt.read(C)[:8] - a @ b).max() / np.abs(a @ b).max())
-        theirs = None
+            rec = rt.recorder(); fn(rec); rec.submit()
+            rows = rt.profile_report()
+            runs.append((sum(r[2] for r in rows), {r[0]: r[2] for r in rows}))
+        rt.profiler = None
+        runs.sort(key=lambda r: r[0])
+        gpu, parts = runs[len(runs) // 2]
+    return dict(ms=gpu if gpu is not None else _median(walls) * 1e3, wall_ms=_median(walls) * 1e3,
+                kernels=parts)
+
+
+def _cuda_ms(torch, fn, reps=10, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(reps):
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return _median(ts)
+
+
+# ---------------------------------------------------------------------------- peer import
+def peer_mamba_ssm(wait_s: float = 0.0, ready: str = ""):
+    """The mamba_ssm package if it imports (waiting up to wait_s for a background build,
+    until the file `ready` exists when one is named)."""
+    t_end = time.time() + wait_s
+    while ready and not os.path.exists(ready) and time.time() < t_end:
+        time.sleep(2)
+    while True:
+        importlib.invalidate_caches()
         try:
-            import torch
+            import selective_scan_cuda  # noqa: F401  (the compiled extension)
+            import mamba_ssm  # noqa: F401
 
-            torch.backends.cuda.matmul.allow_tf32 = False
-            ta = torch.randn(M, K, device=torch_device)
-            tb = torch.randn(K, N, device=torch_device)
-            for _ in range(2):
-                ta @ tb
-            ts = []
-            for _ in range(reps):
-                if torch_device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(4):
-                    ta @ tb
-                if torch_device == "cuda":
-                    torch.cuda.synchronize()
-                ts.append((time.perf_counter() - t0) / 4)
-            theirs = 2 * M * N * K / _median(ts) / 1e9
-        except Exception as e:  # pragma: no cover
-            print("torch matmul failed:", e, file=sys.stderr)
-        for t in (A, B, C):
-            rt.free(t)
-        rows.append(dict(M=M, N=N, K=K, gflops=ours, torch_gflops=theirs, rel_err=err, constants=constants or {}))
-    mm.FAST_CONSTANTS = {}
-    return rows
+            return mamba_ssm
+        except Exception as e:
+            err = e
+        if time.time() >= t_end:
+            print(f"mamba-ssm not available: {str(err)[:120]}", file=sys.stderr, flush=True)
+            return None
+        time.sleep(5)
 
 
-def bench_scan(rt, B, L, Di, N, R, reps=3, chunked=False):
+# ---------------------------------------------------------------------------- scan
+def bench_scan(rt, B, L, Di, N, R, variants=("default",)):
     from memengine.engine.ops import scan as scan_mod
     from memengine.engine.ops.scan import scan_state_shape, selective_scan_backward, selective_scan_forward
 
-    scan_mod._SERIAL = not chunked
-
     rng = np.random.default_rng(0)
     M = B * L
-    up = lambda a: rt.upload(np.asarray(a, np.float32))  # noqa: E731
-    u, delta = up(rng.standard_normal((M, Di))), up(rng.standard_normal((M, Di)) - 2)
-    xdbl, xz = up(rng.standard_normal((M, R + 2 * N))), up(rng.standard_normal((M, 2 * Di)))
+    f32 = np.float32
+    up = lambda a: rt.upload(np.asarray(a, f32))  # noqa: E731
+    u, delta = up(rng.standard_normal((M, Di), f32)), up(rng.standard_normal((M, Di), f32) - 2)
+    xdbl, xz = up(rng.standard_normal((M, R + 2 * N), f32)), up(rng.standard_normal((M, 2 * Di), f32))
     dt_bias, A_log, D = up(rng.standard_normal(Di) * 0.1), up(np.log(np.tile(np.arange(1, N + 1), (Di, 1)))), up(np.ones(Di))
     y, states = rt.empty((M, Di)), rt.empty(scan_state_shape(B, L, Di, N))
-    dy = up(rng.standard_normal((M, Di)))
+    dy = up(rng.standard_normal((M, Di), f32))
     du, ddelta = rt.empty((M, Di)), rt.empty((M, Di))
     ddt, dA, dD = rt.zeros((Di,)), rt.zeros((Di, N)), rt.zeros((Di,))
     dxdbl, dxz = rt.empty((M, R + 2 * N)), rt.empty((M, 2 * Di))
@@ -216,128 +160,458 @@ def bench_scan(rt, B, L, Di, N, R, reps=3, chunked=False):
                                 xdbl, xz, B=B, L=L, Di=Di, N=N, R=R)
 
     out = {}
-    for name, fn, nbytes in (
-        ("forward", fwd, 4 * M * (Di * 4 + 2 * N)),
-        ("backward", bwd, 4 * M * (Di * 8 + 4 * N)),
-    ):
-        for _ in range(3):  # warm-up: pipelines, and a GPU that has been idle clocks up
-            rec = rt.recorder(); fwd(rec); fn(rec); rec.submit(); rt.sync()
-        ts = []
-        for _ in range(reps):
-            rec = rt.recorder()
-            fn(rec)
-            t0 = time.perf_counter()
-            rec.submit()
-            rt.sync()
-            ts.append(time.perf_counter() - t0)
-        out[name] = dict(ms=_median(ts) * 1e3, gbps=nbytes / _median(ts) / 1e9)
-    scan_mod._SERIAL = os.environ.get("MEMENGINE_SCAN", "serial") != "chunked"
+    # bytes each input is read and each output written once
+    nbytes = {"forward": 4 * M * (Di * 4 + 2 * N), "backward": 4 * M * (Di * 8 + 4 * N)}
+    rec = rt.recorder(); fwd(rec); rec.submit(); rt.sync()
+    for v in variants:
+        scan_mod.SUBGROUPS = SCAN_VARIANTS[v]
+        out[v] = {}
+        for name, fn in (("forward", fwd), ("backward", bwd)):
+            r = _gpu_ms(rt, fn)
+            r["gbps"] = nbytes[name] / (r["ms"] * 1e-3) / 1e9
+            out[v][name] = r
+    scan_mod.SUBGROUPS = True
+    for t in (u, delta, xdbl, xz, dt_bias, A_log, D, y, states, dy, du, ddelta, ddt, dA, dD, dxdbl, dxz):
+        rt.free(t)
     rt.trim()
     return out
 
 
+def bench_scan_peer(torch, B, L, Di, N):
+    """mamba-ssm's selective_scan_fn (fp32, delta_softplus, D and z) forward and backward."""
+    from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = "cuda"
+
+    def r(*s):
+        return torch.randn(*s, device=dev, generator=g, dtype=torch.float32)
+
+    u = r(B, Di, L).requires_grad_()
+    delta = (r(B, Di, L) - 2).requires_grad_()
+    A = (-torch.arange(1, N + 1, device=dev, dtype=torch.float32).repeat(Di, 1)).requires_grad_()
+    Bm = r(B, N, L).requires_grad_()
+    Cm = r(B, N, L).requires_grad_()
+    D = torch.ones(Di, device=dev).requires_grad_()
+    z = r(B, Di, L).requires_grad_()
+    bias = (0.1 * r(Di)).requires_grad_()
+    dout = r(B, Di, L)
+    holder = {}
+
+    def f():
+        holder["y"] = selective_scan_fn(u, delta, A, Bm, Cm, D, z, bias, delta_softplus=True)
+
+    def b():
+        holder["y"].backward(dout)
+
+    def fb():
+        f(); b()
+
+    fwd_ms = _cuda_ms(torch, f)
+    fb_ms = _cuda_ms(torch, fb)
+    del holder
+    torch.cuda.empty_cache()
+    return dict(forward=dict(ms=fwd_ms), backward=dict(ms=fb_ms - fwd_ms), total_ms=fb_ms)
+
+
+# ---------------------------------------------------------------------------- matmul
+def step_matmuls(B, L, shape):
+    """Every distinct matrix product of one training step: (name, calls per step, args)."""
+    c = SHAPES[shape]
+    E, N, V, nl = c["hidden_size"], c["state_size"], c["vocab_size"], c["num_hidden_layers"]
+    Di, R = 2 * E, -(-E // 16)
+    W = R + 2 * N
+    M = B * L
+    rows = max(1, min(2**28, 2**31) // (4 * V))                 # the model's LM-head row chunk
+    mc = min(M, rows // 128 * 128 if rows >= 128 else rows)
+    heads = M / mc
+    T = dict(trans_a=False, trans_b=False)
+    return [
+        ("in_proj fwd", nl, dict(M=M, N=2 * Di, K=E, trans_b=True)),
+        ("x_proj fwd", nl, dict(M=M, N=W, K=Di, trans_b=True)),
+        ("dt_proj fwd", nl, dict(M=M, N=Di, K=R, trans_b=True, lda=W)),
+        ("out_proj fwd", nl, dict(M=M, N=E, K=Di, trans_b=True, acc=True)),
+        ("lm_head fwd", heads, dict(M=mc, N=V, K=E, trans_b=True)),
+        ("lm_head dX", heads, dict(M=mc, N=E, K=V, **T)),
+        ("lm_head dW", heads, dict(M=V, N=E, K=mc, trans_a=True, acc=True)),
+        ("out_proj dX", nl, dict(M=M, N=Di, K=E, **T)),
+        ("out_proj dW", nl, dict(M=E, N=Di, K=M, trans_a=True, acc=True)),
+        ("dt_proj dX", nl, dict(M=M, N=R, K=Di, ldc=W)),
+        ("dt_proj dW", nl, dict(M=Di, N=R, K=M, trans_a=True, ldb=W, acc=True)),
+        ("x_proj dX", nl, dict(M=M, N=Di, K=W, acc=True)),
+        ("x_proj dW", nl, dict(M=W, N=Di, K=M, trans_a=True, acc=True)),
+        ("in_proj dX", nl, dict(M=M, N=E, K=2 * Di)),
+        ("in_proj dW", nl, dict(M=2 * Di, N=E, K=M, trans_a=True, acc=True)),
+    ]
+
+
+def _stored(kw):
+    """Stored shapes of A, B, C for a matmul() call (row-major, leading dimensions)."""
+    M, N, K = kw["M"], kw["N"], kw["K"]
+    ta, tb = kw.get("trans_a", False), kw.get("trans_b", False)
+    lda = kw.get("lda") or (M if ta else K)
+    ldb = kw.get("ldb") or (K if tb else N)
+    ldc = kw.get("ldc") or N
+    return ((K, lda) if ta else (M, lda)), ((N, ldb) if tb else (K, ldb)), (M, ldc)
+
+
+def bench_matmul(rt, cases, torch, variants=("default",)):
+    from memengine.engine.ops import matmul as mm
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for name, calls, kw in cases:
+        sa, sb, sc = _stored(kw)
+        a = rng.random(sa, dtype=np.float32) - 0.5
+        b = rng.random(sb, dtype=np.float32) - 0.5
+        A, Bt, C = rt.upload(a), rt.upload(b), rt.upload(np.zeros(sc, np.float32))
+        flops = 2.0 * kw["M"] * kw["N"] * kw["K"]
+        row = dict(name=name, calls=calls, flops=flops, **{k: v for k, v in kw.items()})
+        # correctness of the default configuration: a few rows against numpy (float64)
+        rec = rt.recorder(); mm.matmul(rec, C, A, Bt, **{**kw, "acc": False}); rec.submit()
+        got = rt.read(C)
+        M_, N_, K_ = kw["M"], kw["N"], kw["K"]
+        am = a[:K_, :M_].T if kw.get("trans_a") else a[:, :K_]     # op(A) [M, K]
+        bm = b[:N_, :K_].T if kw.get("trans_b") else b[:K_, :N_]   # op(B) [K, N]
+        pick = np.linspace(0, kw["M"] - 1, 8).astype(int)
+        want = am[pick].astype(np.float64) @ bm.astype(np.float64)
+        row["rel_err"] = float(np.abs(got[pick, :kw["N"]] - want).max() / np.abs(want).max())
+        for v in variants:
+            cfg = MATMUL_VARIANTS[v]
+            mm.FAST_CONSTANTS = dict(cfg.get("constants", {}))
+            old_mode, old_min = mm._MODE, mm._MIN_SLICE_K
+            mm._MODE = cfg.get("mode", old_mode)
+            mm._MIN_SLICE_K = cfg.get("min_slice_k", old_min)
+            try:
+                r = _gpu_ms(rt, lambda rec: mm.matmul(rec, C, A, Bt, **kw), reps=5)
+            finally:
+                mm.FAST_CONSTANTS, mm._MODE, mm._MIN_SLICE_K = {}, old_mode, old_min
+            r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
+            row[v] = r
+        for t in (A, Bt, C):
+            rt.free(t)
+        if torch is not None:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            ta = torch.from_numpy(a).cuda()
+            tb = torch.from_numpy(b).cuda()
+            # the same transposes and input strides; the output contiguous (cuBLAS's best case)
+            av = ta[:kw["K"], :kw["M"]].t() if kw.get("trans_a") else ta[:, :kw["K"]]
+            bv = tb[:kw["N"], :kw["K"]].t() if kw.get("trans_b") else tb[:kw["K"], :kw["N"]]
+            tc = torch.zeros((kw["M"], kw["N"]), device="cuda")
+            if kw.get("acc"):
+                fn = lambda: tc.addmm_(av, bv)  # noqa: E731
+            else:
+                fn = lambda: torch.mm(av, bv, out=tc)  # noqa: E731
+            ms = _cuda_ms(torch, fn)
+            row["cublas"] = dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+            del ta, tb, tc, av, bv
+            torch.cuda.empty_cache()
+        rows.append(row)
+        line = f"  {name:13s} {kw['M']:6d}x{kw['N']:5d}x{kw['K']:5d}"
+        for v in variants:
+            line += f"  {v} {row[v]['tflops']:5.1f}"
+        if "cublas" in row:
+            line += f"  cuBLAS {row['cublas']['tflops']:5.1f} TFLOP/s ({row['default']['tflops'] / row['cublas']['tflops']:.2f}x)"
+        print(line + f"  err {row['rel_err']:.1e}", flush=True)
+    rt.trim()
+    return rows
+
+
+# ---------------------------------------------------------------------------- train
+def _batch(cfg, B, L):
+    from memengine.engine.data import Batch
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, size=(B, L)).astype(np.int32)
+    tg = rng.integers(0, cfg.vocab_size, size=(B, L)).astype(np.int32)
+    return Batch(ids=ids, targets=tg, n_targets=B * L, n_tokens=B * L)
+
+
+def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False):
+    from memengine.engine.config import MambaConfig
+    from memengine.engine.init import init_weights
+    from memengine.engine.model import MambaModel
+    from memengine.engine.options import TrainOptions
+    from memengine.engine.trainer import Trainer
+
+    cfg = MambaConfig(**SHAPES[shape])
+    model = MambaModel(rt, cfg, init_weights(cfg, 0))
+    batch = _batch(cfg, B, L)
+    o = TrainOptions(batch_size=B, seq_len=L)
+    tr = Trainer(model, o, trace_capacity=max(steps, warmup))
+    for _ in range(warmup):
+        tr.step([batch], o.lr)
+    tr.read_trace()  # a sync point: the timing starts on an idle GPU
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tr.step([batch], o.lr)
+    losses, _ = tr.read_trace()  # waits for the last step
+    dt = time.perf_counter() - t0
+    extra = 4 * (model.P.numel + model.G.numel)
+    out = dict(tokens_per_s=B * L * steps / dt, step_s=dt / steps, loss=float(losses[-1]),
+               peak_bytes=rt.peak_bytes + extra)
+    if profile and rt.enable_profiling():
+        tr.step([batch], o.lr)
+        tr.read_trace()
+        out["profile"] = [list(r) for r in rt.profile_report()]
+        rt.profiler = None
+    del tr, model
+    gc.collect()
+    rt.trim()
+    return out
+
+
+def _torch_step(torch, model, fwd, V, ids, tg, prec, steps, warmup=2):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if prec == "bf16":
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = fwd(ids)
+        else:
+            logits = fwd(ids)
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1])[:, :V], tg.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    B, L = ids.shape
+    return dict(tokens_per_s=B * L / dt, step_s=dt, loss=float(loss), peak_bytes=torch.cuda.max_memory_allocated())
+
+
+def bench_peer_train(torch, shape, B, L, prec, steps):
+    """mamba-ssm's MambaLMHeadModel (selective-scan CUDA kernel; causal-conv1d's kernel when
+    it is installed, else torch's conv1d), fp32 with TF32 off, or bf16 autocast."""
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    c = SHAPES[shape]
+    cfg = MambaConfig(d_model=c["hidden_size"], n_layer=c["num_hidden_layers"], vocab_size=c["vocab_size"],
+                      ssm_cfg={"layer": "Mamba1", "d_state": c["state_size"]}, rms_norm=True,
+                      residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8)
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(cfg, device="cuda", dtype=torch.float32).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c["vocab_size"], (B, L), generator=g).cuda()
+    tg = torch.randint(0, c["vocab_size"], (B, L), generator=g).cuda()
+    try:
+        out = _torch_step(torch, model, lambda x: model(x).logits, c["vocab_size"], ids, tg, prec, steps)
+    except torch.OutOfMemoryError as e:
+        out = dict(error="CUDA out of memory: " + str(e)[:120])
+    try:
+        import causal_conv1d_cuda  # noqa: F401
+
+        out["conv"] = "causal-conv1d"
+    except ImportError:
+        out["conv"] = "torch conv1d"
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_slow_path_train(torch, shape, B, L, steps, device):
+    """transformers' MambaForCausalLM without the CUDA kernels: its Python loop over time."""
+    import transformers
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = transformers.MambaConfig(**SHAPES[shape])
+    torch.manual_seed(0)
+    m = transformers.MambaForCausalLM(cfg).to(device).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (B, L), generator=g).to(device)
+    tg = torch.randint(0, cfg.vocab_size, (B, L), generator=g).to(device)
+    if device != "cuda":
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.01)
+        t0 = time.perf_counter()
+        for _ in range(steps + 1):
+            if _ == 1:
+                t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(m(input_ids=ids).logits.reshape(-1, cfg.vocab_size), tg.reshape(-1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+        dt = (time.perf_counter() - t0) / steps
+        return dict(tokens_per_s=B * L / dt, step_s=dt, loss=float(loss), peak_bytes=None)
+    try:
+        out = _torch_step(torch, m, lambda x: m(input_ids=x).logits, cfg.vocab_size, ids, tg, "fp32", steps, warmup=1)
+    except torch.OutOfMemoryError as e:
+        out = dict(error="CUDA out of memory: " + str(e)[:120])
+    del m
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+def _fmt_ratio(x):
+    return f"{x:.2f}x" if x is not None else "-"
+
+
+def summary(res) -> list:
+    lines = []
+    sc = res.get("scan") or {}
+    if sc:
+        lines.append("selective scan (B, L, Di, N = %s)" % (sc.get("shape"),))
+        peer = sc.get("mamba_ssm")
+        for v, r in sc.items():
+            if not isinstance(r, dict) or "forward" not in r or v == "mamba_ssm":
+                continue
+            tot = r["forward"]["ms"] + r["backward"]["ms"]
+            line = f"  memengine {v:16s} fwd {r['forward']['ms']:7.3f} ms  bwd {r['backward']['ms']:7.3f} ms  total {tot:7.3f} ms"
+            if peer:
+                line += f"   peer/ours {peer['total_ms'] / tot:.2f}x"
+            lines.append(line)
+        if peer:
+            lines.append(f"  mamba-ssm selective_scan_fn  fwd {peer['forward']['ms']:7.3f} ms  bwd {peer['backward']['ms']:7.3f} ms  total {peer['total_ms']:7.3f} ms")
+    mm = res.get("matmul") or []
+    if mm:
+        variants = [v for v in MATMUL_VARIANTS if v in mm[0]]
+        lines.append("matmul, a step's products (TFLOP/s; ratio = ours / cuBLAS fp32)")
+        for r in mm:
+            cb = r.get("cublas", {}).get("tflops")
+            line = f"  {r['name']:13s} " + " ".join(f"{v}={r[v]['tflops']:5.1f}" for v in variants)
+            if cb:
+                line += f"  cuBLAS={cb:5.1f}  {r['default']['tflops'] / cb:.2f}x"
+            lines.append(line)
+        tot = {v: sum(r["calls"] * r[v]["ms"] for r in mm) for v in variants}
+        line = "  step total ms: " + " ".join(f"{v}={tot[v]:.1f}" for v in variants)
+        if all("cublas" in r for r in mm):
+            cbt = sum(r["calls"] * r["cublas"]["ms"] for r in mm)
+            line += f"  cuBLAS={cbt:.1f}  ours/cuBLAS time {cbt / tot['default']:.2f}x"
+        lines.append(line)
+    for row in res.get("train", []):
+        me = row.get("memengine", {})
+        line = f"train {row['shape']} B={row['B']} L={row['L']}: memengine {me.get('tokens_per_s', 0):8.0f} tok/s"
+        if me.get("peak_bytes"):
+            line += f" ({me['peak_bytes'] / 2**30:.1f} GiB)"
+        for key in ("mamba_ssm_fp32", "mamba_ssm_bf16", "slow_path"):
+            p = row.get(key)
+            if not p:
+                continue
+            if p.get("tokens_per_s"):
+                line += f" | {key} {p['tokens_per_s']:8.0f} ({me.get('tokens_per_s', 0) / p['tokens_per_s']:.2f}x"
+                line += f", {p['peak_bytes'] / 2**30:.1f} GiB)" if p.get("peak_bytes") else ")"
+            else:
+                line += f" | {key}: {p.get('error', '?')[:50]}"
+        if "error" in me:
+            line += f" | memengine error: {me['error'][:80]}"
+        lines.append(line)
+    prof = res.get("profile")
+    if prof:
+        total = sum(r[2] for r in prof)
+        lines.append(f"profile of one step ({res.get('profile_of')}): {total:.1f} ms of kernel time")
+        for k, n, ms in prof[:14]:
+            lines.append(f"  {k:45s} {n:5d} calls {ms:9.2f} ms  {100 * ms / total:5.1f}%")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", default="all", help="train, matmul, scan or all (comma list)")
-    ap.add_argument("--shapes", default="tiny,mamba-130m")
-    ap.add_argument("--seq", default="512,2048")
-    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--suite", default="scan,matmul,train", help="scan, matmul, train (comma list) or all")
+    ap.add_argument("--shapes", default="mamba-130m", help="model shapes for train and matmul")
+    ap.add_argument("--seq", default="2048")
+    ap.add_argument("--batch", default="8,1")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--torch-steps", type=int, default=None, help="timed steps for the PyTorch peer (default --steps)")
+    ap.add_argument("--peer-steps", type=int, default=5)
     ap.add_argument("--device", default=None, help="memengine --device (auto|gpu|cpu|NAME)")
-    ap.add_argument("--torch-device", default=None, help="cpu or cuda (default: cuda if available)")
-    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
-    ap.add_argument("--tf32", default="both", choices=["both", "off", "on"], help="PyTorch CUDA matmul modes to run")
+    ap.add_argument("--peer-wait", type=float, default=0.0,
+                    help="seconds to wait for mamba-ssm to become importable (a build in the background)")
+    ap.add_argument("--peer-ready", default="", help="a file the background build creates when it is done")
+    ap.add_argument("--bf16-batches", default="8", help="batch sizes at which mamba-ssm bf16 runs too")
+    ap.add_argument("--slow-path", default="", help="B,L at which to time transformers' slow path (e.g. 1,512)")
     ap.add_argument("--out", default="bench-results.json")
-    ap.add_argument("--variants", action="store_true", help="also time kernel variants (matmul PREFETCH off)")
-    ap.add_argument("--profile", action="store_true",
-                    help="after the train suite, time one step per kernel with timestamp queries")
+    ap.add_argument("--variants", action="store_true", help="also time the kernel configurations that are not the default")
+    ap.add_argument("--profile", action="store_true", help="time the first train row's step kernel by kernel")
     a = ap.parse_args(argv)
 
     from memengine.engine.gpu import get_runtime
 
     rt = get_runtime(a.device)
-    try:
-        import torch
+    torch = _cuda()
+    suites = {"scan", "matmul", "train"} if a.suite == "all" else set(a.suite.split(","))
+    res = dict(adapter=rt.describe(), host=platform.node(), cpus=os.cpu_count(), features=rt.capabilities()["features"],
+               torch_cuda=torch.cuda.get_device_name() if torch else None, train=[], matmul=[], scan={})
+    print(f"adapter: {rt.describe()}  features: {res['features']}  CUDA: {res['torch_cuda']}", flush=True)
+    cpu = rt.adapter_type.lower() == "cpu"
+    shape = a.shapes.split(",")[-1]
 
-        tdev = a.torch_device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if tdev == "cpu":
-            torch.set_num_threads(os.cpu_count() or 1)
-    except Exception:
-        tdev = None
-    suites = set(a.suite.split(",")) if a.suite != "all" else {"train", "matmul", "scan"}
-    res = dict(adapter=rt.describe(), torch_device=tdev, host=platform.node(), cpus=os.cpu_count(), train=[],
-               matmul=[], scan={})
-    print(f"adapter: {rt.describe()}   torch: {tdev}", flush=True)
-
-    if "matmul" in suites:
-        sizes = [(1024, 1024, 1024), (4096, 4096, 4096), (16384, 3072, 768), (16384, 768, 1536)]
-        if rt.adapter_type.lower() == "cpu":
-            sizes = [(256, 256, 256), (512, 512, 512)]
-        res["matmul"] = bench_matmul(rt, sizes, tdev or "cpu")
-        if a.variants:
-            res["matmul"] += bench_matmul(rt, sizes, tdev or "cpu", constants={"PREFETCH": 0})
-        for r in res["matmul"]:
-            ratio = r["gflops"] / r["torch_gflops"] if r["torch_gflops"] else float("nan")
-            print(f"matmul {r['M']}x{r['N']}x{r['K']}{' ' + str(r['constants']) if r['constants'] else ''}: {r['gflops']:.0f} GFLOP/s vs torch {r['torch_gflops'] or 0:.0f}"
-                  f" ({ratio:.2f}x) rel err {r['rel_err']:.1e}", flush=True)
+    def save():   # after every suite: a run cut short keeps what it measured
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
 
     if "scan" in suites:
-        shape = (1, 256, 64, 8, 4) if rt.adapter_type.lower() == "cpu" else (8, 2048, 1536, 16, 48)
-        res["scan"] = bench_scan(rt, *shape)
-        if a.variants:
-            res["scan_chunked"] = bench_scan(rt, *shape, chunked=True)
-        for key in ("scan", "scan_chunked"):
-            for k, v in res.get(key, {}).items():
-                print(f"{key} {k} (B,L,Di,N,R={shape}): {v['ms']:.2f} ms, {v['gbps']:.1f} GB/s", flush=True)
+        sshape = (1, 256, 64, 8, 4) if cpu else (8, 2048, 1536, 16, 48)
+        variants = list(SCAN_VARIANTS) if a.variants else ["default"]
+        res["scan"] = dict(shape=list(sshape[:4]), **bench_scan(rt, *sshape, variants=variants))
+        for v in variants:
+            r = res["scan"][v]
+            print(f"scan {v}: forward {r['forward']['ms']:.3f} ms ({r['forward']['gbps']:.0f} GB/s), "
+                  f"backward {r['backward']['ms']:.3f} ms ({r['backward']['gbps']:.0f} GB/s)", flush=True)
+        save()
+
+    if "matmul" in suites:
+        if cpu:
+            cases = [("square", 1, dict(M=256, N=256, K=256)), ("in_proj-like", 1, dict(M=512, N=256, K=128, trans_b=True))]
+        else:
+            cases = step_matmuls(8, 2048, shape)
+        variants = list(MATMUL_VARIANTS) if a.variants else ["default"]
+        print("matmul (TFLOP/s):", flush=True)
+        res["matmul"] = bench_matmul(rt, cases, torch, variants)
+        save()
 
     if "train" in suites:
-        for shape in a.shapes.split(","):
-            for L in [int(x) for x in a.seq.split(",")]:
-                for B in [int(x) for x in a.batch.split(",")]:
-                    row = dict(shape=shape, B=B, L=L)
-                    try:
-                        row["memengine"] = bench_memengine_train(rt, shape, B, L, a.steps)
-                    except Exception as e:
-                        row["memengine"] = dict(error=str(e)[:300])
-                    rt.trim()  # give our GPU memory back before the peer runs
-                    import gc
+        for L in [int(x) for x in a.seq.split(",")]:
+            for B in [int(x) for x in a.batch.split(",")]:
+                row = dict(shape=shape, B=B, L=L)
+                prof = a.profile and not res.get("profile")
+                try:
+                    row["memengine"] = bench_memengine_train(rt, shape, B, L, a.steps, profile=prof)
+                except Exception as e:
+                    row["memengine"] = dict(error=str(e)[:300])
+                if prof and "profile" in row["memengine"]:
+                    res["profile"] = row["memengine"].pop("profile")
+                    res["profile_of"] = f"{shape} B={B} L={L}"
+                res["train"].append(row)
+                print(f"train {shape} B={B} L={L}: memengine {row['memengine'].get('tokens_per_s', 0):.0f} tok/s", flush=True)
+                save()
+        if a.slow_path and torch is not None:
+            B, L = (int(x) for x in a.slow_path.split(","))
+            row = dict(shape=shape, B=B, L=L, memengine=bench_memengine_train(rt, shape, B, L, a.steps))
+            row["slow_path"] = bench_slow_path_train(torch, shape, B, L, 1, "cuda")
+            res["train"].append(row)
 
-                    gc.collect()
-                    if not a.no_torch and tdev:
-                        modes = {"both": [False, True], "off": [False], "on": [True]}[a.tf32]
-                        for tf32 in (modes if tdev == "cuda" else [False]):
-                            key = "torch_tf32" if tf32 else "torch"
-                            try:
-                                row[key] = bench_torch_train(shape, B, L, a.torch_steps or a.steps, tdev, tf32)
-                            except Exception as e:
-                                row[key] = dict(error=str(e)[:300])
-                            gc.collect()
-                            if tdev == "cuda":
-                                torch.cuda.empty_cache()
-                    res["train"].append(row)
-                    me = row["memengine"].get("tokens_per_s")
-                    line = f"train {shape} B={B} L={L}: memengine {me or 0:.0f} tok/s"
-                    for key in ("torch", "torch_tf32"):
-                        if key in row and row[key].get("tokens_per_s"):
-                            line += f" | {key} {row[key]['tokens_per_s']:.0f} tok/s ({(me or 0) / row[key]['tokens_per_s']:.2f}x)"
-                    for key in ("torch", "torch_tf32"):
-                        if "error" in row.get(key, {}):
-                            line += f" | {key}: {row[key]['error'][:60]}"
-                    if "error" in row["memengine"]:
-                        line += f" | memengine error: {row['memengine']['error']}"
-                    print(line, flush=True)
-    if a.profile and "train" in suites:
-        shape = a.shapes.split(",")[-1]
-        L = int(a.seq.split(",")[-1])
-        B = int(a.batch.split(",")[-1])
-        res["profile"] = profile_step(rt, shape, B, L)
-        total = sum(r[2] for r in res["profile"])
-        print(f"profile of one train step, {shape} B={B} L={L}: {total:.1f} ms of kernel time")
-        for k, n, ms in res["profile"][:15]:
-            print(f"  {k:45s} {n:5d} calls {ms:9.2f} ms  {100 * ms / total:5.1f}%")
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=2)
+    # the peer last: it may still be building in the background
+    if torch is not None and ("train" in suites or "scan" in suites):
+        rt.trim()
+        gc.collect()
+        if peer_mamba_ssm(a.peer_wait, a.peer_ready) is not None:
+            if "scan" in suites and not cpu:
+                B, L, Di, N = res["scan"]["shape"]
+                res["scan"]["mamba_ssm"] = bench_scan_peer(torch, B, L, Di, N)
+            for row in res["train"]:
+                if "slow_path" in row:
+                    continue
+                row["mamba_ssm_fp32"] = bench_peer_train(torch, shape, row["B"], row["L"], "fp32", a.peer_steps)
+                if str(row["B"]) in a.bf16_batches.split(","):
+                    row["mamba_ssm_bf16"] = bench_peer_train(torch, shape, row["B"], row["L"], "bf16", a.peer_steps)
+
+    save()
+    print("\n".join(summary(res)))
     print(f"wrote {a.out}")
 
 
