@@ -59,20 +59,22 @@ struct AccParams { n: u32, K: u32, base: u32, stride: u32, o_out: u32, scale_a: 
 const WG: u32 = 128u;   // threads per workgroup = SEG * DB
 const DB: u32 = 16u;    // channels per workgroup
 const SEG: u32 = 8u;    // time segments per chunk
-const K: u32 = 8u;      // steps per segment (the register tile)
+const K: u32 = 8u;      // steps per segment (the register tile: two vec4)
 const T: u32 = 64u;     // steps per chunk = SEG * K = CHUNK in engine/ops/scan.py
-const NG: u32 = 16u;    // states per pass over shared memory
+const NG: u32 = 16u;    // states per pass over workgroup memory
 const XS: u32 = 144u;   // row stride of xs/hs (= 16 mod 32: phase B reads without bank conflicts)
-const BS: u32 = 33u;    // row stride of bct (odd: the two segments of a 32-wide subgroup hit other banks)
+const BCS: u32 = 17u;   // row stride of bcv in vec4 (odd: the tile's writes spread over banks)
 
 override SUBGROUPS: bool = true;   // false: the workgroup-memory butterfly even where subgroups exist
 
-var<workgroup> bct: array<f32, 2112>;  // [T][BS]: Bm (0..NG) and Cm (NG..2NG) of the chunk's steps
+// Nothing per thread is an array (a private array indexed in a loop can end up in local
+// memory): a segment's K = 8 steps are two vec4 registers, and the steps are written out.
+var<workgroup> bcv: array<vec4<f32>, 544>;  // [NG][Bm, Cm][BCS]: vec4 q = steps 4q..4q+3 of the chunk
 var<workgroup> xs: array<f32, 2304>;   // [NG][XS]: segment end state -> start state (-> dA partial)
 var<workgroup> hs: array<f32, 2304>;   // [NG][XS]: segment adjoint total -> adjoint entering from the right
 var<workgroup> ssum: array<f32, 128>;  // [WG]: sum of dt over each thread's segment
 var<workgroup> ash: array<f32, 256>;   // [NG][DB]: A = -exp(A_log) of the block's channels
-var<workgroup> red: array<f32, 1024>;  // [8][WG]: butterfly exchange without subgroups
+var<workgroup> red: array<vec4<f32>, 128>;  // [WG]: butterfly exchange without subgroups
 var<workgroup> qs_w: atomic<u32>;
 
 // log1p(exp(x)), torch's threshold 20; Kahan's log1p for accuracy at small exp(x).
@@ -90,18 +92,19 @@ fn silu(x: f32) -> f32 { return x * sigmoid(x); }
 fn off_bias() -> u32 { return P.Di * P.N; }
 fn off_D() -> u32 { return P.Di * P.N + P.Di; }
 
-// The chunk's Bm/Cm rows of states n0 .. n0+NG into bct, A of the block's channels into ash.
+// The chunk's Bm/Cm of states n0 .. n0+ng into bcv (zeros past L or N), A of the block's
+// channels into ash.
 fn load_group(b: u32, c: u32, blk: u32, n0: u32, ng: u32, tid: u32) {
     for (var i = tid; i < T * 2u * NG; i += WG) {
-        let r = i / (2u * NG);
-        let q = i % (2u * NG);
+        let r = i / (2u * NG);    // step in the chunk
+        let q = i % (2u * NG);    // Bm (0..NG) or Cm (NG..2NG) column: consecutive threads, one row
         let nn = q % NG;
         let t = c * T + r;
         var v = 0.0;
         if (nn < ng && t < P.L) {
             v = xdbl[P.o_xdbl + (b * P.L + t) * P.ldx + P.R + (q / NG) * P.N + n0 + nn];
         }
-        bct[r * BS + q] = v;
+        bcv[(nn * 2u + q / NG) * BCS + r / 4u][r % 4u] = v;
     }
     for (var i = tid; i < NG * DB; i += WG) {
         let nn = i / DB;
@@ -112,8 +115,49 @@ fn load_group(b: u32, c: u32, blk: u32, n0: u32, ng: u32, tid: u32) {
     }
 }
 
+// Bm (bc 0) or Cm (bc 1) of state n at steps 4h..4h+3 of segment j
+fn bc4(n: u32, bc: u32, j: u32, h: u32) -> vec4<f32> { return bcv[(n * 2u + bc) * BCS + j * 2u + h]; }
+
+// dt (softplus(delta + bias)) and u of step t of channel d, zero past L and Di
+fn in_dt(b: u32, t: u32, d: u32, ok: bool, bias: f32) -> f32 {
+    if (ok && t < P.L) { return softplus(delta[P.o_delta + (b * P.L + t) * P.Di + d] + bias); }
+    return 0.0;
+}
+fn in_u(b: u32, t: u32, d: u32, ok: bool) -> f32 {
+    if (ok && t < P.L) { return u[P.o_u + (b * P.L + t) * P.Di + d]; }
+    return 0.0;
+}
+
+// the state after 4 steps from s (decays e, inputs p = dt*u*Bm), and the 4 states after each
+fn walk4(s: f32, e: vec4<f32>, p: vec4<f32>) -> vec4<f32> {
+    let s0 = fma(e.x, s, p.x);
+    let s1 = fma(e.y, s0, p.y);
+    let s2 = fma(e.z, s1, p.z);
+    let s3 = fma(e.w, s2, p.w);
+    return vec4<f32>(s0, s1, s2, s3);
+}
+
 // ---------------------------------------------------------------- forward
 // grid: B * nblk workgroups.  y WRITE; states[b, c] = the state before chunk c WRITE.
+
+// owner of (channel d, state n) in phase B: the start state of each segment from the state
+// entering the chunk (s); returns the state leaving the chunk
+fn fwd_carry(n: u32, dl: u32, a: f32, s_in: f32) -> f32 {
+    let e0 = exp(a * vec4<f32>(ssum[dl], ssum[DB + dl], ssum[2u * DB + dl], ssum[3u * DB + dl]));
+    let e1 = exp(a * vec4<f32>(ssum[4u * DB + dl], ssum[5u * DB + dl], ssum[6u * DB + dl], ssum[7u * DB + dl]));
+    let r = n * XS + dl;
+    var s = s_in;
+    var x = xs[r];            xs[r] = s;            s = fma(e0.x, s, x);
+    x = xs[r + DB];           xs[r + DB] = s;       s = fma(e0.y, s, x);
+    x = xs[r + 2u * DB];      xs[r + 2u * DB] = s;  s = fma(e0.z, s, x);
+    x = xs[r + 3u * DB];      xs[r + 3u * DB] = s;  s = fma(e0.w, s, x);
+    x = xs[r + 4u * DB];      xs[r + 4u * DB] = s;  s = fma(e1.x, s, x);
+    x = xs[r + 5u * DB];      xs[r + 5u * DB] = s;  s = fma(e1.y, s, x);
+    x = xs[r + 6u * DB];      xs[r + 6u * DB] = s;  s = fma(e1.z, s, x);
+    x = xs[r + 7u * DB];      xs[r + 7u * DB] = s;  s = fma(e1.w, s, x);
+    return s;
+}
+
 @compute @workgroup_size(128)
 fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                           @builtin(local_invocation_index) tid: u32) {
@@ -129,27 +173,22 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     let bias = work[off_bias() + dc];
     let Dd = work[off_D() + dc];
     let ngrp = (P.N + NG - 1u) / NG;
+    // phase-B owners: (channel dl, state j) and (dl, j + 8); their chunk carries when N <= NG
+    var car0 = 0.0;
+    var car1 = 0.0;
     for (var c = 0u; c < P.nchk; c++) {
         let t0 = c * T + j * K;
-        var dt: array<f32, 8>;
-        var dtu: array<f32, 8>;
-        var uu: array<f32, 8>;
-        var yk: array<f32, 8>;
-        var sdt = 0.0;
-        for (var k = 0u; k < K; k++) {
-            var dv = 0.0;
-            var uv = 0.0;
-            if (live && t0 + k < P.L) {
-                let e = (b * P.L + t0 + k) * P.Di + d;
-                dv = softplus(delta[P.o_delta + e] + bias);
-                uv = u[P.o_u + e];
-            }
-            dt[k] = dv;
-            uu[k] = uv;
-            dtu[k] = dv * uv;
-            yk[k] = 0.0;
-            sdt += dv;
-        }
+        let dt0 = vec4<f32>(in_dt(b, t0, d, live, bias), in_dt(b, t0 + 1u, d, live, bias),
+                            in_dt(b, t0 + 2u, d, live, bias), in_dt(b, t0 + 3u, d, live, bias));
+        let dt1 = vec4<f32>(in_dt(b, t0 + 4u, d, live, bias), in_dt(b, t0 + 5u, d, live, bias),
+                            in_dt(b, t0 + 6u, d, live, bias), in_dt(b, t0 + 7u, d, live, bias));
+        let u0 = vec4<f32>(in_u(b, t0, d, live), in_u(b, t0 + 1u, d, live), in_u(b, t0 + 2u, d, live), in_u(b, t0 + 3u, d, live));
+        let u1 = vec4<f32>(in_u(b, t0 + 4u, d, live), in_u(b, t0 + 5u, d, live), in_u(b, t0 + 6u, d, live), in_u(b, t0 + 7u, d, live));
+        let du0 = dt0 * u0;
+        let du1 = dt1 * u1;
+        let sdt = dot(dt0 + dt1, vec4<f32>(1.0));
+        var y0 = vec4<f32>(0.0);
+        var y1 = vec4<f32>(0.0);
         for (var g = 0u; g < ngrp; g++) {
             let n0 = g * NG;
             let ng = min(NG, P.N - n0);
@@ -158,56 +197,68 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
             // A: the segment's end state from a zero start
             for (var n = 0u; n < ng; n++) {
                 let a = ash[n * DB + dl];
-                var x = 0.0;
-                for (var k = 0u; k < K; k++) {
-                    x = exp(dt[k] * a) * x + dtu[k] * bct[(j * K + k) * BS + n];
-                }
-                xs[n * XS + tid] = x;
+                let e0 = exp(dt0 * a);
+                let e1 = exp(dt1 * a);
+                let s0 = walk4(0.0, e0, du0 * bc4(n, 0u, j, 0u));
+                let s1 = walk4(s0.w, e1, du1 * bc4(n, 0u, j, 1u));
+                xs[n * XS + tid] = s1.w;
             }
             ssum[tid] = sdt;
             workgroupBarrier();
-            // B: owner threads (channel dl2, state n) carry the state across the segments
-            for (var q = 0u; q < 2u; q++) {
-                let p = tid + q * WG;
-                let n = p / DB;
-                let dl2 = p % DB;
-                let d2 = blk * DB + dl2;
-                if (n < ng) {
-                    let a = ash[n * DB + dl2];
-                    let si = P.o_states + ((b * P.nchk + c) * P.Di + d2) * P.N + n0 + n;
-                    var s = 0.0;
-                    if (d2 < P.Di) {
-                        if (c == 0u) { states[si] = 0.0; } else { s = states[si]; }   // written by this thread
-                    }
-                    for (var jj = 0u; jj < SEG; jj++) {
-                        let i = jj * DB + dl2;
-                        let xv = xs[n * XS + i];
-                        xs[n * XS + i] = s;
-                        s = exp(a * ssum[i]) * s + xv;
-                    }
-                    if (d2 < P.Di && c + 1u < P.nchk) { states[si + P.Di * P.N] = s; }
+            // B: the owners carry the state across the segments (and the chunks)
+            let base = ((b * P.nchk + c) * P.Di + d) * P.N + n0;
+            if (j < ng) {
+                var s = car0;   // N <= NG: kept in a register
+                if (ngrp > 1u) {
+                    s = 0.0;
+                    if (c > 0u && live) { s = states[P.o_states + base + j]; }   // this thread wrote it
                 }
+                if (live) { states[P.o_states + base + j] = s; }
+                s = fwd_carry(j, dl, ash[j * DB + dl], s);
+                car0 = s;
+                if (ngrp > 1u && live && c + 1u < P.nchk) { states[P.o_states + base + P.Di * P.N + j] = s; }
+            }
+            if (j + 8u < ng) {
+                var s = car1;   // N <= NG: kept in a register
+                if (ngrp > 1u) {
+                    s = 0.0;
+                    if (c > 0u && live) { s = states[P.o_states + base + j + 8u]; }   // this thread wrote it
+                }
+                if (live) { states[P.o_states + base + j + 8u] = s; }
+                s = fwd_carry(j + 8u, dl, ash[(j + 8u) * DB + dl], s);
+                car1 = s;
+                if (ngrp > 1u && live && c + 1u < P.nchk) { states[P.o_states + base + P.Di * P.N + j + 8u] = s; }
             }
             workgroupBarrier();
-            // C: every segment again, from its true start state
+            // C: every segment again from its true start state; y += s * Cm
             for (var n = 0u; n < ng; n++) {
                 let a = ash[n * DB + dl];
-                var s = xs[n * XS + tid];
-                for (var k = 0u; k < K; k++) {
-                    let r = (j * K + k) * BS;
-                    s = exp(dt[k] * a) * s + dtu[k] * bct[r + n];
-                    yk[k] += s * bct[r + NG + n];
-                }
+                let e0 = exp(dt0 * a);
+                let e1 = exp(dt1 * a);
+                let s0 = walk4(xs[n * XS + tid], e0, du0 * bc4(n, 0u, j, 0u));
+                let s1 = walk4(s0.w, e1, du1 * bc4(n, 0u, j, 1u));
+                y0 = fma(s0, bc4(n, 1u, j, 0u), y0);
+                y1 = fma(s1, bc4(n, 1u, j, 1u), y1);
             }
             workgroupBarrier();
         }
-        for (var k = 0u; k < K; k++) {
-            if (live && t0 + k < P.L) {
-                let m = b * P.L + t0 + k;
-                let z = xz[P.o_xz + m * 2u * P.Di + P.Di + d];
-                y[P.o_y + m * P.Di + d] = (yk[k] + Dd * uu[k]) * silu(z);
-            }
-        }
+        y0 += Dd * u0;
+        y1 += Dd * u1;
+        out_y(b, t0, d, live, y0.x);
+        out_y(b, t0 + 1u, d, live, y0.y);
+        out_y(b, t0 + 2u, d, live, y0.z);
+        out_y(b, t0 + 3u, d, live, y0.w);
+        out_y(b, t0 + 4u, d, live, y1.x);
+        out_y(b, t0 + 5u, d, live, y1.y);
+        out_y(b, t0 + 6u, d, live, y1.z);
+        out_y(b, t0 + 7u, d, live, y1.w);
+    }
+}
+
+fn out_y(b: u32, t: u32, d: u32, ok: bool, v: f32) {
+    if (ok && t < P.L) {
+        let m = b * P.L + t;
+        y[P.o_y + m * P.Di + d] = v * silu(xz[P.o_xz + m * 2u * P.Di + P.Di + d]);
     }
 }
 
@@ -227,32 +278,54 @@ fn selective_scan_backward_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
     dxz[P.o_dxz + zi] = g * sz * (1.0 + z * (1.0 - sz));
 }
 
-// Half of a butterfly stage: lanes whose bit `m` is set keep the upper half of v[0..2h),
-// the others the lower half, and each adds its partner's copy of the half it keeps.
+// owner of (d, n) in phase B of the backward: the segments' start states from the chunk's
+// saved state s, and the adjoint entering each segment from the right from hc (what the
+// next chunk passes in); returns what this chunk passes to the previous one
+fn bwd_carry(n: u32, dl: u32, a: f32, s_in: f32, hc_in: f32) -> f32 {
+    let e0 = exp(a * vec4<f32>(ssum[dl], ssum[DB + dl], ssum[2u * DB + dl], ssum[3u * DB + dl]));
+    let e1 = exp(a * vec4<f32>(ssum[4u * DB + dl], ssum[5u * DB + dl], ssum[6u * DB + dl], ssum[7u * DB + dl]));
+    let r = n * XS + dl;
+    var s = s_in;
+    var x = xs[r];            xs[r] = s;            s = fma(e0.x, s, x);
+    x = xs[r + DB];           xs[r + DB] = s;       s = fma(e0.y, s, x);
+    x = xs[r + 2u * DB];      xs[r + 2u * DB] = s;  s = fma(e0.z, s, x);
+    x = xs[r + 3u * DB];      xs[r + 3u * DB] = s;  s = fma(e0.w, s, x);
+    x = xs[r + 4u * DB];      xs[r + 4u * DB] = s;  s = fma(e1.x, s, x);
+    x = xs[r + 5u * DB];      xs[r + 5u * DB] = s;  s = fma(e1.y, s, x);
+    x = xs[r + 6u * DB];      xs[r + 6u * DB] = s;      s = fma(e1.z, s, x);
+    xs[r + 7u * DB] = s;      // (the state leaving the chunk is the next chunk's saved one)
+    var h = hc_in;
+    x = hs[r + 7u * DB];      hs[r + 7u * DB] = h;  h = fma(e1.w, h, x);
+    x = hs[r + 6u * DB];      hs[r + 6u * DB] = h;  h = fma(e1.z, h, x);
+    x = hs[r + 5u * DB];      hs[r + 5u * DB] = h;  h = fma(e1.y, h, x);
+    x = hs[r + 4u * DB];      hs[r + 4u * DB] = h;  h = fma(e1.x, h, x);
+    x = hs[r + 3u * DB];      hs[r + 3u * DB] = h;  h = fma(e0.w, h, x);
+    x = hs[r + 2u * DB];      hs[r + 2u * DB] = h;  h = fma(e0.z, h, x);
+    x = hs[r + DB];           hs[r + DB] = h;       h = fma(e0.y, h, x);
+    x = hs[r];                hs[r] = h;            h = fma(e0.x, h, x);
+    return h;
+}
+
+// One butterfly stage over the segment's channel lanes: lanes whose bit m is set keep `hi`
+// and send `lo`, the others the opposite; each adds its partner's copy of what it keeps.
 // Subgroup shuffles when the partner is in the same subgroup (m < qs), else workgroup memory.
-fn bfly_stage(vin: array<f32, 16>, m: u32, h: u32, lane: u32, tid: u32, qs: u32) -> array<f32, 16> {
-    var v = vin;
-    let hi = (lane & m) != 0u;
-    if (m < qs) {
-        for (var i = 0u; i < h; i++) {
-            let keep = select(v[i], v[i + h], hi);
-            let send = select(v[i + h], v[i], hi);
-            v[i] = keep + sg_xor(send, m);
-        }
-    } else {
-        for (var i = 0u; i < h; i++) { red[i * WG + tid] = select(v[i + h], v[i], hi); }
-        workgroupBarrier();
-        for (var i = 0u; i < h; i++) { v[i] = select(v[i], v[i + h], hi) + red[i * WG + (tid ^ m)]; }
-        workgroupBarrier();
-    }
-    return v;
+fn bfly(lo: vec4<f32>, hi: vec4<f32>, m: u32, dl: u32, tid: u32, qs: u32) -> vec4<f32> {
+    let up = (dl & m) != 0u;
+    let keep = select(lo, hi, up);
+    let send = select(hi, lo, up);
+    if (m < qs) { return keep + sg_xor4(send, m); }
+    red[tid] = send;
+    workgroupBarrier();
+    let got = red[tid ^ m];
+    workgroupBarrier();
+    return keep + got;
 }
 
 // scan (b, block): du, ddelta WRITE; dxz[:, Di..] = (dy*silu'(z) from prep) * y_pre WRITE;
 // dBm/dCm partial sums of the block -> pbc [2][M][nblk][N]; per-b partials of dA_log (over A),
 // of dt_bias and of D into work (summed over b by selective_scan_accumulate).
-// `work` holds, besides the parameters: a copy of `states` at off_st and the adjoint carried
-// between chunks at off_hc.
+// `work` holds, besides the parameters: a copy of `states` at off_st and, when N > NG, the
+// adjoint carried between chunks at off_hc.
 @compute @workgroup_size(128)
 fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                            @builtin(local_invocation_index) tid: u32) {
@@ -284,168 +357,163 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
 
     var bsum = 0.0;   // this thread's sum of ddelta (-> dt_bias)
     var dsum = 0.0;   // and of dy'*u (-> D)
+    // phase-B owners (dl, j), (dl, j + 8): adjoint carries and dA sums when N <= NG
+    var hc0 = 0.0;
+    var hc1 = 0.0;
+    var da0 = 0.0;
+    var da1 = 0.0;
     for (var cc = 0u; cc < P.nchk; cc++) {
         let c = P.nchk - 1u - cc;
         let t0 = c * T + j * K;
-        var dt: array<f32, 8>;
-        var dtu: array<f32, 8>;
-        var uu: array<f32, 8>;
-        var dyp: array<f32, 8>;
-        var gb: array<f32, 8>;   // sum_n g*Bm      (du = dt*gb + D*dy')
-        var gd: array<f32, 8>;   // d(dt)
-        var yp: array<f32, 8>;   // sum_n s*Cm      (y_pre = yp + D*u)
-        var sdt = 0.0;
-        for (var k = 0u; k < K; k++) {
-            var dv = 0.0;
-            var uv = 0.0;
-            var gv = 0.0;
-            if (live && t0 + k < P.L) {
-                let e = (b * P.L + t0 + k) * P.Di + d;
-                dv = softplus(delta[P.o_delta + e] + bias);
-                uv = u[P.o_u + e];
-                gv = du[P.o_du + e];
-            }
-            dt[k] = dv;
-            uu[k] = uv;
-            dtu[k] = dv * uv;
-            dyp[k] = gv;
-            gb[k] = 0.0;
-            gd[k] = 0.0;
-            yp[k] = 0.0;
-            sdt += dv;
-        }
+        let dt0 = vec4<f32>(in_dt(b, t0, d, live, bias), in_dt(b, t0 + 1u, d, live, bias),
+                            in_dt(b, t0 + 2u, d, live, bias), in_dt(b, t0 + 3u, d, live, bias));
+        let dt1 = vec4<f32>(in_dt(b, t0 + 4u, d, live, bias), in_dt(b, t0 + 5u, d, live, bias),
+                            in_dt(b, t0 + 6u, d, live, bias), in_dt(b, t0 + 7u, d, live, bias));
+        let u0 = vec4<f32>(in_u(b, t0, d, live), in_u(b, t0 + 1u, d, live), in_u(b, t0 + 2u, d, live), in_u(b, t0 + 3u, d, live));
+        let u1 = vec4<f32>(in_u(b, t0 + 4u, d, live), in_u(b, t0 + 5u, d, live), in_u(b, t0 + 6u, d, live), in_u(b, t0 + 7u, d, live));
+        let g0 = vec4<f32>(in_g(b, t0, d, live), in_g(b, t0 + 1u, d, live), in_g(b, t0 + 2u, d, live), in_g(b, t0 + 3u, d, live));
+        let g1 = vec4<f32>(in_g(b, t0 + 4u, d, live), in_g(b, t0 + 5u, d, live), in_g(b, t0 + 6u, d, live), in_g(b, t0 + 7u, d, live));
+        let du0 = dt0 * u0;
+        let du1 = dt1 * u1;
+        let sdt = dot(dt0 + dt1, vec4<f32>(1.0));
+        var gb0 = vec4<f32>(0.0);   // sum_n adjoint * Bm      (du = dt*gb + D*dy')
+        var gb1 = vec4<f32>(0.0);
+        var gd0 = vec4<f32>(0.0);   // d(dt)
+        var gd1 = vec4<f32>(0.0);
+        var yp0 = vec4<f32>(0.0);   // sum_n s * Cm            (y_pre = yp + D*u)
+        var yp1 = vec4<f32>(0.0);
         for (var g = 0u; g < ngrp; g++) {
             let n0 = g * NG;
             let ng = min(NG, P.N - n0);
+            let base = ((b * P.nchk + c) * P.Di + d) * P.N + n0;   // this chunk's saved states
+            let hbase = P.off_hc + (b * P.Di + d) * P.N + n0;
+            var st0 = 0.0;
+            var st1 = 0.0;
+            if (live && j < ng) { st0 = work[P.off_st + base + j]; }
+            if (live && j + 8u < ng) { st1 = work[P.off_st + base + j + 8u]; }
+            if (ngrp > 1u) {
+                hc0 = 0.0;
+                hc1 = 0.0;
+                if (cc > 0u && live && j < ng) { hc0 = work[hbase + j]; }
+                if (cc > 0u && live && j + 8u < ng) { hc1 = work[hbase + j + 8u]; }
+            }
             load_group(b, c, blk, n0, ng, tid);
             workgroupBarrier();
             // A: the segment's end state from a zero start, and its adjoint total
             //    h = sum_k exp(A * (dt_0 + .. + dt_k)) * Cm_k * dy'_k  (what it passes to the left)
             for (var n = 0u; n < ng; n++) {
                 let a = ash[n * DB + dl];
-                var x = 0.0;
-                var w = 1.0;
-                var h = 0.0;
-                for (var k = 0u; k < K; k++) {
-                    let r = (j * K + k) * BS;
-                    let e = exp(dt[k] * a);
-                    x = e * x + dtu[k] * bct[r + n];
-                    w = w * e;
-                    h += w * bct[r + NG + n] * dyp[k];
-                }
-                xs[n * XS + tid] = x;
-                hs[n * XS + tid] = h;
+                let e0 = exp(dt0 * a);
+                let e1 = exp(dt1 * a);
+                let s0 = walk4(0.0, e0, du0 * bc4(n, 0u, j, 0u));
+                let s1 = walk4(s0.w, e1, du1 * bc4(n, 0u, j, 1u));
+                xs[n * XS + tid] = s1.w;
+                // running decay products w_k = e_0 * .. * e_k
+                let w0 = vec4<f32>(e0.x, e0.x * e0.y, e0.x * e0.y * e0.z, e0.x * e0.y * e0.z * e0.w);
+                let w1 = w0.w * vec4<f32>(e1.x, e1.x * e1.y, e1.x * e1.y * e1.z, e1.x * e1.y * e1.z * e1.w);
+                hs[n * XS + tid] = dot(w0, bc4(n, 1u, j, 0u) * g0) + dot(w1, bc4(n, 1u, j, 1u) * g1);
             }
             ssum[tid] = sdt;
             workgroupBarrier();
-            // B: owners (dl2, n) carry the state rightwards from the saved chunk state and
-            //    the adjoint leftwards from the next chunk's
-            for (var q = 0u; q < 2u; q++) {
-                let p = tid + q * WG;
-                let n = p / DB;
-                let dl2 = p % DB;
-                let d2 = blk * DB + dl2;
-                if (n < ng) {
-                    let a = ash[n * DB + dl2];
-                    let hci = P.off_hc + (b * P.Di + d2) * P.N + n0 + n;
-                    var s = 0.0;
-                    var hc = 0.0;
-                    if (d2 < P.Di) {
-                        s = work[P.off_st + ((b * P.nchk + c) * P.Di + d2) * P.N + n0 + n];
-                        if (cc > 0u) { hc = work[hci]; }
-                    }
-                    var ea: array<f32, 8>;
-                    for (var jj = 0u; jj < SEG; jj++) {
-                        let i = jj * DB + dl2;
-                        ea[jj] = exp(a * ssum[i]);
-                        let xv = xs[n * XS + i];
-                        xs[n * XS + i] = s;
-                        s = ea[jj] * s + xv;
-                    }
-                    for (var jr = 0u; jr < SEG; jr++) {
-                        let jj = SEG - 1u - jr;
-                        let i = jj * DB + dl2;
-                        let hv = hs[n * XS + i];
-                        hs[n * XS + i] = hc;
-                        hc = ea[jj] * hc + hv;
-                    }
-                    if (d2 < P.Di) { work[hci] = hc; }
-                }
+            // B: the owners carry the state rightwards from the saved chunk state and the
+            //    adjoint leftwards from the next chunk's
+            if (j < ng) { hc0 = bwd_carry(j, dl, ash[j * DB + dl], st0, hc0); }
+            if (j + 8u < ng) { hc1 = bwd_carry(j + 8u, dl, ash[(j + 8u) * DB + dl], st1, hc1); }
+            if (ngrp > 1u && live) {
+                if (j < ng) { work[hbase + j] = hc0; }
+                if (j + 8u < ng) { work[hbase + j + 8u] = hc1; }
             }
             workgroupBarrier();
-            // C: per state, the K steps forward (states) then backward (adjoint, gradients)
+            // C: per state, the 8 steps forward (states) and backward (adjoint, gradients)
             for (var n = 0u; n < ng; n++) {
                 let a = ash[n * DB + dl];
-                var s = xs[n * XS + tid];
-                var h = hs[n * XS + tid];
-                var sp: array<f32, 8>;
-                var ek: array<f32, 8>;
-                for (var k = 0u; k < K; k++) {
-                    ek[k] = exp(dt[k] * a);
-                    sp[k] = s;
-                    s = ek[k] * s + dtu[k] * bct[(j * K + k) * BS + n];
-                }
-                var v: array<f32, 16>;   // dBm (0..K) and dCm (K..2K) terms of this channel
-                var da = 0.0;
-                for (var kr = 0u; kr < K; kr++) {
-                    let k = K - 1u - kr;
-                    let r = (j * K + k) * BS;
-                    let Bn = bct[r + n];
-                    let Cn = bct[r + NG + n];
-                    let gg = Cn * dyp[k] + h;
-                    h = ek[k] * gg;
-                    let qv = ek[k] * sp[k];
-                    let sk = qv + dtu[k] * Bn;
-                    gb[k] += gg * Bn;
-                    gd[k] += gg * (a * qv + Bn * uu[k]);
-                    yp[k] += sk * Cn;
-                    v[k] = gg * dtu[k];
-                    v[K + k] = sk * dyp[k];
-                    da += gg * qv * dt[k];
-                }
-                xs[n * XS + tid] = da;   // this thread's slot, read above: reduced over segments below
-                // sum v over the segment's DB channel lanes: lane dl ends with the total of v[dl]
-                v = bfly_stage(v, 8u, 8u, dl, tid, QS);
-                v = bfly_stage(v, 4u, 4u, dl, tid, QS);
-                v = bfly_stage(v, 2u, 2u, dl, tid, QS);
-                v = bfly_stage(v, 1u, 1u, dl, tid, QS);
+                let e0 = exp(dt0 * a);
+                let e1 = exp(dt1 * a);
+                let b0 = bc4(n, 0u, j, 0u);
+                let b1 = bc4(n, 0u, j, 1u);
+                let c0 = bc4(n, 1u, j, 0u);
+                let c1 = bc4(n, 1u, j, 1u);
+                let p0 = du0 * b0;
+                let p1 = du1 * b1;
+                // states after each step, then before each step
+                let sa0 = walk4(xs[n * XS + tid], e0, p0);
+                let sa1 = walk4(sa0.w, e1, p1);
+                let sb0 = vec4<f32>(xs[n * XS + tid], sa0.xyz);
+                let sb1 = vec4<f32>(sa0.w, sa1.xyz);
+                // adjoint g_k = Cm_k dy'_k + e_{k+1} g_{k+1}, from the right
+                let cd0 = c0 * g0;
+                let cd1 = c1 * g1;
+                let a7 = cd1.w + hs[n * XS + tid];
+                let a6 = fma(e1.w, a7, cd1.z);
+                let a5 = fma(e1.z, a6, cd1.y);
+                let a4 = fma(e1.y, a5, cd1.x);
+                let a3 = fma(e1.x, a4, cd0.w);
+                let a2 = fma(e0.w, a3, cd0.z);
+                let a1 = fma(e0.z, a2, cd0.y);
+                let a0 = fma(e0.y, a1, cd0.x);
+                let ad0 = vec4<f32>(a0, a1, a2, a3);
+                let ad1 = vec4<f32>(a4, a5, a6, a7);
+                let q0 = e0 * sb0;   // decayed previous state
+                let q1 = e1 * sb1;
+                gb0 = fma(ad0, b0, gb0);
+                gb1 = fma(ad1, b1, gb1);
+                gd0 = fma(ad0, fma(vec4<f32>(a), q0, b0 * u0), gd0);
+                gd1 = fma(ad1, fma(vec4<f32>(a), q1, b1 * u1), gd1);
+                yp0 = fma(sa0, c0, yp0);
+                yp1 = fma(sa1, c1, yp1);
+                xs[n * XS + tid] = dot(ad0 * q0, dt0) + dot(ad1 * q1, dt1);   // dA term (slot read above)
+                // dBm = adjoint*dt*u and dCm = s*dy' summed over the segment's 16 channels:
+                // lane dl ends with value dl of (dBm steps 0..7, dCm steps 0..7)
+                let w8a = bfly(ad0 * du0, sa0 * g0, 8u, dl, tid, QS);
+                let w8b = bfly(ad1 * du1, sa1 * g1, 8u, dl, tid, QS);
+                let w4 = bfly(w8a, w8b, 4u, dl, tid, QS);
+                let w2 = bfly(vec4<f32>(w4.xy, 0.0, 0.0), vec4<f32>(w4.zw, 0.0, 0.0), 2u, dl, tid, QS);
+                let w1 = bfly(vec4<f32>(w2.x), vec4<f32>(w2.y), 1u, dl, tid, QS);
                 let t = c * T + j * K + dl % K;
                 if (t < P.L) {
-                    pbc[(dl / K) * P.pbc_half + ((b * P.L + t) * P.nblk + blk) * P.N + n0 + n] = v[0];
+                    pbc[(dl / K) * P.pbc_half + ((b * P.L + t) * P.nblk + blk) * P.N + n0 + n] = w1.x;
                 }
             }
             workgroupBarrier();
-            // dA_log partial of (b, d, n): sum over the segments, times A, over the chunks
-            for (var q = 0u; q < 2u; q++) {
-                let p = tid + q * WG;
-                let n = p / DB;
-                let dl2 = p % DB;
-                let d2 = blk * DB + dl2;
-                if (n < ng && d2 < P.Di) {
-                    var sa = 0.0;
-                    for (var jj = 0u; jj < SEG; jj++) { sa += xs[n * XS + jj * DB + dl2]; }
-                    let pa = P.off_pa + (b * P.Di + d2) * P.N + n0 + n;
-                    var prev = 0.0;
-                    if (cc > 0u) { prev = work[pa]; }
-                    work[pa] = prev + sa;
-                }
+            // dA_log partial of (b, d, n): this chunk's sum over the segments
+            var sa = 0.0;
+            var sb = 0.0;
+            for (var jj = 0u; jj < SEG; jj++) {
+                sa += xs[j * XS + jj * DB + dl];
+                sb += xs[min(j + 8u, NG - 1u) * XS + jj * DB + dl];
+            }
+            if (ngrp > 1u) {
+                let pa = P.off_pa + (b * P.Di + d) * P.N + n0;
+                if (live && j < ng) { work[pa + j] = select(0.0, work[pa + j], cc > 0u) + sa; }
+                if (live && j + 8u < ng) { work[pa + j + 8u] = select(0.0, work[pa + j + 8u], cc > 0u) + sb; }
+            } else {
+                da0 += sa;
+                da1 += sb;
             }
         }
+        out_bwd(b, t0, d, live, bias, Dd, dt0.x, gb0.x, gd0.x, yp0.x, g0.x, u0.x);
+        out_bwd(b, t0 + 1u, d, live, bias, Dd, dt0.y, gb0.y, gd0.y, yp0.y, g0.y, u0.y);
+        out_bwd(b, t0 + 2u, d, live, bias, Dd, dt0.z, gb0.z, gd0.z, yp0.z, g0.z, u0.z);
+        out_bwd(b, t0 + 3u, d, live, bias, Dd, dt0.w, gb0.w, gd0.w, yp0.w, g0.w, u0.w);
+        out_bwd(b, t0 + 4u, d, live, bias, Dd, dt1.x, gb1.x, gd1.x, yp1.x, g1.x, u1.x);
+        out_bwd(b, t0 + 5u, d, live, bias, Dd, dt1.y, gb1.y, gd1.y, yp1.y, g1.y, u1.y);
+        out_bwd(b, t0 + 6u, d, live, bias, Dd, dt1.z, gb1.z, gd1.z, yp1.z, g1.z, u1.z);
+        out_bwd(b, t0 + 7u, d, live, bias, Dd, dt1.w, gb1.w, gd1.w, yp1.w, g1.w, u1.w);
+        dsum += dot(g0, u0) + dot(g1, u1);
+    }
+    if (ngrp == 1u && live) {
+        let pa = P.off_pa + (b * P.Di + d) * P.N;
+        if (j < P.N) { work[pa + j] = da0; }
+        if (j + 8u < P.N) { work[pa + j + 8u] = da1; }
+    }
+    // dt_bias and D partials of (b, d): sum over the segments of ddelta (read back: each
+    // thread wrote its own) and of dy'*u
+    for (var cc = 0u; cc < P.nchk; cc++) {
+        let t0 = cc * T + j * K;
         for (var k = 0u; k < K; k++) {
-            if (live && t0 + k < P.L) {
-                let m = b * P.L + t0 + k;
-                let e = m * P.Di + d;
-                du[P.o_du + e] = dt[k] * gb[k] + Dd * dyp[k];
-                let dd = gd[k] * sigmoid(delta[P.o_delta + e] + bias);
-                ddelta[P.o_ddelta + e] = dd;
-                let zi = P.o_dxz + m * 2u * P.Di + P.Di + d;
-                dxz[zi] = dxz[zi] * (yp[k] + Dd * uu[k]);
-                bsum += dd;
-                dsum += dyp[k] * uu[k];
-            }
+            if (live && t0 + k < P.L) { bsum += ddelta[P.o_ddelta + (b * P.L + t0 + k) * P.Di + d]; }
         }
     }
-    // dt_bias and D partials of (b, d): sum over the segments
     workgroupBarrier();
     xs[tid] = bsum;
     hs[tid] = dsum;
@@ -459,6 +527,23 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
         }
         work[P.off_pb + b * P.Di + d] = sb;
         work[P.off_pd + b * P.Di + d] = sd;
+    }
+}
+
+fn in_g(b: u32, t: u32, d: u32, ok: bool) -> f32 {   // dy' from the prep pass
+    if (ok && t < P.L) { return du[P.o_du + (b * P.L + t) * P.Di + d]; }
+    return 0.0;
+}
+
+fn out_bwd(b: u32, t: u32, d: u32, ok: bool, bias: f32, Dd: f32, dt: f32, gb: f32, gd: f32, yp: f32,
+           g: f32, uu: f32) {
+    if (ok && t < P.L) {
+        let m = b * P.L + t;
+        let e = m * P.Di + d;
+        du[P.o_du + e] = fma(dt, gb, Dd * g);
+        ddelta[P.o_ddelta + e] = gd * sigmoid(delta[P.o_delta + e] + bias);
+        let zi = P.o_dxz + m * 2u * P.Di + P.Di + d;
+        dxz[zi] = dxz[zi] * fma(Dd, uu, yp);
     }
 }
 

@@ -6,5 +6,5 @@
 // invocations in this subgroup (call where all of them are active)
 fn sg_size() -> u32 { return subgroupAdd(1u); }
 // the value of the invocation whose subgroup index is this one's XOR mask
-fn sg_xor(v: f32, mask: u32) -> f32 { return subgroupShuffleXor(v, mask); }
 fn sg_xor_u(v: u32, mask: u32) -> u32 { return subgroupShuffleXor(v, mask); }
+fn sg_xor4(v: vec4<f32>, mask: u32) -> vec4<f32> { return subgroupShuffleXor(v, mask); }

@@ -2,5 +2,5 @@
 // so kernels that ask sg_size() take their workgroup-memory path.
 
 fn sg_size() -> u32 { return 1u; }
-fn sg_xor(v: f32, mask: u32) -> f32 { return v; }
 fn sg_xor_u(v: u32, mask: u32) -> u32 { return v; }
+fn sg_xor4(v: vec4<f32>, mask: u32) -> vec4<f32> { return v; }
