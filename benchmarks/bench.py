@@ -47,11 +47,9 @@ SHAPES = {
 # matmul_fast pipeline constants and split-K settings compared by --variants
 MATMUL_VARIANTS = {
     "default": {},
-    "BK8": {"constants": {"BK": 8}},
+    "no-fma": {"constants": {"FMA": 0}},
     "single-buffer": {"constants": {"DBUF": 0}},
-    "BK8-single-buffer": {"constants": {"BK": 8, "DBUF": 0}},
-    "no-split-K": {"mode": "nosplit"},
-    "split-K-1024": {"min_slice_k": 1024},
+    "BK8": {"constants": {"BK": 8}},
 }
 SCAN_VARIANTS = {"default": True, "workgroup-memory": False}   # scan.SUBGROUPS
 

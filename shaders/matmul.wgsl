@@ -122,6 +122,7 @@ struct FastParams {
 
 override BK: u32 = 16u;       // K per tile: 8 or 16
 override DBUF: bool = true;   // double-buffered workgroup memory
+override FMA: bool = true;    // fma() (one rounding, one instruction) rather than a*b + c
 // [buffer * 16 + k][32 vec4]: a k-row of the A tile (128 rows of C) / B tile (128 columns)
 var<workgroup> As4: array<array<vec4<f32>, 32>, 32>;
 var<workgroup> Bs4: array<array<vec4<f32>, 32>, 32>;
@@ -254,14 +255,25 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
             let a1 = As4[kb + k][16u + ty];
             let b0 = Bs4[kb + k][tx];
             let b1 = Bs4[kb + k][16u + tx];
-            c0 += a0.x * b0;  c1 += a0.x * b1;
-            c2 += a0.y * b0;  c3 += a0.y * b1;
-            c4 += a0.z * b0;  c5 += a0.z * b1;
-            c6 += a0.w * b0;  c7 += a0.w * b1;
-            c8 += a1.x * b0;  c9 += a1.x * b1;
-            c10 += a1.y * b0; c11 += a1.y * b1;
-            c12 += a1.z * b0; c13 += a1.z * b1;
-            c14 += a1.w * b0; c15 += a1.w * b1;
+            if (FMA) {
+                c0 = fma(vec4<f32>(a0.x), b0, c0);   c1 = fma(vec4<f32>(a0.x), b1, c1);
+                c2 = fma(vec4<f32>(a0.y), b0, c2);   c3 = fma(vec4<f32>(a0.y), b1, c3);
+                c4 = fma(vec4<f32>(a0.z), b0, c4);   c5 = fma(vec4<f32>(a0.z), b1, c5);
+                c6 = fma(vec4<f32>(a0.w), b0, c6);   c7 = fma(vec4<f32>(a0.w), b1, c7);
+                c8 = fma(vec4<f32>(a1.x), b0, c8);   c9 = fma(vec4<f32>(a1.x), b1, c9);
+                c10 = fma(vec4<f32>(a1.y), b0, c10); c11 = fma(vec4<f32>(a1.y), b1, c11);
+                c12 = fma(vec4<f32>(a1.z), b0, c12); c13 = fma(vec4<f32>(a1.z), b1, c13);
+                c14 = fma(vec4<f32>(a1.w), b0, c14); c15 = fma(vec4<f32>(a1.w), b1, c15);
+            } else {
+                c0 += a0.x * b0;  c1 += a0.x * b1;
+                c2 += a0.y * b0;  c3 += a0.y * b1;
+                c4 += a0.z * b0;  c5 += a0.z * b1;
+                c6 += a0.w * b0;  c7 += a0.w * b1;
+                c8 += a1.x * b0;  c9 += a1.x * b1;
+                c10 += a1.y * b0; c11 += a1.y * b1;
+                c12 += a1.z * b0; c13 += a1.z * b1;
+                c14 += a1.w * b0; c15 += a1.w * b1;
+            }
         }
         if (DBUF) {
             buf = 1u - buf;
