@@ -321,6 +321,30 @@ fn bfly(lo: vec4<f32>, hi: vec4<f32>, m: u32, dl: u32, tid: u32, qs: u32) -> vec
     return keep + got;
 }
 
+fn bfly2(lo: vec2<f32>, hi: vec2<f32>, m: u32, dl: u32, tid: u32, qs: u32) -> vec2<f32> {
+    let up = (dl & m) != 0u;
+    let keep = select(lo, hi, up);
+    let send = select(hi, lo, up);
+    if (m < qs) { return keep + sg_xor2(send, m); }
+    red[tid] = vec4<f32>(send, 0.0, 0.0);
+    workgroupBarrier();
+    let got = red[tid ^ m].xy;
+    workgroupBarrier();
+    return keep + got;
+}
+
+fn bfly1(lo: f32, hi: f32, m: u32, dl: u32, tid: u32, qs: u32) -> f32 {
+    let up = (dl & m) != 0u;
+    let keep = select(lo, hi, up);
+    let send = select(hi, lo, up);
+    if (m < qs) { return keep + sg_xor1(send, m); }
+    red[tid] = vec4<f32>(send, 0.0, 0.0, 0.0);
+    workgroupBarrier();
+    let got = red[tid ^ m].x;
+    workgroupBarrier();
+    return keep + got;
+}
+
 // scan (b, block): du, ddelta WRITE; dxz[:, Di..] = (dy*silu'(z) from prep) * y_pre WRITE;
 // dBm/dCm partial sums of the block -> pbc [2][M][nblk][N]; per-b partials of dA_log (over A),
 // of dt_bias and of D into work (summed over b by selective_scan_accumulate).
@@ -467,11 +491,11 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 let w8a = bfly(ad0 * du0, sa0 * g0, 8u, dl, tid, QS);
                 let w8b = bfly(ad1 * du1, sa1 * g1, 8u, dl, tid, QS);
                 let w4 = bfly(w8a, w8b, 4u, dl, tid, QS);
-                let w2 = bfly(vec4<f32>(w4.xy, 0.0, 0.0), vec4<f32>(w4.zw, 0.0, 0.0), 2u, dl, tid, QS);
-                let w1 = bfly(vec4<f32>(w2.x), vec4<f32>(w2.y), 1u, dl, tid, QS);
+                let w2 = bfly2(w4.xy, w4.zw, 2u, dl, tid, QS);
+                let w1 = bfly1(w2.x, w2.y, 1u, dl, tid, QS);
                 let t = c * T + j * K + dl % K;
                 if (t < P.L) {
-                    pbc[(dl / K) * P.pbc_half + ((b * P.L + t) * P.nblk + blk) * P.N + n0 + n] = w1.x;
+                    pbc[(dl / K) * P.pbc_half + ((b * P.L + t) * P.nblk + blk) * P.N + n0 + n] = w1;
                 }
             }
             workgroupBarrier();

@@ -8,3 +8,5 @@ fn sg_size() -> u32 { return subgroupAdd(1u); }
 // the value of the invocation whose subgroup index is this one's XOR mask
 fn sg_xor_u(v: u32, mask: u32) -> u32 { return subgroupShuffleXor(v, mask); }
 fn sg_xor4(v: vec4<f32>, mask: u32) -> vec4<f32> { return subgroupShuffleXor(v, mask); }
+fn sg_xor2(v: vec2<f32>, mask: u32) -> vec2<f32> { return subgroupShuffleXor(v, mask); }
+fn sg_xor1(v: f32, mask: u32) -> f32 { return subgroupShuffleXor(v, mask); }

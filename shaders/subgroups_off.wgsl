@@ -4,3 +4,5 @@
 fn sg_size() -> u32 { return 1u; }
 fn sg_xor_u(v: u32, mask: u32) -> u32 { return v; }
 fn sg_xor4(v: vec4<f32>, mask: u32) -> vec4<f32> { return v; }
+fn sg_xor2(v: vec2<f32>, mask: u32) -> vec2<f32> { return v; }
+fn sg_xor1(v: f32, mask: u32) -> f32 { return v; }
