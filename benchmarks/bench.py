@@ -44,12 +44,10 @@ SHAPES = {
     "mamba-130m": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24),
 }
 
-# matmul_fast pipeline constants and split-K settings compared by --variants
+# configurations compared by --variants (benchmarks/README.md has what earlier ones gave)
 MATMUL_VARIANTS = {
     "default": {},
-    "no-fma": {"constants": {"FMA": 0}},
-    "single-buffer": {"constants": {"DBUF": 0}},
-    "BK8": {"constants": {"BK": 8}},
+    "no-split-K": {"mode": "nosplit"},
 }
 SCAN_VARIANTS = {"default": True, "workgroup-memory": False}   # scan.SUBGROUPS
 
@@ -170,6 +168,7 @@ def bench_scan(rt, B, L, Di, N, R, variants=("default",)):
             r = _gpu_ms(rt, fn)
             r["gbps"] = nbytes[name] / (r["ms"] * 1e-3) / 1e9
             out[v][name] = r
+        out[v]["butterfly_lanes"] = scan_mod.butterfly_lanes(rt, B, L, Di, N)
     scan_mod.SUBGROUPS = True
     for t in (u, delta, xdbl, xz, dt_bias, A_log, D, y, states, dy, du, ddelta, ddt, dA, dD, dxdbl, dxz):
         rt.free(t)
@@ -277,15 +276,12 @@ def bench_matmul(rt, cases, torch, variants=("default",)):
         want = am[pick].astype(np.float64) @ bm.astype(np.float64)
         row["rel_err"] = float(np.abs(got[pick, :kw["N"]] - want).max() / np.abs(want).max())
         for v in variants:
-            cfg = MATMUL_VARIANTS[v]
-            mm.FAST_CONSTANTS = dict(cfg.get("constants", {}))
-            old_mode, old_min = mm._MODE, mm._MIN_SLICE_K
-            mm._MODE = cfg.get("mode", old_mode)
-            mm._MIN_SLICE_K = cfg.get("min_slice_k", old_min)
+            old_mode = mm._MODE
+            mm._MODE = MATMUL_VARIANTS[v].get("mode", old_mode)
             try:
                 r = _gpu_ms(rt, lambda rec: mm.matmul(rec, C, A, Bt, **kw), reps=5)
             finally:
-                mm.FAST_CONSTANTS, mm._MODE, mm._MIN_SLICE_K = {}, old_mode, old_min
+                mm._MODE = old_mode
             r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
             row[v] = r
         for t in (A, Bt, C):
@@ -335,6 +331,8 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False):
     from memengine.engine.trainer import Trainer
 
     cfg = MambaConfig(**SHAPES[shape])
+    rt.trim()
+    rt.peak_bytes = 0   # this row's high-water mark, not the process's
     model = MambaModel(rt, cfg, init_weights(cfg, 0))
     batch = _batch(cfg, B, L)
     o = TrainOptions(batch_size=B, seq_len=L)
@@ -481,7 +479,7 @@ def summary(res) -> list:
     mm = res.get("matmul") or []
     if mm:
         variants = [v for v in MATMUL_VARIANTS if v in mm[0]]
-        lines.append("matmul, a step's products (TFLOP/s; ratio = ours / cuBLAS fp32)")
+        lines.append("matmul, a step's products (TFLOP/s; ratio = ours / cuBLAS fp32, TF32 off)")
         for r in mm:
             cb = r.get("cublas", {}).get("tflops")
             line = f"  {r['name']:13s} " + " ".join(f"{v}={r[v]['tflops']:5.1f}" for v in variants)
@@ -561,7 +559,8 @@ def main(argv=None):
         for v in variants:
             r = res["scan"][v]
             print(f"scan {v}: forward {r['forward']['ms']:.3f} ms ({r['forward']['gbps']:.0f} GB/s), "
-                  f"backward {r['backward']['ms']:.3f} ms ({r['backward']['gbps']:.0f} GB/s)", flush=True)
+                  f"backward {r['backward']['ms']:.3f} ms ({r['backward']['gbps']:.0f} GB/s), "
+                  f"butterfly over {r['butterfly_lanes']} subgroup lanes", flush=True)
         save()
 
     if "matmul" in suites:

@@ -98,9 +98,10 @@ fn matmul_forward(@builtin(local_invocation_id) lid: vec3<u32>,
 // matmul_fast: the same product for operands whose rows start on 16-byte boundaries and
 // whose contiguous dimension is a multiple of 4 (every linear layer of a real model).
 // A 128x128 tile of C per workgroup of 256 threads, each thread an 8x8 register block
-// (two vec4 columns x eight rows); K walked in steps of BK through workgroup memory, which
-// is double-buffered (DBUF): the next tile's global loads are issued before this tile's
-// arithmetic and stored into the other buffer after it, so one barrier per tile.
+// (two vec4 columns x eight rows); K walked in steps of BK = 16 through workgroup memory,
+// the next tile's global loads issued before this tile's arithmetic (register prefetch).
+// (Measured on an H200: BK 8 was 12% slower; double-buffered workgroup memory and explicit
+// fma() gained nothing; benchmarks/README.md.)
 // fast flags: bit 0 accumulate, bit 1 bias, bit 2 A transposed (stored [K, lda], M
 // contiguous), bit 3 B transposed (stored [N, ldb], K contiguous).
 // Offsets and leading dimensions are in floats and are multiples of 4.
@@ -120,15 +121,13 @@ struct FastParams {
 @group(0) @binding(3) var<storage, read> bias1: array<f32>;
 @group(0) @binding(4) var<uniform> F: FastParams;
 
-override BK: u32 = 16u;       // K per tile: 8 or 16
-override DBUF: bool = true;   // double-buffered workgroup memory
-override FMA: bool = true;    // fma() (one rounding, one instruction) rather than a*b + c
-// [buffer * 16 + k][32 vec4]: a k-row of the A tile (128 rows of C) / B tile (128 columns)
-var<workgroup> As4: array<array<vec4<f32>, 32>, 32>;
-var<workgroup> Bs4: array<array<vec4<f32>, 32>, 32>;
+const BK: u32 = 16u;
+// [k][32 vec4]: a k-row of the A tile (128 rows of C) / of the B tile (128 columns of C)
+var<workgroup> As4: array<array<vec4<f32>, 32>, 16>;
+var<workgroup> Bs4: array<array<vec4<f32>, 32>, 16>;
 
-// Tile loads: BK x 128 floats of A (or B) = BK*32 vec4, BK/8 per thread; slot i of thread
-// tid is vec4 number e = tid + 256*i of the tile.
+// Tile loads: 16 x 128 floats of A (or B) = 512 vec4, two per thread: vec4 number
+// e = tid + 256*i of the tile.
 fn fast_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
     if ((F.flags & 4u) != 0u) {            // A^T stored [K, lda]: M contiguous
         let k = e / 32u;
@@ -137,9 +136,8 @@ fn fast_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
             return A4[(F.a_off + (k0 + k) * F.lda + row0 + mq * 4u) / 4u];
         }
     } else {                                // A stored [M, lda]: K contiguous
-        let kpr = BK / 4u;
-        let m = e / kpr;
-        let kq = e % kpr;
+        let m = e / 4u;
+        let kq = e % 4u;
         if (row0 + m < F.M && k0 + kq * 4u < k_hi) {
             return A4[(F.a_off + (row0 + m) * F.lda + k0 + kq * 4u) / 4u];
         }
@@ -147,14 +145,12 @@ fn fast_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
     return vec4<f32>(0.0);
 }
 
-fn fast_store_a(v: vec4<f32>, e: u32, buf: u32) {
-    let base = buf * 16u;
+fn fast_store_a(v: vec4<f32>, e: u32) {
     if ((F.flags & 4u) != 0u) {
-        As4[base + e / 32u][e % 32u] = v;
+        As4[e / 32u][e % 32u] = v;
     } else {
-        let kpr = BK / 4u;
-        let m = e / kpr;
-        let k = base + (e % kpr) * 4u;
+        let m = e / 4u;
+        let k = (e % 4u) * 4u;
         let q = m / 4u;
         let c = m % 4u;
         As4[k][q][c] = v.x;
@@ -166,9 +162,8 @@ fn fast_store_a(v: vec4<f32>, e: u32, buf: u32) {
 
 fn fast_load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f32> {
     if ((F.flags & 8u) != 0u) {            // B^T stored [N, ldb]: K contiguous
-        let kpr = BK / 4u;
-        let n = e / kpr;
-        let kq = e % kpr;
+        let n = e / 4u;
+        let kq = e % 4u;
         if (col0 + n < F.N && k0 + kq * 4u < k_hi) {
             return B4[(F.b_off + (col0 + n) * F.ldb + k0 + kq * 4u) / 4u];
         }
@@ -182,12 +177,10 @@ fn fast_load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f32> {
     return vec4<f32>(0.0);
 }
 
-fn fast_store_b(v: vec4<f32>, e: u32, buf: u32) {
-    let base = buf * 16u;
+fn fast_store_b(v: vec4<f32>, e: u32) {
     if ((F.flags & 8u) != 0u) {
-        let kpr = BK / 4u;
-        let n = e / kpr;
-        let k = base + (e % kpr) * 4u;
+        let n = e / 4u;
+        let k = (e % 4u) * 4u;
         let q = n / 4u;
         let c = n % 4u;
         Bs4[k][q][c] = v.x;
@@ -195,7 +188,7 @@ fn fast_store_b(v: vec4<f32>, e: u32, buf: u32) {
         Bs4[k + 2u][q][c] = v.z;
         Bs4[k + 3u][q][c] = v.w;
     } else {
-        Bs4[base + e / 32u][e % 32u] = v;
+        Bs4[e / 32u][e % 32u] = v;
     }
 }
 
@@ -220,73 +213,35 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
     var c8 = vec4<f32>(0.0); var c9 = vec4<f32>(0.0); var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
     var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0); var c14 = vec4<f32>(0.0); var c15 = vec4<f32>(0.0);
 
-    // the first tile into buffer 0; then per tile: issue the next tile's loads (registers),
-    // multiply this one, store the next one, barrier
-    let nl = BK / 8u;   // vec4 per thread and operand: 1 or 2
     var va0 = fast_load_a(k_lo, k_hi, row0, tid);
+    var va1 = fast_load_a(k_lo, k_hi, row0, tid + 256u);
     var vb0 = fast_load_b(k_lo, k_hi, col0, tid);
-    var va1 = vec4<f32>(0.0);
-    var vb1 = vec4<f32>(0.0);
-    if (nl > 1u) {
-        va1 = fast_load_a(k_lo, k_hi, row0, tid + 256u);
-        vb1 = fast_load_b(k_lo, k_hi, col0, tid + 256u);
-    }
-    fast_store_a(va0, tid, 0u);
-    fast_store_b(vb0, tid, 0u);
-    if (nl > 1u) {
-        fast_store_a(va1, tid + 256u, 0u);
-        fast_store_b(vb1, tid + 256u, 0u);
-    }
-    workgroupBarrier();
-    var buf = 0u;
+    var vb1 = fast_load_b(k_lo, k_hi, col0, tid + 256u);
     for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
-        let more = k0 + BK < k_hi;
-        if (more) {
+        fast_store_a(va0, tid);
+        fast_store_a(va1, tid + 256u);
+        fast_store_b(vb0, tid);
+        fast_store_b(vb1, tid + 256u);
+        workgroupBarrier();
+        if (k0 + BK < k_hi) {   // the next tile's loads, in flight during this tile's arithmetic
             va0 = fast_load_a(k0 + BK, k_hi, row0, tid);
+            va1 = fast_load_a(k0 + BK, k_hi, row0, tid + 256u);
             vb0 = fast_load_b(k0 + BK, k_hi, col0, tid);
-            if (nl > 1u) {
-                va1 = fast_load_a(k0 + BK, k_hi, row0, tid + 256u);
-                vb1 = fast_load_b(k0 + BK, k_hi, col0, tid + 256u);
-            }
+            vb1 = fast_load_b(k0 + BK, k_hi, col0, tid + 256u);
         }
-        let kb = buf * 16u;
         for (var k = 0u; k < BK; k++) {
-            let a0 = As4[kb + k][ty];
-            let a1 = As4[kb + k][16u + ty];
-            let b0 = Bs4[kb + k][tx];
-            let b1 = Bs4[kb + k][16u + tx];
-            if (FMA) {
-                c0 = fma(vec4<f32>(a0.x), b0, c0);   c1 = fma(vec4<f32>(a0.x), b1, c1);
-                c2 = fma(vec4<f32>(a0.y), b0, c2);   c3 = fma(vec4<f32>(a0.y), b1, c3);
-                c4 = fma(vec4<f32>(a0.z), b0, c4);   c5 = fma(vec4<f32>(a0.z), b1, c5);
-                c6 = fma(vec4<f32>(a0.w), b0, c6);   c7 = fma(vec4<f32>(a0.w), b1, c7);
-                c8 = fma(vec4<f32>(a1.x), b0, c8);   c9 = fma(vec4<f32>(a1.x), b1, c9);
-                c10 = fma(vec4<f32>(a1.y), b0, c10); c11 = fma(vec4<f32>(a1.y), b1, c11);
-                c12 = fma(vec4<f32>(a1.z), b0, c12); c13 = fma(vec4<f32>(a1.z), b1, c13);
-                c14 = fma(vec4<f32>(a1.w), b0, c14); c15 = fma(vec4<f32>(a1.w), b1, c15);
-            } else {
-                c0 += a0.x * b0;  c1 += a0.x * b1;
-                c2 += a0.y * b0;  c3 += a0.y * b1;
-                c4 += a0.z * b0;  c5 += a0.z * b1;
-                c6 += a0.w * b0;  c7 += a0.w * b1;
-                c8 += a1.x * b0;  c9 += a1.x * b1;
-                c10 += a1.y * b0; c11 += a1.y * b1;
-                c12 += a1.z * b0; c13 += a1.z * b1;
-                c14 += a1.w * b0; c15 += a1.w * b1;
-            }
-        }
-        if (DBUF) {
-            buf = 1u - buf;
-        } else {
-            workgroupBarrier();   // everyone is done with the only buffer
-        }
-        if (more) {
-            fast_store_a(va0, tid, buf);
-            fast_store_b(vb0, tid, buf);
-            if (nl > 1u) {
-                fast_store_a(va1, tid + 256u, buf);
-                fast_store_b(vb1, tid + 256u, buf);
-            }
+            let a0 = As4[k][ty];
+            let a1 = As4[k][16u + ty];
+            let b0 = Bs4[k][tx];
+            let b1 = Bs4[k][16u + tx];
+            c0 += a0.x * b0;  c1 += a0.x * b1;
+            c2 += a0.y * b0;  c3 += a0.y * b1;
+            c4 += a0.z * b0;  c5 += a0.z * b1;
+            c6 += a0.w * b0;  c7 += a0.w * b1;
+            c8 += a1.x * b0;  c9 += a1.x * b1;
+            c10 += a1.y * b0; c11 += a1.y * b1;
+            c12 += a1.z * b0; c13 += a1.z * b1;
+            c14 += a1.w * b0; c15 += a1.w * b1;
         }
         workgroupBarrier();
     }

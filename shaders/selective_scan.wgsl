@@ -376,8 +376,11 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
         if (m < sgs && other != (tid ^ m)) { okm = false; }
     }
     if (SUBGROUPS && okm) { qs = min(sgs, DB); }
+    if (tid == 0u) { atomicStore(&qs_w, 0u); }
+    workgroupBarrier();
     atomicMax(&qs_w, DB / qs);
     let QS = DB / workgroupUniformLoad(&qs_w);
+    if (wg == 0u && tid == 0u) { work[P.off_pd + P.B * P.Di] = f32(QS); }   // butterfly_lanes()
 
     var bsum = 0.0;   // this thread's sum of ddelta (-> dt_bias)
     var dsum = 0.0;   // and of dy'*u (-> D)

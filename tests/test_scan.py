@@ -239,3 +239,16 @@ def test_forward_saved_states(rt, shape):
     e = relerr(got, want)
     print(f"saved states {shape}: {e:.2e}")
     assert e < 1e-5
+
+
+def test_butterfly_takes_subgroups_where_there_are_some(rt, subgroups):
+    """The channel sums use subgroup shuffles across min(subgroup size, 16) lanes when the
+    adapter has subgroups (lavapipe: 8) and workgroup memory otherwise or when told to."""
+    shape = (1, 9, 20, 4, 2)
+    run_backward(rt, make_inputs(*shape, seed=2), *shape, raw=True)
+    lanes = scan_mod.butterfly_lanes(rt, *shape[:4])
+    print(f"butterfly lanes: {lanes} (subgroups={subgroups}, adapter has them: {rt.has_subgroups})")
+    if subgroups and rt.has_subgroups:
+        assert lanes in (2, 4, 8, 16)
+    else:
+        assert lanes == 1

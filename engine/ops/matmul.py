@@ -13,8 +13,6 @@ from ..gpu import Recorder, Tensor, bound, cdiv, pack
 # "reference" forces the plain kernel everywhere (the fast one must match it); "nosplit"
 # turns split-K off
 _MODE = os.environ.get("MEMENGINE_MATMUL", "auto")
-# pipeline-overridable constants of matmul_fast (BK, DBUF): the benchmark compares them
-FAST_CONSTANTS: dict = {}
 
 
 def _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tensors) -> bool:
@@ -92,7 +90,7 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
             part = rec.rt.scratch("matmul_splitk", (slices * M * N,))
             u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
             rec.dispatch("matmul", "matmul_fast", {0: part, 1: A, 2: B, 3: A, 4: u},
-                         (cdiv(N, 128), cdiv(M, 128), slices), FAST_CONSTANTS or None)
+                         (cdiv(N, 128), cdiv(M, 128), slices))
             u = rec.rt.uniform(pack("12I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, bias_off, 0))
             rec.dispatch("matmul", "matmul_splitk_reduce",
                          {0: C, 1: part, 3: bias if bias is not None else part, 4: u}, cdiv(M * N // 4, 256))
@@ -100,7 +98,7 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
         rec.dispatch("matmul", "matmul_fast",
                      {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
-                     (cdiv(N, 128), cdiv(M, 128), 1), FAST_CONSTANTS or None)
+                     (cdiv(N, 128), cdiv(M, 128), 1))
         return
     flags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if a_cs == 1 else 0) | (8 if b_cs == 1 else 0)
     u = rec.rt.uniform(pack("16I", M, N, K, flags, a_off, a_rs, a_cs, b_off,

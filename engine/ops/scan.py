@@ -57,7 +57,7 @@ def _layout(B, L, Di, N):
     off_pb = off_pa + B * Di * N          # dt_bias partials per (b, d)
     off_pd = off_pb + B * Di              # D partials per (b, d)
     return dict(M=M, nblk=nblk, nchk=nchk, off_st=off_st, off_hc=off_hc, off_pa=off_pa,
-                off_pb=off_pb, off_pd=off_pd, work_size=off_pd + B * Di, pbc_half=M * nblk * N)
+                off_pb=off_pb, off_pd=off_pd, work_size=off_pd + B * Di + 1, pbc_half=M * nblk * N)
 
 
 def _params(rec: Recorder, work: Tensor, dt_bias: Tensor, A_log: Tensor, D: Tensor, Di: int, N: int):
@@ -147,3 +147,11 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
         bo, oo = bound(rt, out)
         q = rt.uniform(pack("8I", n, B, base, stride, oo, scale_a, 0, 0))
         rec.dispatch(SHADER, "selective_scan_accumulate", {6: work, 13: bo, 15: q}, cdiv(n, 256))
+
+
+def butterfly_lanes(rt, B, L, Di, N) -> int:
+    """Diagnostic (a readback: benchmarks and tests only): how many channel lanes the last
+    backward at this shape summed with subgroup shuffles, 1 = all through workgroup memory."""
+    lay = _layout(int(B), int(L), int(Di), int(N))
+    work = rt.scratch("selective_scan.bwd_work", (lay["work_size"],))
+    return int(rt.read(work.view((1,), lay["work_size"] - 1))[0])
