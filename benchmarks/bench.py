@@ -56,13 +56,14 @@ def _median(xs):
     return float(np.median(np.asarray(xs)))
 
 
-def _cuda():
+def _torch():
+    """(torch, device): CUDA when it is there, else the CPU; (None, None) without torch."""
     try:
         import torch
 
-        return torch if torch.cuda.is_available() else None
+        return torch, ("cuda" if torch.cuda.is_available() else "cpu")
     except Exception:
-        return None
+        return None, None
 
 
 def _gpu_ms(rt, fn, reps=5, warmup=2):
@@ -93,18 +94,26 @@ def _gpu_ms(rt, fn, reps=5, warmup=2):
                 kernels=parts)
 
 
-def _cuda_ms(torch, fn, reps=10, warmup=3):
+def _torch_ms(torch, fn, reps=10, warmup=3):
+    """Median ms of fn(): CUDA events on a GPU, the wall clock on the CPU."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cuda = torch.cuda.is_available()
     ts = []
-    for _ in range(reps):
-        a.record()
-        fn()
-        b.record()
+    if cuda:
         torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        if cuda:
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
     return _median(ts)
 
 
@@ -206,8 +215,8 @@ def bench_scan_peer(torch, B, L, Di, N):
     def fb():
         f(); b()
 
-    fwd_ms = _cuda_ms(torch, f)
-    fb_ms = _cuda_ms(torch, fb)
+    fwd_ms = _torch_ms(torch, f)
+    fb_ms = _torch_ms(torch, fb)
     del holder
     torch.cuda.empty_cache()
     return dict(forward=dict(ms=fwd_ms), backward=dict(ms=fb_ms - fwd_ms), total_ms=fb_ms)
@@ -287,27 +296,30 @@ def bench_matmul(rt, cases, torch, variants=("default",)):
         for t in (A, Bt, C):
             rt.free(t)
         if torch is not None:
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
             torch.backends.cuda.matmul.allow_tf32 = False
-            ta = torch.from_numpy(a).cuda()
-            tb = torch.from_numpy(b).cuda()
+            ta = torch.from_numpy(a).to(dev)
+            tb = torch.from_numpy(b).to(dev)
             # the same transposes and input strides; the output contiguous (cuBLAS's best case)
             av = ta[:kw["K"], :kw["M"]].t() if kw.get("trans_a") else ta[:, :kw["K"]]
             bv = tb[:kw["N"], :kw["K"]].t() if kw.get("trans_b") else tb[:kw["K"], :kw["N"]]
-            tc = torch.zeros((kw["M"], kw["N"]), device="cuda")
+            tc = torch.zeros((kw["M"], kw["N"]), device=dev)
             if kw.get("acc"):
                 fn = lambda: tc.addmm_(av, bv)  # noqa: E731
             else:
                 fn = lambda: torch.mm(av, bv, out=tc)  # noqa: E731
-            ms = _cuda_ms(torch, fn)
-            row["cublas"] = dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+            ms = _torch_ms(torch, fn)
+            row["cublas" if dev == "cuda" else "torch_cpu"] = dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
             del ta, tb, tc, av, bv
-            torch.cuda.empty_cache()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
         rows.append(row)
         line = f"  {name:13s} {kw['M']:6d}x{kw['N']:5d}x{kw['K']:5d}"
         for v in variants:
-            line += f"  {v} {row[v]['tflops']:5.1f}"
-        if "cublas" in row:
-            line += f"  cuBLAS {row['cublas']['tflops']:5.1f} TFLOP/s ({row['default']['tflops'] / row['cublas']['tflops']:.2f}x)"
+            line += f"  {v} {row[v]['tflops']:5.2f}"
+        for key in ("cublas", "torch_cpu"):
+            if key in row:
+                line += f"  {key} {row[key]['tflops']:5.2f} TFLOP/s ({row['default']['tflops'] / row[key]['tflops']:.2f}x)"
         print(line + f"  err {row['rel_err']:.1e}", flush=True)
     rt.trim()
     return rows
@@ -360,7 +372,9 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False):
 
 
 def _torch_step(torch, model, fwd, V, ids, tg, prec, steps, warmup=2):
+    """tokens/s of a training step (forward, cross-entropy, backward, clip 1.0, AdamW)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    cuda = ids.is_cuda
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -373,19 +387,22 @@ def _torch_step(torch, model, fwd, V, ids, tg, prec, steps, warmup=2):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return loss
+        return loss.detach()
 
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
     B, L = ids.shape
-    return dict(tokens_per_s=B * L / dt, step_s=dt, loss=float(loss), peak_bytes=torch.cuda.max_memory_allocated())
+    return dict(tokens_per_s=B * L / dt, step_s=dt, loss=float(loss),
+                peak_bytes=torch.cuda.max_memory_allocated() if cuda else None)
 
 
 def bench_peer_train(torch, shape, B, L, prec, steps):
@@ -421,8 +438,9 @@ def bench_peer_train(torch, shape, B, L, prec, steps):
     return out
 
 
-def bench_slow_path_train(torch, shape, B, L, steps, device):
-    """transformers' MambaForCausalLM without the CUDA kernels: its Python loop over time."""
+def bench_torch_train(torch, shape, B, L, steps, device, warmup=1):
+    """transformers' MambaForCausalLM as installed, fp32 (TF32 off): without mamba-ssm
+    (and on the CPU) that is its pure-PyTorch loop over time steps, the slow path."""
     import transformers
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -432,26 +450,14 @@ def bench_slow_path_train(torch, shape, B, L, steps, device):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (B, L), generator=g).to(device)
     tg = torch.randint(0, cfg.vocab_size, (B, L), generator=g).to(device)
-    if device != "cuda":
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.01)
-        t0 = time.perf_counter()
-        for _ in range(steps + 1):
-            if _ == 1:
-                t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(m(input_ids=ids).logits.reshape(-1, cfg.vocab_size), tg.reshape(-1))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
-        dt = (time.perf_counter() - t0) / steps
-        return dict(tokens_per_s=B * L / dt, step_s=dt, loss=float(loss), peak_bytes=None)
     try:
-        out = _torch_step(torch, m, lambda x: m(input_ids=x).logits, cfg.vocab_size, ids, tg, "fp32", steps, warmup=1)
+        out = _torch_step(torch, m, lambda x: m(input_ids=x).logits, cfg.vocab_size, ids, tg, "fp32", steps, warmup)
     except torch.OutOfMemoryError as e:
         out = dict(error="CUDA out of memory: " + str(e)[:120])
     del m
     gc.collect()
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -479,25 +485,26 @@ def summary(res) -> list:
     mm = res.get("matmul") or []
     if mm:
         variants = [v for v in MATMUL_VARIANTS if v in mm[0]]
-        lines.append("matmul, a step's products (TFLOP/s; ratio = ours / cuBLAS fp32, TF32 off)")
+        lines.append("matmul (TFLOP/s; ratio = ours / torch fp32: cuBLAS with TF32 off, or torch on the CPU)")
         for r in mm:
-            cb = r.get("cublas", {}).get("tflops")
-            line = f"  {r['name']:13s} " + " ".join(f"{v}={r[v]['tflops']:5.1f}" for v in variants)
-            if cb:
-                line += f"  cuBLAS={cb:5.1f}  {r['default']['tflops'] / cb:.2f}x"
+            line = f"  {r['name']:13s} " + " ".join(f"{v}={r[v]['tflops']:6.2f}" for v in variants)
+            for key in ("cublas", "torch_cpu"):
+                if key in r:
+                    line += f"  {key}={r[key]['tflops']:6.2f}  {r['default']['tflops'] / r[key]['tflops']:.2f}x"
             lines.append(line)
         tot = {v: sum(r["calls"] * r[v]["ms"] for r in mm) for v in variants}
         line = "  step total ms: " + " ".join(f"{v}={tot[v]:.1f}" for v in variants)
-        if all("cublas" in r for r in mm):
-            cbt = sum(r["calls"] * r["cublas"]["ms"] for r in mm)
-            line += f"  cuBLAS={cbt:.1f}  ours/cuBLAS time {cbt / tot['default']:.2f}x"
+        for key in ("cublas", "torch_cpu"):
+            if all(key in r for r in mm):
+                cbt = sum(r["calls"] * r[key]["ms"] for r in mm)
+                line += f"  {key}={cbt:.1f}  {key}/ours time {cbt / tot['default']:.2f}x"
         lines.append(line)
     for row in res.get("train", []):
         me = row.get("memengine", {})
         line = f"train {row['shape']} B={row['B']} L={row['L']}: memengine {me.get('tokens_per_s', 0):8.0f} tok/s"
         if me.get("peak_bytes"):
             line += f" ({me['peak_bytes'] / 2**30:.1f} GiB)"
-        for key in ("mamba_ssm_fp32", "mamba_ssm_bf16", "slow_path"):
+        for key in ("mamba_ssm_fp32", "mamba_ssm_bf16", "slow_path", "torch_cpu"):
             p = row.get(key)
             if not p:
                 continue
@@ -531,7 +538,8 @@ def main(argv=None):
                     help="seconds to wait for mamba-ssm to become importable (a build in the background)")
     ap.add_argument("--peer-ready", default="", help="a file the background build creates when it is done")
     ap.add_argument("--bf16-batches", default="8", help="batch sizes at which mamba-ssm bf16 runs too")
-    ap.add_argument("--slow-path", default="", help="B,L at which to time transformers' slow path (e.g. 1,512)")
+    ap.add_argument("--slow-path", default="", help="CUDA: B,L at which to time transformers' slow path too (e.g. 1,512)")
+    ap.add_argument("--no-torch", action="store_true", help="no PyTorch peer at all")
     ap.add_argument("--out", default="bench-results.json")
     ap.add_argument("--variants", action="store_true", help="also time the kernel configurations that are not the default")
     ap.add_argument("--profile", action="store_true", help="time the first train row's step kernel by kernel")
@@ -540,13 +548,17 @@ def main(argv=None):
     from memengine.engine.gpu import get_runtime
 
     rt = get_runtime(a.device)
-    torch = _cuda()
+    torch, tdev = (None, None) if a.no_torch else _torch()
+    cuda = tdev == "cuda"
+    if tdev == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
     suites = {"scan", "matmul", "train"} if a.suite == "all" else set(a.suite.split(","))
     res = dict(adapter=rt.describe(), host=platform.node(), cpus=os.cpu_count(), features=rt.capabilities()["features"],
-               torch_cuda=torch.cuda.get_device_name() if torch else None, train=[], matmul=[], scan={})
-    print(f"adapter: {rt.describe()}  features: {res['features']}  CUDA: {res['torch_cuda']}", flush=True)
+               torch_device=torch.cuda.get_device_name() if cuda else tdev, train=[], matmul=[], scan={})
+    print(f"adapter: {rt.describe()}  features: {res['features']}  torch: {res['torch_device']}", flush=True)
     cpu = rt.adapter_type.lower() == "cpu"
-    shape = a.shapes.split(",")[-1]
+    shapes = a.shapes.split(",")
+    shape = shapes[-1]
 
     def save():   # after every suite: a run cut short keeps what it measured
         with open(a.out, "w") as f:
@@ -574,28 +586,31 @@ def main(argv=None):
         save()
 
     if "train" in suites:
-        for L in [int(x) for x in a.seq.split(",")]:
-            for B in [int(x) for x in a.batch.split(",")]:
-                row = dict(shape=shape, B=B, L=L)
-                prof = a.profile and not res.get("profile")
-                try:
-                    row["memengine"] = bench_memengine_train(rt, shape, B, L, a.steps, profile=prof)
-                except Exception as e:
-                    row["memengine"] = dict(error=str(e)[:300])
-                if prof and "profile" in row["memengine"]:
-                    res["profile"] = row["memengine"].pop("profile")
-                    res["profile_of"] = f"{shape} B={B} L={L}"
-                res["train"].append(row)
-                print(f"train {shape} B={B} L={L}: memengine {row['memengine'].get('tokens_per_s', 0):.0f} tok/s", flush=True)
-                save()
-        if a.slow_path and torch is not None:
+        for sh in shapes:
+            for L in [int(x) for x in a.seq.split(",")]:
+                for B in [int(x) for x in a.batch.split(",")]:
+                    row = dict(shape=sh, B=B, L=L)
+                    prof = a.profile and not res.get("profile")
+                    try:
+                        row["memengine"] = bench_memengine_train(rt, sh, B, L, a.steps, profile=prof)
+                    except Exception as e:
+                        row["memengine"] = dict(error=str(e)[:300])
+                    if prof and "profile" in row["memengine"]:
+                        res["profile"] = row["memengine"].pop("profile")
+                        res["profile_of"] = f"{sh} B={B} L={L}"
+                    if tdev == "cpu":   # the CPU peer: always
+                        row["torch_cpu"] = bench_torch_train(torch, sh, B, L, a.steps, "cpu")
+                    res["train"].append(row)
+                    print(f"train {sh} B={B} L={L}: memengine {row['memengine'].get('tokens_per_s', 0):.0f} tok/s", flush=True)
+                    save()
+        if a.slow_path and cuda:
             B, L = (int(x) for x in a.slow_path.split(","))
             row = dict(shape=shape, B=B, L=L, memengine=bench_memengine_train(rt, shape, B, L, a.steps))
-            row["slow_path"] = bench_slow_path_train(torch, shape, B, L, 1, "cuda")
+            row["slow_path"] = bench_torch_train(torch, shape, B, L, 1, "cuda")
             res["train"].append(row)
 
     # the peer last: it may still be building in the background
-    if torch is not None and ("train" in suites or "scan" in suites):
+    if cuda and ("train" in suites or "scan" in suites):
         rt.trim()
         gc.collect()
         if peer_mamba_ssm(a.peer_wait, a.peer_ready) is not None:
@@ -605,9 +620,9 @@ def main(argv=None):
             for row in res["train"]:
                 if "slow_path" in row:
                     continue
-                row["mamba_ssm_fp32"] = bench_peer_train(torch, shape, row["B"], row["L"], "fp32", a.peer_steps)
+                row["mamba_ssm_fp32"] = bench_peer_train(torch, row["shape"], row["B"], row["L"], "fp32", a.peer_steps)
                 if str(row["B"]) in a.bf16_batches.split(","):
-                    row["mamba_ssm_bf16"] = bench_peer_train(torch, shape, row["B"], row["L"], "bf16", a.peer_steps)
+                    row["mamba_ssm_bf16"] = bench_peer_train(torch, row["shape"], row["B"], row["L"], "bf16", a.peer_steps)
 
     save()
     print("\n".join(summary(res)))
