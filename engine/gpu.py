@@ -15,6 +15,11 @@ Conventions every kernel wrapper follows:
   (AdamW's b1^t) go through `Runtime.write` into a buffer made once.
 * Grids larger than 65535 workgroups are folded into (x, y): kernels compute their
   linear workgroup id as ``wid.x + wid.y * nwg.x`` and bounds-check.
+* A tensor may be larger than one storage binding (`Runtime.max_binding`): wrappers split
+  their call into ranges with `split()` so that every window they bind fits, and bind
+  views of the ranges.  When everything fits, `split()` returns one range and the call is
+  recorded exactly as without it.  `MEMENGINE_MAX_BINDING_BYTES` / `MEMENGINE_MAX_BUFFER_BYTES`
+  lower the adapter's limits (tests force tiny ones so every tensor is split).
 """
 
 from __future__ import annotations
@@ -33,6 +38,30 @@ from .errors import MemengineError, NoAdapterError
 
 _DTYPES = {"f32": np.float32, "u32": np.uint32, "i32": np.int32}
 MAX_GROUPS = 65535
+# environment variables that lower the adapter's limits (bytes; K/M/G suffixes = KiB/MiB/GiB)
+ENV_MAX_BINDING = "MEMENGINE_MAX_BINDING_BYTES"
+ENV_MAX_BUFFER = "MEMENGINE_MAX_BUFFER_BYTES"
+MIN_FORCED_LIMIT = 1024
+
+
+def parse_bytes(text: str, what: str) -> int:
+    """'4096', '64K', '128M', '2G' (binary units) -> bytes; MemengineError naming `what`."""
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
+    if mult > 1:
+        t = t[:-1]
+    try:
+        n = int(float(t) * mult)
+    except (ValueError, OverflowError):
+        raise MemengineError(f"{what}={text!r}: expected a number of bytes (e.g. 65536, 64K, 128M)") from None
+    if n < 1:
+        raise MemengineError(f"{what}={text!r}: must be a positive number of bytes")
+    return n
+
+
+def env_bytes(name: str) -> int | None:
+    v = os.environ.get(name, "").strip()
+    return parse_bytes(v, name) if v else None
 
 
 def _quiet_environment(verbose: bool) -> None:
@@ -188,6 +217,74 @@ def choose_adapter(request: str = "auto", verbose: bool = False):
     return max(cands, key=score)
 
 
+class BindingError(MemengineError):
+    """A single unit of work (a row, a sequence) does not fit one storage binding."""
+
+
+def split(rt: "Runtime", total: int, windows, *, step: int = 1, unit: str = "unit") -> list[tuple[int, int]]:
+    """Cut `total` units of a call into consecutive (start, count) ranges whose bindings fit.
+
+    `windows(n)` gives the byte sizes of the storage windows a call over n units binds
+    (monotone in n).  Every window must fit `rt.max_binding` after `bound()` moves its start
+    down to the offset alignment.  When the whole call fits this is ``[(0, total)]``, so the
+    caller records exactly what it would without splitting.  Counts are multiples of `step`
+    (the last one excepted) where a step fits, else any count.  When one unit alone does not
+    fit, BindingError names it (`unit`) and the sizes.
+    """
+    total = int(total)
+    limit = rt.max_binding - (rt.storage_align - 4)
+
+    def ok(n: int) -> bool:
+        return all(int(b) <= limit for b in windows(n))
+
+    if total <= 1 or ok(total):
+        if total >= 1 and not ok(total):
+            _refuse(rt, windows(1), unit)
+        return [(0, total)] if total > 0 else []
+    if not ok(1):
+        _refuse(rt, windows(1), unit)
+    g = step if step > 1 and ok(step) else 1
+    lo, hi = 1, (total - 1) // g  # multiples of g: lo fits, hi+1 units of g would be >= total
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid * g):
+            lo = mid
+        else:
+            hi = mid - 1
+    n = lo * g
+    return [(s, min(n, total - s)) for s in range(0, total, n)]
+
+
+def _refuse(rt: "Runtime", sizes, unit: str):
+    need = max(int(b) for b in sizes)
+    raise BindingError(
+        f"{unit} needs {fmt_bytes(need)} in one storage binding but the adapter allows "
+        f"{fmt_bytes(rt.max_binding)} per binding")
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def rows(t: Tensor, r0: int, n: int) -> Tensor:
+    """Rows [r0, r0+n) along the first dimension of a row-major tensor."""
+    per = t.numel // int(t.shape[0]) if t.shape and t.shape[0] else 1
+    out = Tensor(t.buffer, (int(n),) + tuple(t.shape[1:]), t.dtype, t.offset + 4 * int(r0) * per, t.name)
+    assert out.offset + out.nbytes <= t.offset + t.nbytes, "rows past the end of its tensor"
+    return out
+
+
+def span(t: Tensor, start: int, n: int) -> Tensor:
+    """Elements [start, start+n) of t, flat."""
+    out = Tensor(t.buffer, (int(n),), t.dtype, t.offset + 4 * int(start), t.name)
+    assert out.offset + out.nbytes <= t.offset + t.nbytes, "span past the end of its tensor"
+    return out
+
+
 class Runtime:
     """One WebGPU device plus caches. Create with `get_runtime()`."""
 
@@ -222,8 +319,11 @@ class Runtime:
         with _silence_fd2(not verbose):
             self.device = self.adapter.request_device_sync(required_features=feats, required_limits=want)
         self.limits = dict(self.device.limits)
-        self.max_binding = int(self.limits["max-storage-buffer-binding-size"])
-        self.max_buffer = int(self.limits["max-buffer-size"])
+        self.adapter_max_binding = int(self.limits["max-storage-buffer-binding-size"])
+        self.adapter_max_buffer = int(self.limits["max-buffer-size"])
+        self.max_binding = self.adapter_max_binding
+        self.max_buffer = self.adapter_max_buffer
+        self.apply_env_limits()
         self.uniform_align = int(self.limits.get("min-uniform-buffer-offset-alignment", 256))
         self.storage_align = int(self.limits.get("min-storage-buffer-offset-alignment", 256))
         self._modules: dict = {}
@@ -234,6 +334,32 @@ class Runtime:
         self._scratch: dict = {}
         self.bytes_allocated = 0
         self.peak_bytes = 0
+
+    # ------------------------------------------------------------------ limits
+    def set_limits(self, binding: int | None = None, buffer: int | None = None) -> None:
+        """Use at most `binding` bytes per storage binding and `buffer` bytes per buffer
+        (None: the adapter's own).  Limits can only be lowered, never raised."""
+        buf = self.adapter_max_buffer if buffer is None else min(int(buffer), self.adapter_max_buffer)
+        bind = self.adapter_max_binding if binding is None else min(int(binding), self.adapter_max_binding)
+        for name, v in (("buffer", buf), ("binding", bind)):
+            if v < MIN_FORCED_LIMIT:
+                raise MemengineError(f"the forced {name} limit must be at least {MIN_FORCED_LIMIT} bytes (got {v})")
+        self.max_buffer = buf & ~3
+        self.max_binding = min(bind, buf) & ~3
+
+    def apply_env_limits(self) -> None:
+        """Apply MEMENGINE_MAX_BINDING_BYTES / MEMENGINE_MAX_BUFFER_BYTES (unset: the adapter's)."""
+        self.set_limits(env_bytes(ENV_MAX_BINDING), env_bytes(ENV_MAX_BUFFER))
+
+    @contextlib.contextmanager
+    def forced_limits(self, binding: int | None = None, buffer: int | None = None):
+        """Temporarily lower the limits (tests: make every tensor split)."""
+        saved = (self.max_binding, self.max_buffer)
+        self.set_limits(binding, buffer)
+        try:
+            yield self
+        finally:
+            self.max_binding, self.max_buffer = saved
 
     # ------------------------------------------------------------------ description
     def describe(self) -> str:
@@ -294,11 +420,20 @@ class Runtime:
         return u.STORAGE | u.COPY_SRC | u.COPY_DST
 
     def check_size(self, nbytes: int, what: str = "tensor") -> None:
-        if nbytes > self.max_binding:
+        """One buffer must fit the adapter's largest buffer (bindings are split by the ops;
+        `engine.plan` refuses oversized runs, with advice, before anything is uploaded)."""
+        if nbytes > self.max_buffer:
             raise MemengineError(
-                f"{what} needs {nbytes / 2**20:.1f} MiB in one GPU buffer but the adapter allows "
-                f"{self.max_binding / 2**20:.1f} MiB per storage binding; use a smaller --seq-len or --batch-size"
-            )
+                f"{what} needs {fmt_bytes(nbytes)} in one GPU buffer but the adapter's largest "
+                f"buffer is {fmt_bytes(self.max_buffer)}")
+
+    def create_buffer(self, nbytes: int, label: str = ""):
+        """A new storage buffer (counted in bytes_allocated / peak_bytes)."""
+        self.check_size(nbytes, label or "tensor")
+        buf = self.device.create_buffer(label=label, size=nbytes, usage=self._usage())
+        self.bytes_allocated += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
+        return buf
 
     def empty(self, shape, dtype: str = "f32", name: str = "") -> Tensor:
         shape = tuple(int(s) for s in shape)
@@ -309,12 +444,7 @@ class Runtime:
         self.check_size(nbytes, name or "tensor")
         key = (nbytes,)
         free = self._pool.get(key)
-        if free:
-            buf = free.pop()
-        else:
-            buf = self.device.create_buffer(label=name, size=nbytes, usage=self._usage())
-            self.bytes_allocated += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
+        buf = free.pop() if free else self.create_buffer(nbytes, name)
         return Tensor(buf, shape, dtype, 0, name)
 
     def zeros(self, shape, dtype: str = "f32", name: str = "") -> Tensor:
@@ -613,4 +743,6 @@ def get_runtime(device: str | None = None, verbose: bool = False) -> Runtime:
     if rt is None:
         rt = Runtime(request, verbose)
         _RUNTIMES[request] = rt
+    else:
+        rt.apply_env_limits()
     return rt

@@ -14,9 +14,10 @@ falcon_mamba (`FalconMambaForCausalLM`) differs in one place: dt_low, B and C (t
 column slices of xdbl) each pass a weightless RMS norm (eps `mixer_rms_eps`) before dt_proj
 and the scan use them; the normalised copy is `xdbl_n` (for mamba the same buffer as xdbl).
 
-All parameters live in one flat f32 buffer (`Params`), all gradients in another of the
-same layout (the same dataclass of views), so the gradient buffer is cleared with one
-command and the optimizer addresses both by name.
+All parameters live in flat f32 buffers (`FlatStore`: one, or several when the model is
+larger than the adapter's largest buffer), all gradients in a store of the same layout (the
+same dataclass of views, made on first use), so the gradients are cleared with one command
+per buffer and the optimizer addresses both by name.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from .config import MambaConfig, check_kernel_limits, expected_shapes
 from .errors import MemengineError
-from .gpu import Recorder, Runtime, Tensor
+from .gpu import Recorder, Runtime, Tensor, fmt_bytes
 from .ops.conv1d import conv1d_backward, conv1d_forward
 from .ops.cross_entropy import cross_entropy
 from .ops.embedding import EmbeddingBackward, embedding_forward
@@ -78,30 +79,71 @@ _LAYER_FIELDS = {
 }
 
 
+def store_layout(shapes: dict, align: int, max_bytes: int) -> tuple[dict, list]:
+    """Where each tensor of a FlatStore goes: ({name: (segment, element offset)}, [segment
+    sizes in elements]).  Views start on the storage-offset alignment (`align` elements);
+    a new segment (buffer) starts when the next tensor would pass `max_bytes`.  A tensor
+    larger than `max_bytes` is refused (one buffer must hold it)."""
+    where: dict = {}
+    sizes = [0]
+    for name, shape in shapes.items():
+        n = int(np.prod(shape)) if len(shape) else 1
+        if 4 * n > max_bytes:
+            raise MemengineError(
+                f"tensor {name} needs {fmt_bytes(4 * n)} in one GPU buffer but the adapter's largest "
+                f"buffer is {fmt_bytes(max_bytes)}; this adapter cannot hold it (no option makes a "
+                "weight smaller)")
+        off = (sizes[-1] + align - 1) // align * align
+        if 4 * (off + n) > max_bytes:
+            sizes.append(0)
+            off = 0
+        where[name] = (len(sizes) - 1, off)
+        sizes[-1] = off + n
+    return where, [max(n, 1) for n in sizes]
+
+
 class FlatStore:
-    """Named views into one flat f32 buffer, each aligned for binding."""
+    """Named views into flat f32 buffers (segments), each view aligned for binding.
+
+    Usually one segment; a model larger than the adapter's largest buffer gets several
+    (`store_layout`).  Parameters and gradients share the layout, so the optimizer and the
+    gradient clear address both by name / segment."""
 
     def __init__(self, rt: Runtime, shapes: dict, label: str):
-        align = rt.storage_align // 4
-        self.offsets: dict[str, int] = {}
-        off = 0
-        for name, shape in shapes.items():
-            off = (off + align - 1) // align * align
-            self.offsets[name] = off
-            off += int(np.prod(shape)) if len(shape) else 1
-        self.numel = max(off, 1)
-        if 4 * self.numel > rt.max_buffer:
-            raise MemengineError(
-                f"{label}: {4 * self.numel / 2**20:.0f} MiB exceeds the adapter's largest buffer "
-                f"({rt.max_buffer / 2**20:.0f} MiB)")
-        buf = rt.device.create_buffer(label=label, size=4 * self.numel,
-                                      usage=rt.wgpu.BufferUsage.STORAGE | rt.wgpu.BufferUsage.COPY_SRC
-                                      | rt.wgpu.BufferUsage.COPY_DST)
-        self.flat = Tensor(buf, (self.numel,), "f32", 0, label)
-        self.views = {name: Tensor(buf, tuple(shape), "f32", 4 * self.offsets[name], name)
-                      for name, shape in shapes.items()}
-        for name, t in self.views.items():
-            rt.check_size(t.nbytes, f"tensor {name}")
+        self.rt = rt
+        self.shapes = {n: tuple(s) for n, s in shapes.items()}
+        self.where, sizes = store_layout(self.shapes, rt.storage_align // 4, rt.max_buffer)
+        self.segments = [Tensor(rt.create_buffer(4 * n, f"{label}{i}"), (n,), "f32", 0, f"{label}{i}")
+                         for i, n in enumerate(sizes)]
+        self.views = {name: Tensor(self.segments[seg].buffer, shape, "f32", 4 * off, name)
+                      for name, shape in self.shapes.items() for seg, off in [self.where[name]]}
+
+    def clear(self, rec: Recorder) -> None:
+        for t in self.segments:
+            rec.clear(t)
+
+    def write(self, tensors: dict) -> None:
+        """Upload every tensor (host arrays by name), one segment at a time."""
+        for i, seg in enumerate(self.segments):
+            flat = np.zeros(seg.numel, np.float32)
+            for name, (s, off) in self.where.items():
+                if s == i:
+                    a = np.asarray(tensors[name], dtype=np.float32).reshape(-1)
+                    flat[off:off + a.size] = a
+            self.rt.write(seg, flat)
+
+    def read(self) -> dict:
+        """Every tensor, read back (one readback per segment)."""
+        out = {}
+        for i, seg in enumerate(self.segments):
+            flat = self.rt.read(seg)
+            for name, (s, off) in self.where.items():
+                if s == i:
+                    shape = self.shapes[name]
+                    n = int(np.prod(shape)) if len(shape) else 1
+                    out[name] = flat[off:off + n].copy()
+            del flat
+        return out
 
 
 def _structured(cfg: MambaConfig, views: dict) -> Params:
@@ -181,14 +223,28 @@ class MambaModel:
         self.gpu_shapes = {n: (tuple(s[:1]) + tuple(s[2:]) if n.endswith("conv1d.weight") else tuple(s))
                            for n, s in self.shapes.items()}
         self.P = FlatStore(rt, self.gpu_shapes, "params")
-        self.G = FlatStore(rt, self.gpu_shapes, "grads")
         self.params = _structured(config, self.P.views)
-        self.grads = _structured(config, self.G.views)
+        self._G: FlatStore | None = None
+        self._grads: Params | None = None
         self.load_state_dict(tensors)
         self._ws: dict = {}
         self._acc = rt.empty((4,), name="accumulators")
         R, N = config.dt_rank, config.state_size
         self._mixer_ones = rt.upload(np.ones(max(R, N), np.float32), name="mixer_norm_ones") if config.is_falcon else None
+
+    @property
+    def G(self) -> FlatStore:
+        """The gradient store (same layout as the parameters), made when first needed:
+        evaluation never allocates it."""
+        if self._G is None:
+            self._G = FlatStore(self.rt, self.gpu_shapes, "grads")
+            self._grads = _structured(self.cfg, self._G.views)
+        return self._G
+
+    @property
+    def grads(self) -> Params:
+        self.G  # noqa: B018 (made on first use)
+        return self._grads
 
     @classmethod
     def from_checkpoint(cls, rt: Runtime, ckpt) -> "MambaModel":
@@ -196,30 +252,22 @@ class MambaModel:
 
     # ------------------------------------------------------------------ weights
     def load_state_dict(self, tensors: dict) -> None:
-        flat = np.zeros(self.P.numel, np.float32)
         for name, shape in self.shapes.items():
             if name not in tensors:
                 raise MemengineError(f"missing tensor {name}")
-            a = np.asarray(tensors[name], dtype=np.float32)
+            a = np.asarray(tensors[name])
             if tuple(a.shape) != tuple(shape):
                 raise MemengineError(f"tensor {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
-            off = self.P.offsets[name]
-            flat[off:off + a.size] = a.reshape(-1)
-        self.rt.write(self.P.flat, flat)
+        self.P.write(tensors)
 
-    def _unflatten(self, flat: np.ndarray) -> dict:
-        out = {}
-        for name, shape in self.shapes.items():
-            off = self.P.offsets[name]
-            n = int(np.prod(shape))
-            out[name] = flat[off:off + n].reshape(shape).copy()
-        return out
+    def _shaped(self, flat: dict) -> dict:
+        return {name: flat[name].reshape(shape) for name, shape in self.shapes.items()}
 
     def state_dict(self) -> dict:
-        return self._unflatten(self.rt.read(self.P.flat))
+        return self._shaped(self.P.read())
 
     def grad_dict(self) -> dict:
-        return self._unflatten(self.rt.read(self.G.flat))
+        return self._shaped(self.G.read())
 
     def trainable_names(self, wsla: bool = False) -> list:
         if not wsla:
@@ -379,7 +427,7 @@ class MambaModel:
         if "backbone.embeddings.weight" in trainable:
             ws.emb_back.prepare(ids)
         if clear:
-            rec.clear(self.G.flat)
+            self.G.clear(rec)
         self.record_forward(rec, ws)
         self.record_loss(rec, ws, want_grad=True, train_head=self._head_name() in trainable)
         sum_into(rec, loss_acc, ws.loss_rows, scale_tensor=ws.scale)
