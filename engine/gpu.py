@@ -41,7 +41,7 @@ MAX_GROUPS = 65535
 # environment variables that lower the adapter's limits (bytes; K/M/G suffixes = KiB/MiB/GiB)
 ENV_MAX_BINDING = "MEMENGINE_MAX_BINDING_BYTES"
 ENV_MAX_BUFFER = "MEMENGINE_MAX_BUFFER_BYTES"
-MIN_FORCED_LIMIT = 1024
+MIN_FORCED_LIMIT = 4096
 
 
 def parse_bytes(text: str, what: str) -> int:

@@ -4,6 +4,8 @@
   reduction, shaders/reduce.wgsl) and the clip factor.
 * `AdamW` – one fused kernel dispatch per parameter (shaders/adamw.wgsl), moments keyed by
   parameter NAME (SPEC section 4), per-step uniforms in one persistent uniform buffer.
+  A parameter larger than one storage binding is stepped in element ranges (one dispatch
+  and one uniform slot each).
 
 Typical step (one `Recorder`, one submit per step)::
 
@@ -18,8 +20,8 @@ import struct
 
 import numpy as np
 
-from .gpu import Tensor, Uniform, cdiv, grid, pack
-from .ops.reduce import count_partials, partials_scratch, record_partials
+from .gpu import Tensor, Uniform, cdiv, grid, pack, span, split
+from .ops.reduce import count_partials, finish_window, partials_scratch, record_partials
 
 _ADAM_FMT = "<I11f"  # u32 count, f32 lr b1 b2 eps wd b1^t b2^t max_delta, 3 f32 pad
 _ADAM_BYTES = 48
@@ -49,7 +51,7 @@ class GradClipper:
             k += record_partials(rec, g, partials, k, square=True)
         u = rt.uniform(pack("IIIIIIIIffff", k, 0, 0, 0, 0, 0, 0, 0, 0.0, float(max_grad_norm or 0.0), 0.0, 0.0))
         rec.dispatch("reduce", "clip_finish",
-                     {1: partials, 2: u, 3: self.factor, 5: self.norm}, 1)
+                     {1: finish_window(rt, partials, k), 2: u, 3: self.factor, 5: self.norm}, 1)
 
 
 class AdamW:
@@ -99,7 +101,12 @@ class AdamW:
                              f"have {mv[0].numel}")
         return mv
 
-    def _slot(self, name: str) -> int:
+    def _ranges(self, p: Tensor) -> list:
+        """Element ranges of a parameter whose four bound views (p, g, m, v) fit a binding;
+        starts are multiples of 256 elements, so the views stay offset-aligned."""
+        return split(self.rt, p.numel, lambda n: (4 * n,) * 4, step=256, unit=f"one element of {p.name}")
+
+    def _slot(self, name) -> int:
         s = self._slots.get(name)
         if s is None:
             s = len(self._slots)
@@ -154,7 +161,8 @@ class AdamW:
                     raise ValueError(f"AdamW: {name!r}: {what} view offset {t.offset} is not a multiple "
                                      f"of the storage-offset alignment {al}")
             self._moment(name, p)
-            self._slot(name)
+            for i, _ in enumerate(self._ranges(p)):
+                self._slot(name if i == 0 else (name, i))
         self._ensure_uniform_capacity()
 
         self.step_count += 1
@@ -163,10 +171,12 @@ class AdamW:
         # (computed in double), so v / (1 - b2^t) stays unbiased for the betas actually used.
         b1, b2 = (float(np.float32(b)) for b in self.betas)
         data = bytearray(len(self._slots) * self._stride)
-        for name, p in params.items():
-            struct.pack_into(_ADAM_FMT, data, self._slots[name] * self._stride,
-                             p.numel, self.lr, b1, b2, self.eps, self.weight_decay,
-                             b1 ** t, b2 ** t, self.max_delta, 0.0, 0.0, 0.0)
+        ranges = {name: self._ranges(p) for name, p in params.items()}
+        for name in params:
+            for i, (_, n) in enumerate(ranges[name]):
+                struct.pack_into(_ADAM_FMT, data, self._slots[name if i == 0 else (name, i)] * self._stride,
+                                 n, self.lr, b1, b2, self.eps, self.weight_decay,
+                                 b1 ** t, b2 ** t, self.max_delta, 0.0, 0.0, 0.0)
         rt.device.queue.write_buffer(self._ubuf, 0, bytes(data))
 
         clip = clip_factor if clip_factor is not None else self._ones_tensor()
@@ -174,9 +184,15 @@ class AdamW:
             if p.numel == 0:
                 continue
             m, v = self.moments[name]
-            rec.dispatch("adamw", "adamw_step",
-                         {0: p, 1: grads[name], 2: m, 3: v, 4: clip, 5: self._uniform(self._slots[name])},
-                         grid(cdiv(p.numel, 256)))
+            g = grads[name]
+            parts = ranges[name]
+            for i, (s, n) in enumerate(parts):
+                views = (p, g, m, v) if len(parts) == 1 else (span(t, s, n) for t in (p, g, m, v))
+                bp, bg, bm, bv = views
+                rec.dispatch("adamw", "adamw_step",
+                             {0: bp, 1: bg, 2: bm, 3: bv, 4: clip,
+                              5: self._uniform(self._slots[name if i == 0 else (name, i)])},
+                             grid(cdiv(n, 256)))
         self._last_encoder = rec.encoder
 
     # ------------------------------------------------------------------ persistence

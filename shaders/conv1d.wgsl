@@ -8,8 +8,10 @@
 //   dbias[c]    += sum_{b,t} dpre[b, t, c]                                 (ACC)
 // dw/dbias go through a two-stage reduction (fixed row chunks into scratch, then an
 // ordered sum), so every output element has one writer. K <= 7.
+// Activations larger than one storage binding are processed in ranges of whole sequences
+// (batch rows), each a call of its own; a range's partials go to chunks pbase .. .
 struct Params { M: u32, L: u32, Di: u32, K: u32, ld: u32, has_bias: u32, rows_per_chunk: u32, nchunks: u32,
-                o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, _p0: u32, _p1: u32, _p2: u32 }
+                o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, pbase: u32, _p1: u32, _p2: u32 }
 
 fn sigmoid(v: f32) -> f32 { return 1.0 / (1.0 + exp(-v)); }
 fn dsilu(p: f32) -> f32 { let s = sigmoid(p); return s * (1.0 + p * (1.0 - s)); }
@@ -102,7 +104,7 @@ fn conv1d_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
         }
         acc[P2.K] = acc[P2.K] + dp;
     }
-    let base = (p * P2.Di + c) * (P2.K + 1u);
+    let base = ((P2.pbase + p) * P2.Di + c) * (P2.K + 1u);
     for (var k = 0u; k <= P2.K; k = k + 1u) { partial[base + k] = acc[k]; }
 }
 

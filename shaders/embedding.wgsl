@@ -6,7 +6,11 @@
 // every dweight element is written by exactly one invocation in a fixed order.
 // CSR buffer (i32): [0] = U (unique tokens), [1 .. U+1] = row pointers,
 //                   [2+M .. 2+M+U) = token ids, [2+2M ..) = row positions sorted by token.
-struct Params { M: u32, E: u32, V: u32, o_out: u32, o_ids: u32, o_w: u32, _p0: u32, _p1: u32 }
+// Tables larger than one storage binding are bound in vocabulary ranges: `weight` holds
+// rows v0 .. v0+V of the table (V rows, of Vall in all); a call writes only the rows whose
+// token falls in its range (the call with v0 = 0 also writes the zero rows of ids outside
+// [0, Vall)).  Unsplit: v0 = 0, V = Vall.
+struct Params { M: u32, E: u32, V: u32, o_out: u32, o_ids: u32, o_w: u32, v0: u32, Vall: u32 }
 
 @group(0) @binding(0) var<storage, read_write> out: array<f32>;
 @group(0) @binding(1) var<storage, read> ids: array<i32>;
@@ -21,13 +25,20 @@ fn embedding_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     let m = i / P.E;
     let e = i - m * P.E;
     let tok = ids[P.o_ids + m];
-    var v = 0.0;
-    if (tok >= 0 && u32(tok) < P.V) { v = weight[P.o_w + u32(tok) * P.E + e]; }
-    out[P.o_out + i] = v;
+    let r = u32(tok) - P.v0;                  // row inside this range (wraps when below it)
+    if (tok >= 0 && u32(tok) >= P.v0 && r < P.V) {
+        out[P.o_out + i] = weight[P.o_w + r * P.E + e];
+    } else if (P.v0 == 0u && (tok < 0 || u32(tok) >= P.Vall)) {
+        out[P.o_out + i] = 0.0;
+    }
 }
 
 // Backward: workgroup g -> segment s = g / nblk, column block g % nblk (64 columns).
-struct ParamsB { M: u32, E: u32, V: u32, nblk: u32, o_dw: u32, o_dout: u32, _p0: u32, _p1: u32 }
+// Split calls: dweight holds table rows v0 .. v0+V and dout rows m0 .. m0+Mn; a call adds
+// the positions of its row range to the tokens of its vocabulary range (unsplit: v0 = 0,
+// m0 = 0, Mn = M).
+struct ParamsB { M: u32, E: u32, V: u32, nblk: u32, o_dw: u32, o_dout: u32, v0: u32, m0: u32,
+                 Mn: u32, _p0: u32, _p1: u32, _p2: u32 }
 
 @group(0) @binding(0) var<storage, read_write> dweight: array<f32>;
 @group(0) @binding(1) var<storage, read> csr: array<i32>;
@@ -43,14 +54,15 @@ fn embedding_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let U = u32(csr[0]);
     if (s >= U || s >= PB.M || e >= PB.E) { return; }
     let tok = csr[2u + PB.M + s];
-    if (tok < 0 || u32(tok) >= PB.V) { return; }
+    let r = u32(tok) - PB.v0;
+    if (tok < 0 || u32(tok) < PB.v0 || r >= PB.V) { return; }
     let start = u32(csr[1u + s]);
     let end = u32(csr[2u + s]);
     var acc = 0.0;
     for (var j = start; j < end; j = j + 1u) {
-        let m = u32(csr[2u + 2u * PB.M + j]);
-        acc = acc + dout[PB.o_dout + m * PB.E + e];
+        let m = u32(csr[2u + 2u * PB.M + j]) - PB.m0;   // wraps when below the range
+        if (m < PB.Mn) { acc = acc + dout[PB.o_dout + m * PB.E + e]; }
     }
-    let k = PB.o_dw + u32(tok) * PB.E + e;
+    let k = PB.o_dw + r * PB.E + e;
     dweight[k] = dweight[k] + acc;
 }

@@ -8,10 +8,12 @@
 // One workgroup per row for the row kernels; P.o_* are element offsets of the bindings and
 // P.ld the row stride of x, out, dout and dx (E, or wider when the norm runs over a column
 // slice of a matrix: falcon_mamba's weightless dt/B/C norms pass a ones weight).
+// Matrices larger than one storage binding are processed in row ranges, each a call of its
+// own; a range's dweight partials go to chunks pbase .. of the partial buffer.
 const WG: u32 = 128u;
 
 struct Params { M: u32, E: u32, eps: f32, rows_per_chunk: u32,
-                o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, nchunks: u32, ld: u32, _p1: u32 }
+                o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, nchunks: u32, ld: u32, pbase: u32 }
 
 var<workgroup> red: array<f32, WG>;
 
@@ -101,7 +103,7 @@ fn rmsnorm_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     for (var m = m0; m < m1; m = m + 1u) {
         acc = acc + dout2[P2.o_b + m * P2.ld + e] * (x2[P2.o_c + m * P2.ld + e] * rs2[P2.o_e + m]);
     }
-    partial[p * P2.E + e] = acc;
+    partial[(P2.pbase + p) * P2.E + e] = acc;
 }
 
 @group(0) @binding(0) var<storage, read_write> dweight: array<f32>;

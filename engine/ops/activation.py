@@ -6,7 +6,7 @@ Views at any offset are bound with `gpu.bound` (aligned-down binding + element o
 
 from __future__ import annotations
 
-from ..gpu import Recorder, Tensor, bound, cdiv, pack
+from ..gpu import Recorder, Tensor, bound, cdiv, pack, span, split
 
 WG = 256
 
@@ -15,6 +15,11 @@ def _unary(rec: Recorder, entry: str, out: Tensor, x: Tensor) -> None:
     n = x.numel
     assert out.numel == n, (out.shape, x.shape)
     if n == 0:
+        return
+    parts = split(rec.rt, n, lambda k: (4 * k,), step=WG)
+    if len(parts) > 1:  # larger than one binding: element ranges
+        for s, k in parts:
+            _unary(rec, entry, span(out, s, k), span(x, s, k))
         return
     bo, oo = bound(rec.rt, out)
     bx, ox = bound(rec.rt, x)
@@ -26,6 +31,11 @@ def _unary_backward(rec: Recorder, entry: str, dx: Tensor, dout: Tensor, x: Tens
     n = x.numel
     assert dx.numel == n and dout.numel == n, (dx.shape, dout.shape, x.shape)
     if n == 0:
+        return
+    parts = split(rec.rt, n, lambda k: (4 * k,), step=WG)
+    if len(parts) > 1:
+        for s, k in parts:
+            _unary_backward(rec, entry, span(dx, s, k), span(dout, s, k), span(x, s, k))
         return
     bd, od = bound(rec.rt, dx)
     bg, og = bound(rec.rt, dout)

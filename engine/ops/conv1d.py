@@ -3,23 +3,37 @@
 Left zero padding of K-1 per sequence: output t of batch row b sees inputs t-K+1 .. t of
 the same row.  x is read from columns 0..Di of xz ([M, 2*Di], row stride 2*Di).
 HF stores conv1d.weight as [Di, 1, K]; the same memory is our [Di, K].
+Activations larger than one storage binding are processed in ranges of whole sequences.
 """
 
 from __future__ import annotations
 
-from ..gpu import Recorder, Tensor, bound, cdiv, pack
+from ..gpu import Recorder, Tensor, bound, cdiv, pack, span, split
 
 MAX_K = 7
 
 
-def _chunks(M: int) -> tuple[int, int]:
-    rpc = max(16, cdiv(M, 256))
+def _chunks(rt, M: int, Di: int, K: int) -> tuple[int, int]:
+    """(rows per chunk, chunks) of the dweight reduction; the partials [chunks, Di, K+1] are
+    bound whole, so there are no more chunks than fit one binding."""
+    cap = max(1, (rt.max_binding - rt.storage_align) // (4 * Di * (K + 1)))
+    rpc = max(16, cdiv(M, 256), cdiv(M, cap))
     return rpc, cdiv(M, rpc)
 
 
-def _params(M, L, Di, K, has_bias, rpc, nch, *offs):
+def _params(M, L, Di, K, has_bias, rpc, nch, *offs, pbase=0):
     offs = tuple(offs) + (0,) * (5 - len(offs))
-    return pack("16I", M, L, Di, K, 2 * Di, has_bias, rpc, nch, *offs, 0, 0, 0)
+    return pack("16I", M, L, Di, K, 2 * Di, has_bias, rpc, nch, *offs, pbase, 0, 0)
+
+
+def _sequences(rt, B: int, L: int, Di: int, K: int) -> list:
+    """Ranges of whole sequences (batch rows) whose [rows, Di] and xz [rows, 2Di] windows fit."""
+    return split(rt, B, lambda nb: (8 * nb * L * Di, 4 * Di * (K + 1)),
+                 unit=f"one sequence of the conv1d input ({L} x {2 * Di} values; a smaller --seq-len helps)")
+
+
+def _seq_view(t: Tensor, b0: int, nb: int, per_seq: int) -> Tensor:
+    return span(t, b0 * per_seq, nb * per_seq)
 
 
 def conv1d_forward(rec: Recorder, out: Tensor, pre: Tensor, xz: Tensor, weight: Tensor,
@@ -31,6 +45,12 @@ def conv1d_forward(rec: Recorder, out: Tensor, pre: Tensor, xz: Tensor, weight: 
     if M * Di == 0:
         return
     rt = rec.rt
+    parts = _sequences(rt, B, L, Di, K)
+    if len(parts) > 1:
+        for b0, nb in parts:
+            conv1d_forward(rec, _seq_view(out, b0, nb, L * Di), _seq_view(pre, b0, nb, L * Di),
+                           _seq_view(xz, b0, nb, 2 * L * Di), weight, bias, B=nb, L=L, Di=Di, K=K)
+        return
     (bo, oo), (bp, op), (bx, ox), (bw, ow) = (bound(rt, t) for t in (out, pre, xz, weight))
     if bias is not None:
         assert bias.numel == Di
@@ -51,18 +71,36 @@ def conv1d_backward(rec: Recorder, dxz: Tensor, dweight: Tensor, dbias: Tensor |
     if M * Di == 0:
         return
     rt = rec.rt
-    (bg, og), (bp, op), (bx, ox), (bw, ow) = (bound(rt, t) for t in (dout, pre, xz, weight))
-    rpc, nch = _chunks(M)
+    parts = _sequences(rt, B, L, Di, K)
+    bw, ow = bound(rt, weight)
+    rpc, nch = _chunks(rt, M, Di, K)
+
+    def views(b0, nb):
+        if len(parts) == 1:
+            return dout, pre, xz, dxz
+        return (_seq_view(dout, b0, nb, L * Di), _seq_view(pre, b0, nb, L * Di),
+                _seq_view(xz, b0, nb, 2 * L * Di), None if dxz is None else _seq_view(dxz, b0, nb, 2 * L * Di))
+
     if dxz is not None:
         assert dxz.numel >= M * 2 * Di
-        bd, od = bound(rt, dxz)
-        u = rt.uniform(_params(M, L, Di, K, 0, rpc, nch, od, og, op, ow))
-        rec.dispatch("conv1d", "conv1d_backward", {0: bd, 1: bg, 2: bp, 3: bw, 4: u}, cdiv(M * Di, 256))
+        for b0, nb in parts:
+            g, p, _, d = views(b0, nb)
+            (bg, og), (bp, op), (bd, od) = (bound(rt, t) for t in (g, p, d))
+            u = rt.uniform(_params(nb * L, L, Di, K, 0, rpc, cdiv(nb * L, rpc), od, og, op, ow))
+            rec.dispatch("conv1d", "conv1d_backward", {0: bd, 1: bg, 2: bp, 3: bw, 4: u}, cdiv(nb * L * Di, 256))
     if dweight is not None or dbias is not None:
+        nch = sum(cdiv(nb * L, rpc) for _, nb in parts)
+        split(rt, 1, lambda _: (4 * nch * Di * (K + 1),), unit=f"the conv1d weight-gradient partials ({nch} x {Di})")
         part = rt.scratch("conv1d_dweight_partial", (nch, Di, K + 1))
-        u = rt.uniform(_params(M, L, Di, K, 0, rpc, nch, 0, og, op, ox))
-        rec.dispatch("conv1d", "conv1d_dweight_partial", {0: part, 1: bg, 2: bp, 3: bx, 4: u},
-                     nch * cdiv(Di, 64))
+        pbase = 0
+        for b0, nb in parts:
+            g, p, x, _ = views(b0, nb)
+            (bg, og), (bp, op), (bx, ox) = (bound(rt, t) for t in (g, p, x))
+            n = cdiv(nb * L, rpc)
+            u = rt.uniform(_params(nb * L, L, Di, K, 0, rpc, n, 0, og, op, ox, pbase=pbase))
+            rec.dispatch("conv1d", "conv1d_dweight_partial", {0: part, 1: bg, 2: bp, 3: bx, 4: u},
+                         n * cdiv(Di, 64))
+            pbase += n
         if dweight is not None:
             assert dweight.numel == Di * K
             bdw, odw = bound(rt, dweight)

@@ -7,7 +7,7 @@ loss_rows times scale (1 / number of valid targets in the whole batch).
 
 from __future__ import annotations
 
-from ..gpu import Recorder, Tensor, bound, pack
+from ..gpu import Recorder, Tensor, bound, pack, rows, split
 
 
 def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Tensor, scale: Tensor,
@@ -24,6 +24,12 @@ def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Ten
     if Mc == 0:
         return
     rt = rec.rt
+    parts = split(rt, Mc, lambda n: (4 * n * V, 4 * n), unit=f"one row of logits ({V} values)")
+    if len(parts) > 1:  # logits larger than one binding: row ranges
+        for r0, n in parts:
+            cross_entropy(rec, rows(loss_rows.view((Mc,)), r0, n), rows(logits.view((Mc, V)), r0, n),
+                          rows(targets.view((Mc,)), r0, n), scale, want_grad=want_grad)
+        return
     (bl, ol), (bx, ox), (bt, ot), (bs, os_) = (bound(rt, t) for t in (loss_rows, logits, targets, scale))
     bindings = {0: bl, 1: bx, 2: bt, 3: bs}
     o1 = o5 = 0

@@ -14,22 +14,35 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..gpu import Recorder, Tensor, bound, cdiv, pack
+from ..gpu import Recorder, Tensor, bound, cdiv, pack, rows, split
+
+
+def _vocab_ranges(rt, weight: Tensor) -> list:
+    E = int(weight.shape[-1])
+    return split(rt, int(weight.shape[0]), lambda n: (4 * n * E,),
+                 unit=f"one row of {weight.name or 'the embedding table'} ({E} values)")
+
+
+def _row_ranges(rt, M: int, E: int) -> list:
+    return split(rt, M, lambda n: (4 * n * E, 4 * n), unit=f"one activation row ({E} values)")
 
 
 def embedding_forward(rec: Recorder, out: Tensor, ids: Tensor, weight: Tensor) -> None:
-    """out[M, E] = weight[ids[m]] (WRITE); ids is i32 [M]; ids outside [0, V) give zeros."""
+    """out[M, E] = weight[ids[m]] (WRITE); ids is i32 [M]; ids outside [0, V) give zeros.
+    Tables and outputs larger than one binding are gathered in (row, vocabulary) ranges."""
     V, E = int(weight.shape[0]), int(weight.shape[-1])
     M = ids.numel
     assert out.numel == M * E, (out.shape, ids.shape, weight.shape)
     if M * E == 0:
         return
     rt = rec.rt
-    bo, oo = bound(rt, out)
-    bi, oi = bound(rt, ids)
-    bw, ow = bound(rt, weight)
-    u = rt.uniform(pack("8I", M, E, V, oo, oi, ow, 0, 0))
-    rec.dispatch("embedding", "embedding_forward", {0: bo, 1: bi, 2: bw, 3: u}, cdiv(M * E, 256))
+    for m0, mn in _row_ranges(rt, M, E):
+        bo, oo = bound(rt, rows(out.view((M, E)), m0, mn))
+        bi, oi = bound(rt, rows(ids.view((M,)), m0, mn))
+        for v0, vn in _vocab_ranges(rt, weight):
+            bw, ow = bound(rt, rows(weight, v0, vn))
+            u = rt.uniform(pack("8I", mn, E, vn, oo, oi, ow, v0, V))
+            rec.dispatch("embedding", "embedding_forward", {0: bo, 1: bi, 2: bw, 3: u}, cdiv(mn * E, 256))
 
 
 class EmbeddingBackward:
@@ -70,10 +83,13 @@ class EmbeddingBackward:
         if M * E == 0:
             return
         rt = rec.rt
-        bd, od = bound(rt, dweight)
-        bg, og = bound(rt, dout)
         nblk = cdiv(E, 64)
-        u = rt.uniform(pack("8I", M, E, V, nblk, od, og, 0, 0))
         # Sized for the worst case (M unique tokens) so the recording does not depend on
-        # the batch; segments beyond the CSR's U return at once.
-        rec.dispatch("embedding", "embedding_backward", {0: bd, 1: self.csr, 2: bg, 3: u}, M * nblk)
+        # the batch; segments beyond the CSR's U return at once.  Tables and gradients
+        # larger than one binding are added in (vocabulary, row) ranges.
+        for v0, vn in _vocab_ranges(rt, dweight):
+            bd, od = bound(rt, rows(dweight, v0, vn))
+            for m0, mn in _row_ranges(rt, M, E):
+                bg, og = bound(rt, rows(dout.view((M, E)), m0, mn))
+                u = rt.uniform(pack("12I", M, E, vn, nblk, od, og, v0, m0, mn, 0, 0, 0))
+                rec.dispatch("embedding", "embedding_backward", {0: bd, 1: self.csr, 2: bg, 3: u}, M * nblk)

@@ -2,13 +2,17 @@
 
 A linear layer computes Y[M, N] = X[M, K] W[N, K]^T + b.  Its backward is three more
 products of the same kernel: dX = dY W, dW += dY^T X, db += 1^T dY.
+
+An operand larger than one storage binding (an LM head or embedding table, activations of a
+long batch) splits the product into blocks of rows (M), columns (N) and, where only that
+helps, the reduction (K, accumulated): `_split_call`.
 """
 
 from __future__ import annotations
 
 import os
 
-from ..gpu import Recorder, Tensor, bound, cdiv, pack
+from ..gpu import BindingError, Recorder, Tensor, bound, cdiv, fmt_bytes, pack, span
 
 # "reference" forces the plain kernel everywhere (the fast one must match it); "nosplit"
 # turns split-K off
@@ -58,6 +62,8 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     """
     if M == 0 or N == 0:
         return
+    if _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, acc, bias):
+        return
     # views at any offset: bind from the aligned offset below and shift the indices
     rt = rec.rt
     A, ea = bound(rt, A)
@@ -106,6 +112,71 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     rec.dispatch("matmul", "matmul_forward",
                  {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
                  (cdiv(N, 64), cdiv(M, 64), 1))
+
+
+def _windows(m, n, k, trans_a, trans_b, lda, ldb, ldc, has_bias) -> dict:
+    """Elements of each operand a block of m x n (reduction k) binds."""
+    w = {"A": (k - 1) * lda + m if trans_a else (m - 1) * lda + k,
+         "B": (n - 1) * ldb + k if trans_b else (k - 1) * ldb + n,
+         "C": (m - 1) * ldc + n}
+    if has_bias:
+        w["bias"] = n
+    return w
+
+
+_DEPENDS = {"A": "mk", "B": "nk", "C": "mn", "bias": "n"}
+
+
+def _half(d: int) -> int:
+    h = cdiv(d, 2)
+    r = cdiv(h, 128) * 128 if h > 128 else (cdiv(h, 4) * 4 if h > 4 else h)
+    return r if r < d else h
+
+
+def _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, acc, bias) -> bool:
+    """Record the product as blocks when an operand does not fit one binding (False: it fits)."""
+    rt = rec.rt
+    limit = rt.max_binding - (rt.storage_align - 4)
+    if all(4 * t.numel <= limit for t in (A, B, C, bias) if t is not None):
+        return False
+    lda = (M if trans_a else K) if lda is None else lda
+    ldb = (K if trans_b else N) if ldb is None else ldb
+    ldc = N if ldc is None else ldc
+    dims = {"m": M, "n": N, "k": K}
+
+    def win(d):
+        return _windows(d["m"], d["n"], d["k"], trans_a, trans_b, lda, ldb, ldc, bias is not None)
+
+    while True:
+        over = {op: 4 * e for op, e in win(dims).items() if 4 * e > limit}
+        if not over:
+            break
+        op = max(over, key=over.get)
+        best = None
+        for d in _DEPENDS[op]:
+            if dims[d] > 1:
+                size = win({**dims, d: _half(dims[d])})[op]
+                key = (size, d == "k")  # the smaller window; rows/columns before the reduction
+                best = (key, d) if best is None or key < best[0] else best
+        if best is None:
+            raise BindingError(f"a {M}x{N}x{K} matrix product needs {fmt_bytes(over[op])} of one operand "
+                               f"in one storage binding but the adapter allows {fmt_bytes(rt.max_binding)}")
+        dims[best[1]] = _half(dims[best[1]])
+    bm, bn, bk = dims["m"], dims["n"], max(dims["k"], 1)
+    for m0 in range(0, M, bm):
+        m = min(bm, M - m0)
+        for n0 in range(0, N, bn):
+            n = min(bn, N - n0)
+            for k0 in range(0, K, bk):
+                k = min(bk, K - k0)
+                w = _windows(m, n, k, trans_a, trans_b, lda, ldb, ldc, False)
+                a = span(A, a_col + (k0 * lda + m0 if trans_a else m0 * lda + k0), w["A"])
+                b = span(B, b_col + (n0 * ldb + k0 if trans_b else k0 * ldb + n0), w["B"])
+                c = span(C, c_col + m0 * ldc + n0, w["C"])
+                matmul(rec, c, a, b, M=m, N=n, K=k, trans_a=trans_a, trans_b=trans_b, lda=lda, ldb=ldb,
+                       ldc=ldc, acc=acc or k0 > 0,
+                       bias=span(bias, n0, n) if bias is not None and k0 == 0 else None)
+    return True
 
 
 def linear_forward(rec: Recorder, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, *,

@@ -10,7 +10,8 @@ The chunking depends only on the element count, so a given input always produces
 bits.  Inputs may be views at any 4-byte offset: they are bound from the offset rounded
 down to the adapter's storage-offset alignment and the remainder is passed as an element
 index.  Inputs larger than one storage binding are reduced in several stage-1 dispatches
-that write disjoint partial ranges.
+that write disjoint partial ranges; each binds only its own slots of the partials buffer,
+and stage 2 binds the slots written (so tiny forced binding limits work too).
 
 API::
 
@@ -23,7 +24,7 @@ Lower-level pieces (used by the gradient clipper): ``plan``, ``record_partials``
 
 from __future__ import annotations
 
-from ..gpu import Tensor, bound, cdiv, grid, pack
+from ..gpu import Tensor, bound, cdiv, grid, pack, span, split
 
 SHADER = "reduce"
 WG = 256
@@ -50,6 +51,15 @@ def count_partials(rt, x: Tensor) -> int:
     return sum(plan(c)[1] for _, c in _pieces(rt, x))
 
 
+def finish_window(rt, partials: Tensor, k: int) -> Tensor:
+    """The partials buffer for the stage-2 kernels: whole when it fits one binding, else
+    its first k slots (the ones written)."""
+    if partials.nbytes <= rt.max_binding:
+        return partials
+    split(rt, 1, lambda _: (4 * k,), unit=f"the {k} partial sums of a reduction")
+    return span(partials, 0, k)
+
+
 def partials_scratch(rt, count: int, key: str = "reduce.partials") -> Tensor:
     """Persistent partials buffer with at least `count` slots (sized to a power of two)."""
     cap = 1024
@@ -66,9 +76,13 @@ def record_partials(rec, x: Tensor, partials: Tensor, pbase: int, *, square: boo
         per_thread, groups = plan(c)
         view = Tensor(x.buffer, (c,), x.dtype, x.offset + 4 * s)
         xb, base = bound(rt, view, c)
-        u = rt.uniform(pack("IIIIIIIIffff", c, base, per_thread, pbase + written,
+        if partials.nbytes <= rt.max_binding:
+            pb, po = partials, pbase + written
+        else:  # bind only this dispatch's slots
+            pb, po = bound(rt, span(partials, pbase + written, groups))
+        u = rt.uniform(pack("IIIIIIIIffff", c, base, per_thread, po,
                             1 if square else 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0))
-        rec.dispatch(SHADER, "reduce_partial", {0: xb, 1: partials, 2: u}, grid(groups))
+        rec.dispatch(SHADER, "reduce_partial", {0: xb, 1: pb, 2: u}, grid(groups))
         written += groups
     return written
 
@@ -83,7 +97,7 @@ def _reduce_into(rec, out: Tensor, x: Tensor, *, square: bool, scale: float = 1.
     partials = partials_scratch(rt, count_partials(rt, x))
     k = record_partials(rec, x, partials, 0, square=square)
     ob, oi = bound(rt, out, 1)
-    bindings = {1: partials, 3: ob}
+    bindings = {1: finish_window(rt, partials, k), 3: ob}
     si = 0
     if scale_tensor is not None:
         sb, si = bound(rt, scale_tensor, 1)

@@ -4,16 +4,19 @@ out = weight * (x * rsqrt(mean(x^2) + eps)).  `rstd` [M] is saved for the backwa
 With `ld` the norm runs over columns col .. col+E of whole [M, ld] matrices (x, out, dout,
 dx share col and ld): falcon_mamba normalises the dt_low, B and C slices of x_proj's output
 that way, with a ones weight.
+
+Matrices larger than one storage binding are processed in row ranges (`gpu.split`).
 """
 
 from __future__ import annotations
 
-from ..gpu import Recorder, Tensor, bound, cdiv, pack
+from ..gpu import Recorder, Tensor, bound, cdiv, pack, rows, split
 
 
-def _chunks(M: int) -> tuple[int, int]:
-    """(rows per chunk, number of chunks) of the two-stage dweight reduction."""
-    rpc = max(16, cdiv(M, 256))
+def _chunks(rt, M: int, E: int) -> tuple[int, int]:
+    """(rows per chunk, number of chunks) of the two-stage dweight reduction; the partial
+    sums ([chunks, E]) are bound whole, so there are no more chunks than fit one binding."""
+    rpc = max(16, cdiv(M, 256), cdiv(M, max(1, (rt.max_binding - rt.storage_align) // (4 * E))))
     return rpc, cdiv(M, rpc)
 
 
@@ -25,6 +28,11 @@ def _rows(x: Tensor, E: int, col: int, ld: int | None) -> tuple[int, int]:
     return M, ld
 
 
+def _ranges(rt, M: int, E: int, ld: int, n_mats: int, step: int = 1) -> list:
+    return split(rt, M, lambda n: (4 * n * ld,) * n_mats + (4 * n, 4 * E), step=step,
+                 unit=f"one row of an activation ({ld} values)")
+
+
 def rmsnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, x: Tensor, weight: Tensor, eps: float,
                     *, col: int = 0, ld: int | None = None) -> None:
     """out[M, E] = weight * x * rstd (WRITE); rstd[M] = 1/sqrt(mean(x^2) + eps) (WRITE)."""
@@ -34,9 +42,12 @@ def rmsnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, x: Tensor, weight:
     if M == 0:
         return
     rt = rec.rt
-    (bo, oo), (br, orr), (bx, ox), (bw, ow) = (bound(rt, t) for t in (out, rstd, x, weight))
-    u = rt.uniform(pack("IIfI8I", M, E, float(eps), 0, oo + col, orr, ox + col, ow, 0, 0, ld, 0))
-    rec.dispatch("rmsnorm", "rmsnorm_forward", {0: bo, 1: br, 2: bx, 3: bw, 4: u}, M)
+    for r0, n in _ranges(rt, M, E, ld, 2):
+        (bo, oo), (br, orr), (bx, ox), (bw, ow) = (
+            bound(rt, t) for t in (rows(out.view((M, ld)), r0, n), rows(rstd.view((M,)), r0, n),
+                                   rows(x.view((M, ld)), r0, n), weight))
+        u = rt.uniform(pack("IIfI8I", n, E, float(eps), 0, oo + col, orr, ox + col, ow, 0, 0, ld, 0))
+        rec.dispatch("rmsnorm", "rmsnorm_forward", {0: bo, 1: br, 2: bx, 3: bw, 4: u}, n)
 
 
 def rmsnorm_backward(rec: Recorder, dx: Tensor, dweight: Tensor, dout: Tensor, x: Tensor,
@@ -50,19 +61,37 @@ def rmsnorm_backward(rec: Recorder, dx: Tensor, dweight: Tensor, dout: Tensor, x
     if M == 0:
         return
     rt = rec.rt
-    (bg, og), (bx, ox), (bw, ow), (br, orr) = (bound(rt, t) for t in (dout, x, weight, rstd))
-    og, ox = og + col, ox + col
-    rpc, nch = _chunks(M)
+    rpc, nch = _chunks(rt, M, E)
+    bw, ow = bound(rt, weight)
+
+    def bind_rows(r0, n):
+        (bg, og), (bx, ox), (br, orr) = (
+            bound(rt, t) for t in (rows(dout.view((M, ld)), r0, n), rows(x.view((M, ld)), r0, n),
+                                   rows(rstd.view((M,)), r0, n)))
+        return (bg, og + col), (bx, ox + col), (br, orr)
+
     if dx is not None:
         assert dx.numel == M * ld
-        bd, od = bound(rt, dx)
-        u = rt.uniform(pack("IIfI8I", M, E, 0.0, rpc, od + col, og, ox, ow, orr, nch, ld, 0))
-        rec.dispatch("rmsnorm", "rmsnorm_backward", {0: bd, 1: bg, 2: bx, 3: bw, 4: br, 5: u}, M)
+        for r0, n in _ranges(rt, M, E, ld, 3):
+            (bg, og), (bx, ox), (br, orr) = bind_rows(r0, n)
+            bd, od = bound(rt, rows(dx.view((M, ld)), r0, n))
+            u = rt.uniform(pack("IIfI8I", n, E, 0.0, rpc, od + col, og, ox, ow, orr, cdiv(n, rpc), ld, 0))
+            rec.dispatch("rmsnorm", "rmsnorm_backward", {0: bd, 1: bg, 2: bx, 3: bw, 4: br, 5: u}, n)
     if dweight is not None:
         assert dweight.numel == E
-        part = rt.scratch("rmsnorm_dweight_partial", (nch, E))
         bdw, odw = bound(rt, dweight)
-        u = rt.uniform(pack("IIfI8I", M, E, 0.0, rpc, odw, og, ox, ow, orr, nch, ld, 0))
-        rec.dispatch("rmsnorm", "rmsnorm_dweight_partial", {0: part, 1: bg, 2: bx, 3: br, 4: u},
-                     nch * cdiv(E, 64))
+        # row ranges of whole chunks where they fit (then the partial sums are those of one call)
+        parts = _ranges(rt, M, E, ld, 2, step=rpc)
+        nch = sum(cdiv(n, rpc) for _, n in parts)
+        split(rt, 1, lambda _: (4 * nch * E,), unit=f"the rmsnorm weight-gradient partials ({nch} x {E})")
+        part = rt.scratch("rmsnorm_dweight_partial", (nch, E))
+        pbase = 0
+        for r0, n in parts:
+            (bg, og), (bx, ox), (br, orr) = bind_rows(r0, n)
+            u = rt.uniform(pack("IIfI8I", n, E, 0.0, rpc, odw, og, ox, ow, orr, cdiv(n, rpc), ld, pbase))
+            rec.dispatch("rmsnorm", "rmsnorm_dweight_partial", {0: part, 1: bg, 2: bx, 3: br, 4: u},
+                         cdiv(n, rpc) * cdiv(E, 64))
+            pbase += cdiv(n, rpc)
+        if len(parts) > 1:
+            u = rt.uniform(pack("IIfI8I", M, E, 0.0, rpc, odw, 0, 0, 0, 0, nch, ld, 0))
         rec.dispatch("rmsnorm", "rmsnorm_dweight_reduce", {0: bdw, 1: part, 2: u}, cdiv(E, 64))

@@ -24,12 +24,16 @@ R..R+2N only; dxz WRITE on columns Di..2Di only.
 
 Tensors may be views at any 4-byte offset (they are bound from an aligned offset and the
 kernel adds the element offset).  Scratch comes from `rt.scratch`; nothing is allocated per
-call and nothing is read back.
+call and nothing is read back.  Batches whose tensors or scratch would not fit one storage
+binding are scanned in ranges of whole sequences (batch rows), one call each (the ACC
+outputs add up over the ranges).
 """
 
 from __future__ import annotations
 
-from ..gpu import Recorder, Tensor, bound, cdiv, pack
+import functools
+
+from ..gpu import Recorder, Tensor, bound, cdiv, pack, span, split
 
 SHADER = "selective_scan"
 CHUNK = 64   # steps per chunk: the saving interval of `states` (the shader's T = SEG * K)
@@ -47,6 +51,7 @@ def scan_state_shape(B, L, Di, N) -> tuple:
     return (int(B), cdiv(int(L), CHUNK), int(Di), int(N))
 
 
+@functools.lru_cache(maxsize=256)
 def _layout(B, L, Di, N):
     M = B * L
     nblk = cdiv(Di, DB)
@@ -58,6 +63,30 @@ def _layout(B, L, Di, N):
     off_pd = off_pb + B * Di              # D partials per (b, d)
     return dict(M=M, nblk=nblk, nchk=nchk, off_st=off_st, off_hc=off_hc, off_pa=off_pa,
                 off_pb=off_pb, off_pd=off_pd, work_size=off_pd + B * Di + 1, pbc_half=M * nblk * N)
+
+
+def sequence_windows(B, L, Di, N, R) -> list:
+    """Bytes of the largest tensor windows a scan over B sequences binds (xz, xdbl, states;
+    y, u, delta and their gradients are smaller than xz)."""
+    return [4 * B * L * 2 * Di, 4 * B * L * (R + 2 * N), 4 * B * cdiv(L, CHUNK) * Di * N]
+
+
+@functools.lru_cache(maxsize=256)
+def sequence_scratch(B, L, Di, N, R) -> list:
+    """Bytes of the scan's own scratch for B sequences: the forward's parameter copy (the
+    same for any B), the backward's work buffer and its dB/dC partials."""
+    lay = _layout(B, L, Di, N)
+    return [4 * (Di * N + 2 * Di), 4 * lay["work_size"], 8 * lay["pbc_half"]]
+
+
+def _sequences(rt, B, L, Di, N, R) -> list:
+    return split(rt, B, lambda nb: sequence_windows(nb, L, Di, N, R),
+                 scratch=lambda nb: sequence_scratch(nb, L, Di, N, R),
+                 unit=f"one sequence of the selective scan (seq_len {L}; a smaller --seq-len helps)")
+
+
+def _seq(t, b0, nb, per_seq):
+    return span(t, b0 * per_seq, nb * per_seq)
 
 
 def _params(rec: Recorder, work: Tensor, dt_bias: Tensor, A_log: Tensor, D: Tensor, Di: int, N: int):
@@ -98,6 +127,14 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
     rt = rec.rt
     if B * L * Di == 0:
         return
+    parts = _sequences(rt, B, L, Di, N, R)
+    if len(parts) > 1:
+        S, W, X = cdiv(L, CHUNK) * Di * N, L * Di, L * (R + 2 * N)
+        for b0, nb in parts:
+            selective_scan_forward(
+                rec, _seq(y, b0, nb, W), _seq(states, b0, nb, S), _seq(u, b0, nb, W), _seq(delta, b0, nb, W),
+                dt_bias, A_log, D, _seq(xdbl, b0, nb, X), _seq(xz, b0, nb, 2 * W), B=nb, L=L, Di=Di, N=N, R=R)
+        return
     _check(B, L, Di, N, R, y=y, u=u, delta=delta, xdbl=xdbl, xz=xz)
     assert states.numel == B * cdiv(L, CHUNK) * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
     lay = _layout(B, L, Di, N)
@@ -118,6 +155,16 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     B, L, Di, N, R = int(B), int(L), int(Di), int(N), int(R)
     rt = rec.rt
     if B * L * Di == 0:
+        return
+    parts = _sequences(rt, B, L, Di, N, R)
+    if len(parts) > 1:  # ACC outputs add up over the ranges; the others are per row
+        S, W, X = cdiv(L, CHUNK) * Di * N, L * Di, L * (R + 2 * N)
+        for b0, nb in parts:
+            selective_scan_backward(
+                rec, _seq(du, b0, nb, W), _seq(ddelta, b0, nb, W), ddt_bias, dA_log, dD,
+                _seq(dxdbl, b0, nb, X), _seq(dxz, b0, nb, 2 * W), _seq(dy, b0, nb, W),
+                _seq(states, b0, nb, S), _seq(u, b0, nb, W), _seq(delta, b0, nb, W), dt_bias, A_log, D,
+                _seq(xdbl, b0, nb, X), _seq(xz, b0, nb, 2 * W), B=nb, L=L, Di=Di, N=N, R=R)
         return
     _check(B, L, Di, N, R, du=du, ddelta=ddelta, dxdbl=dxdbl, dxz=dxz, dy=dy, u=u, delta=delta,
            xdbl=xdbl, xz=xz)
