@@ -221,45 +221,50 @@ class BindingError(MemengineError):
     """A single unit of work (a row, a sequence) does not fit one storage binding."""
 
 
-def split(rt: "Runtime", total: int, windows, *, step: int = 1, unit: str = "unit") -> list[tuple[int, int]]:
+def split(rt: "Runtime", total: int, windows, *, step: int = 1, unit: str = "unit",
+          scratch=None) -> list[tuple[int, int]]:
     """Cut `total` units of a call into consecutive (start, count) ranges whose bindings fit.
 
-    `windows(n)` gives the byte sizes of the storage windows a call over n units binds
-    (monotone in n).  Every window must fit `rt.max_binding` after `bound()` moves its start
-    down to the offset alignment.  When the whole call fits this is ``[(0, total)]``, so the
-    caller records exactly what it would without splitting.  Counts are multiples of `step`
-    (the last one excepted) where a step fits, else any count.  When one unit alone does not
-    fit, BindingError names it (`unit`) and the sizes.
+    `windows(n)` gives the byte sizes of the tensor windows a call over n units binds
+    (monotone in n); each must fit `rt.max_binding` after `bound()` moves its start down to
+    the offset alignment.  `scratch(n)`, if given, sizes the op's own scratch buffers for n
+    units, checked against the adapter's limit (a forced lower limit is for model tensors).
+    When the whole call fits this is ``[(0, total)]``, so the caller records exactly what it
+    would without splitting.  Counts are multiples of `step` (the last one excepted) where a
+    step fits, else any count.  When one unit alone does not fit, BindingError names it
+    (`unit`) and the sizes.
     """
     total = int(total)
-    limit = rt.max_binding - (rt.storage_align - 4)
+    slack = rt.storage_align - 4
 
-    def ok(n: int) -> bool:
-        return all(int(b) <= limit for b in windows(n))
+    def over(n: int):
+        """The first (bytes, limit) that does not fit, else None."""
+        for b in windows(n):
+            if int(b) > rt.max_binding - slack:
+                return int(b), rt.max_binding
+        for b in (scratch(n) if scratch is not None else ()):
+            if int(b) > rt.adapter_max_binding - slack:
+                return int(b), rt.adapter_max_binding
+        return None
 
-    if total <= 1 or ok(total):
-        if total >= 1 and not ok(total):
-            _refuse(rt, windows(1), unit)
-        return [(0, total)] if total > 0 else []
-    if not ok(1):
-        _refuse(rt, windows(1), unit)
-    g = step if step > 1 and ok(step) else 1
-    lo, hi = 1, (total - 1) // g  # multiples of g: lo fits, hi+1 units of g would be >= total
+    if total <= 0:
+        return []
+    if over(total) is None:
+        return [(0, total)]
+    bad = over(1)
+    if bad is not None:
+        raise BindingError(f"{unit} needs {fmt_bytes(bad[0])} in one storage binding but the adapter "
+                           f"allows {fmt_bytes(bad[1])} per binding")
+    g = step if step > 1 and over(step) is None else 1
+    lo, hi = 1, (total - 1) // g  # in units of g: lo fits; hi * g < total
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if ok(mid * g):
+        if over(mid * g) is None:
             lo = mid
         else:
             hi = mid - 1
     n = lo * g
     return [(s, min(n, total - s)) for s in range(0, total, n)]
-
-
-def _refuse(rt: "Runtime", sizes, unit: str):
-    need = max(int(b) for b in sizes)
-    raise BindingError(
-        f"{unit} needs {fmt_bytes(need)} in one storage binding but the adapter allows "
-        f"{fmt_bytes(rt.max_binding)} per binding")
 
 
 def fmt_bytes(n: float) -> str:

@@ -157,54 +157,75 @@ def _structured(cfg: MambaConfig, views: dict) -> Params:
                   norm_f=views["backbone.norm_f.weight"], lm_head=views.get("lm_head.weight"))
 
 
-class Workspace:
-    """Activations for one (B, L): allocated once, kept for the backward."""
+def logits_chunk_rows(max_binding: int, M: int, V: int) -> int:
+    """Rows of logits produced at once: one chunk fits one storage binding (and 256 MiB)."""
+    rows = max(1, min(max_binding, 256 * 2**20) // (4 * V))
+    if rows < M:  # whole 128-row tiles keep every chunk on the fast matmul path
+        rows = rows // 128 * 128 if rows >= 128 else max(1, rows // 4 * 4)
+    return min(M, rows)
 
-    def __init__(self, model: "MambaModel", B: int, L: int):
+
+# Activations of one (B, L): name -> (features per row or a shape function, dtype, per layer).
+# Per-layer tensors have one copy per layer when kept for a backward, else one shared by
+# all layers (evaluation); h has layers + 1 (else 2, alternating).
+def workspace_shapes(cfg: MambaConfig, B: int, L: int, grad: bool, max_binding: int) -> dict:
+    """name -> (shape, dtype, copies) of every buffer a Workspace allocates (the memory plan
+    sums the same table)."""
+    E, Di, N, R, V = cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank, cfg.vocab_size
+    M, nl = B * L, cfg.num_hidden_layers
+    per = nl if grad else 1
+    t = {
+        "ids": ((M,), "i32", 1), "targets": ((M,), "i32", 1), "loss_scale": ((1,), "f32", 1),
+        "loss_rows": ((M,), "f32", 1),
+        "h": ((M, E), "f32", nl + 1 if grad else 2),
+        "un": ((M, E), "f32", per), "rstd": ((M,), "f32", per), "xz": ((M, 2 * Di), "f32", per),
+        "pre": ((M, Di), "f32", per), "xc": ((M, Di), "f32", per), "xdbl": ((M, R + 2 * N), "f32", per),
+        "delta": ((M, Di), "f32", per), "y": ((M, Di), "f32", per),
+        "states": (scan_state_shape(B, L, Di, N), "f32", per),
+        "rstd_f": ((M,), "f32", 1), "hf": ((M, E), "f32", 1),
+        "logits": ((logits_chunk_rows(max_binding, M, V), V), "f32", 1),
+    }
+    if cfg.is_falcon:  # the normalised dt_low/B/C and the three norms' rstd
+        t.update({"xdbl_n": ((M, R + 2 * N), "f32", per), "mixer_rstd": ((3 * M,), "f32", per)})
+    if grad:  # backward scratch shared by all layers, the embedding's scatter plan
+        t.update({"dh": ((M, E), "f32", 1), "dhf": ((M, E), "f32", 1), "dy": ((M, Di), "f32", 1),
+                  "du": ((M, Di), "f32", 1), "ddelta": ((M, Di), "f32", 1),
+                  "dxdbl": ((M, R + 2 * N), "f32", 1), "dxz": ((M, 2 * Di), "f32", 1),
+                  "dun": ((M, E), "f32", 1), "ones": ((M,), "f32", 1),
+                  "embedding_csr": ((EmbeddingBackward.csr_size(M),), "i32", 1)})
+        if cfg.is_falcon:
+            t["dxdbl_raw"] = ((M, R + 2 * N), "f32", 1)
+    return t
+
+
+class Workspace:
+    """Activations for one (B, L): allocated once.  With grad, every layer's are kept for
+    the backward; without (evaluation), the layers share one set."""
+
+    PER_LAYER = ("un", "rstd", "xz", "pre", "xc", "xdbl", "delta", "y", "states")
+
+    def __init__(self, model: "MambaModel", B: int, L: int, grad: bool = True):
         rt, c = model.rt, model.cfg
-        E, Di, N, R, V = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.vocab_size
-        M = B * L
-        self.B, self.L, self.M = B, L, M
-        e = rt.empty
-        self.ids = e((M,), "i32", "ids")
-        self.targets = e((M,), "i32", "targets")
-        self.scale = e((1,), "f32", "loss_scale")
-        self.loss_rows = e((M,), "f32", "loss_rows")
-        nl = c.num_hidden_layers
-        self.h = [e((M, E), name=f"h{i}") for i in range(nl + 1)]
-        self.un = [e((M, E), name=f"un{i}") for i in range(nl)]
-        self.rstd = [e((M,), name=f"rstd{i}") for i in range(nl)]
-        self.xz = [e((M, 2 * Di), name=f"xz{i}") for i in range(nl)]
-        self.pre = [e((M, Di), name=f"pre{i}") for i in range(nl)]
-        self.xc = [e((M, Di), name=f"xc{i}") for i in range(nl)]
-        self.xdbl = [e((M, R + 2 * N), name=f"xdbl{i}") for i in range(nl)]
-        # falcon_mamba: normalised dt_low/B/C and the three norms' rstd; mamba: xdbl itself
-        self.xdbl_n = [e((M, R + 2 * N), name=f"xdbl_n{i}") for i in range(nl)] if c.is_falcon else self.xdbl
-        self.mixer_rstd = [e((3 * M,), name=f"mixer_rstd{i}") for i in range(nl)] if c.is_falcon else None
-        self.delta = [e((M, Di), name=f"delta{i}") for i in range(nl)]
-        self.y = [e((M, Di), name=f"y{i}") for i in range(nl)]
-        self.states = [e(scan_state_shape(B, L, Di, N), name=f"states{i}") for i in range(nl)]
-        self.rstd_f = e((M,), name="rstd_f")
-        self.hf = e((M, E), name="hf")
-        # backward scratch (shared by all layers)
-        self.dh = e((M, E), name="dh")
-        self.dhf = e((M, E), name="dhf")
-        self.dy = e((M, Di), name="dy")
-        self.du = e((M, Di), name="du")
-        self.ddelta = e((M, Di), name="ddelta")
-        self.dxdbl = e((M, R + 2 * N), name="dxdbl")
-        self.dxdbl_raw = e((M, R + 2 * N), name="dxdbl_raw") if c.is_falcon else self.dxdbl
-        self.dxz = e((M, 2 * Di), name="dxz")
-        self.dun = e((M, E), name="dun")
-        self.ones = rt.upload(np.ones(M, np.float32), name="ones")
-        # logits are produced in row chunks that fit one storage binding
-        budget = min(rt.max_binding, 256 * 2**20)
-        rows = max(1, budget // (4 * V))
-        if rows < M:  # whole 128-row tiles keep every chunk on the fast matmul path
-            rows = rows // 128 * 128 if rows >= 128 else max(1, rows // 4 * 4)
-        self.chunk = min(M, rows)
-        self.logits = e((self.chunk, V), name="logits")
-        self.emb_back = EmbeddingBackward(rt, M)
+        M, nl = B * L, c.num_hidden_layers
+        self.B, self.L, self.M, self.grad = B, L, M, grad
+        shapes = workspace_shapes(c, B, L, grad, rt.max_binding)
+        made = {name: [rt.empty(shape, dtype, name=f"{name}{i}") for i in range(copies)]
+                for name, (shape, dtype, copies) in shapes.items() if name != "embedding_csr"}
+        self.ids, self.targets, self.scale, self.loss_rows = (
+            made[k][0] for k in ("ids", "targets", "loss_scale", "loss_rows"))
+        self.h = [made["h"][i % len(made["h"])] for i in range(nl + 1)]
+        for name in self.PER_LAYER + (("xdbl_n", "mixer_rstd") if c.is_falcon else ()):
+            setattr(self, name, [made[name][i % len(made[name])] for i in range(nl)])
+        if not c.is_falcon:  # falcon_mamba's normalised dt_low/B/C; mamba uses xdbl itself
+            self.xdbl_n, self.mixer_rstd = self.xdbl, None
+        self.rstd_f, self.hf, self.logits = made["rstd_f"][0], made["hf"][0], made["logits"][0]
+        self.chunk = int(shapes["logits"][0][0])
+        if grad:
+            for name in ("dh", "dhf", "dy", "du", "ddelta", "dxdbl", "dxz", "dun", "ones"):
+                setattr(self, name, made[name][0])
+            self.dxdbl_raw = made["dxdbl_raw"][0] if c.is_falcon else self.dxdbl
+            rt.write(self.ones, np.ones(M, np.float32))
+            self.emb_back = EmbeddingBackward(rt, M)
 
 
 class MambaModel:
@@ -275,11 +296,13 @@ class MambaModel:
         return [n for n in self.names if ".mixer.x_proj." in n]
 
     # ------------------------------------------------------------------ workspace
-    def workspace(self, B: int, L: int) -> Workspace:
-        ws = self._ws.get((B, L))
+    def workspace(self, B: int, L: int, grad: bool = True) -> Workspace:
+        """The activations for (B, L), made once; grad=False (evaluation only) keeps one
+        layer's at a time, and a workspace made for training serves evaluation too."""
+        ws = self._ws.get((B, L, True)) or self._ws.get((B, L, grad))
         if ws is None:
-            ws = Workspace(self, B, L)
-            self._ws[(B, L)] = ws
+            ws = Workspace(self, B, L, grad)
+            self._ws[(B, L, grad)] = ws
         return ws
 
     def write_batch(self, ws: Workspace, ids: np.ndarray, targets: np.ndarray | None = None,

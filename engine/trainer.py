@@ -135,7 +135,7 @@ def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = No
     repeated evaluations create no buffers."""
     rt = model.rt
     B, L = batch_shape(batches)
-    ws = model.workspace(B, L)
+    ws = model.workspace(B, L, grad=False)
     M = ws.M
     hits = rt.scratch(("eval.hits", M), (2 * M,))
     # per batch: window r's loss / top-1 / top-5 sums go to block[k * B + r] (fixed slots, so

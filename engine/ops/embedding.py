@@ -48,11 +48,15 @@ def embedding_forward(rec: Recorder, out: Tensor, ids: Tensor, weight: Tensor) -
 class EmbeddingBackward:
     """Deterministic dweight += scatter-add of dout rows by token id (see module doc)."""
 
+    @staticmethod
+    def csr_size(M: int) -> int:
+        return 2 + 3 * int(M)
+
     def __init__(self, rt, M: int):
         self.rt = rt
         self.M = int(M)
-        self.csr = rt.empty((2 + 3 * self.M,), "i32", name="embedding_csr")
-        self._host = np.zeros(2 + 3 * self.M, np.int32)
+        self.csr = rt.empty((self.csr_size(M),), "i32", name="embedding_csr")
+        self._host = np.zeros(self.csr_size(M), np.int32)
         self.unique = 0
 
     def prepare(self, ids_np) -> None:
