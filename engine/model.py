@@ -371,7 +371,7 @@ class MambaModel:
         """LM head + cross-entropy in row chunks; with want_grad also dhf and d(lm_head).
         `hits` [2M] (evaluation): top-1 hits in [0, M), top-5 hits in [M, 2M)."""
         E, V, M = self.cfg.hidden_size, self.cfg.vocab_size, ws.M
-        W, dW = self._head(), self._dhead()
+        W, dW = self._head(), (self._dhead() if want_grad and train_head else None)
         for r0 in range(0, M, ws.chunk):
             mc = min(ws.chunk, M - r0)
             logits = ws.logits.view((mc, V))

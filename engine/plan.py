@@ -1,0 +1,309 @@
+"""Memory plan of a run: what `eval`, `train` or `adapt` will allocate, checked before any upload.
+
+WebGPU tells a program two limits and no memory size: the largest buffer
+(`max_buffer_size`) and the largest storage binding (`max_storage_buffer_binding_size`).
+The plan checks, for a batch of B windows of L tokens:
+
+1. every single buffer fits the largest buffer: each parameter tensor (the parameter and
+   gradient stores take as many buffers as they need, but one tensor cannot be cut), each
+   moment and each activation;
+2. every unit of work the kernels cannot split fits one storage binding: one row of the
+   embedding table and of the logits, one sequence of the conv1d and selective scan, the
+   embedding's scatter plan (everything larger is processed in ranges);
+3. the total fits the memory budget when there is one: `MEMENGINE_MAX_MEMORY_BYTES` when
+   set; else, for a CPU adapter (lavapipe, llvmpipe: its buffers are host memory),
+   `MemAvailable` from /proc/meminfo; for a GPU no budget is known, so only 1 and 2 are
+   checked and the total is reported.
+
+A refusal is one line naming the figure and the flag that would help: the largest
+--batch-size or --seq-len that passes all three checks, and no flag at all when the
+weights alone (parameters, gradients, moments) do not fit: no flag can shrink those.
+
+The figures mirror what the code allocates: the parameter store layout
+(`model.store_layout`), the workspace table (`model.workspace_shapes`), the moments, and the
+kernels' scratch (scan work, split-K partial products, reduction partials).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import MambaConfig, expected_shapes
+from .errors import MemengineError
+from .gpu import BindingError, cdiv, env_bytes, fmt_bytes, split
+from .model import logits_chunk_rows, store_layout, workspace_shapes
+from .ops import conv1d as _conv1d, rmsnorm as _rmsnorm
+from .ops.matmul import _split_k
+from .ops.scan import sequence_scratch, sequence_windows
+
+KINDS = ("eval", "train", "adapt")
+ENV_MAX_MEMORY = "MEMENGINE_MAX_MEMORY_BYTES"
+
+
+@dataclass
+class Limits:
+    """What a plan is checked against (attribute names as on `gpu.Runtime`, so `gpu.split`
+    and the ops' sizing helpers accept it)."""
+
+    max_buffer: int
+    max_binding: int
+    storage_align: int = 256
+    adapter_max_binding: int = 0
+    memory: int | None = None        # bytes a run may use in all; None: not known
+    memory_source: str = "unknown (a GPU reports no memory size)"
+
+    def __post_init__(self):
+        self.adapter_max_binding = self.adapter_max_binding or self.max_binding
+
+    @classmethod
+    def of(cls, rt) -> "Limits":
+        memory, source = memory_budget(getattr(rt, "adapter_type", ""))
+        return cls(rt.max_buffer, rt.max_binding, rt.storage_align, rt.adapter_max_binding, memory, source)
+
+    def to_dict(self) -> dict:
+        return {"max_buffer_bytes": self.max_buffer, "max_binding_bytes": self.max_binding,
+                "memory_bytes": self.memory, "memory_source": self.memory_source}
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_budget(adapter_type: str) -> tuple[int | None, str]:
+    """(bytes, where the figure comes from) a run may use, or (None, why unknown)."""
+    forced = env_bytes(ENV_MAX_MEMORY)
+    if forced is not None:
+        return forced, ENV_MAX_MEMORY
+    if str(adapter_type).lower() == "cpu":
+        avail = _meminfo_available()
+        if avail is not None:
+            return avail, "host memory available (MemAvailable, /proc/meminfo; a CPU adapter's buffers are host memory)"
+    return None, "unknown (a GPU reports no memory size; set MEMENGINE_MAX_MEMORY_BYTES to check one)"
+
+
+def _buf(nbytes: int) -> int:
+    """Bytes `Runtime.empty` allocates for nbytes (16-byte multiples)."""
+    return max(16, (int(nbytes) + 15) // 16 * 16)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+@dataclass
+class Plan:
+    kind: str
+    batch_size: int
+    seq_len: int
+    parts: dict = field(default_factory=dict)     # parameters, gradients, ... -> bytes
+    buffers: list = field(default_factory=list)   # (what, bytes, grows with B x L)
+    units: list = field(default_factory=list)     # (what, bytes, grows with B x L, limit kind)
+    problems: list = field(default_factory=list)  # (message, grows with B x L)
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.parts.values()))
+
+    @property
+    def fixed(self) -> int:
+        """Bytes that no --batch-size or --seq-len changes."""
+        return int(sum(self.parts.get(k, 0) for k in ("parameters", "gradients", "moments")))
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def largest_buffer(self) -> tuple[str, int]:
+        return max(((w, b) for w, b, _ in self.buffers), key=lambda x: x[1], default=("", 0))
+
+    def largest_unit(self) -> tuple[str, int]:
+        return max(((w, b) for w, b, _, k in self.units if k == "tensor"), key=lambda x: x[1], default=("", 0))
+
+    def to_dict(self) -> dict:
+        lb, lu = self.largest_buffer(), self.largest_unit()
+        return {"kind": self.kind, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                "bytes": dict(self.parts), "total_bytes": self.total,
+                "largest_buffer": {"what": lb[0], "bytes": lb[1]},
+                "largest_unsplittable_binding": {"what": lu[0], "bytes": lu[1]},
+                "ok": self.ok, "problem": self.problems[0][0] if self.problems else None}
+
+
+def _trainable(kind: str, names: list) -> list:
+    if kind == "train":
+        return list(names)
+    if kind == "adapt":
+        return [n for n in names if ".mixer.x_proj." in n]
+    return []
+
+
+def _linears(cfg: MambaConfig) -> list:
+    """(out features, in features) of every linear layer of one Mamba layer."""
+    E, Di, N, R = cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank
+    return [(2 * Di, E), (R + 2 * N, Di), (Di, R), (E, Di)]
+
+
+def _splitk_scratch(lim: Limits, products: set) -> int:
+    """Bytes of the split-K partial products (one scratch per product shape that splits)."""
+    total = 0
+    for M, N, K in products:
+        s = _split_k(lim, M, N, K, cdiv(N, 128) * cdiv(M, 128))
+        if s > 1:
+            ks = cdiv(cdiv(K, s), 8) * 8
+            total += _buf(4 * cdiv(K, ks) * M * N)
+    return total
+
+
+def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Limits) -> Plan:
+    """The plan of one run (see the module docstring); problems are filled in."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}")
+    B, L = int(batch_size), int(seq_len)
+    M = B * L
+    E, Di, N, R, V, K = (cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank,
+                         cfg.vocab_size, cfg.conv_kernel)
+    plan = Plan(kind, B, L)
+    shapes = dict(expected_shapes(cfg))
+    grad = kind != "eval"
+
+    # -- weights: parameter (and gradient) stores, moments
+    for name, shape in shapes.items():
+        plan.buffers.append((f"tensor {name}", 4 * _numel(shape), False))
+    try:
+        _, segments = store_layout(shapes, lim.storage_align // 4, lim.max_buffer)
+        store = sum(4 * n for n in segments)
+    except MemengineError as e:
+        plan.problems.append((str(e), False))
+        store = sum(4 * _numel(s) for s in shapes.values())
+    plan.parts["parameters"] = store
+    plan.parts["gradients"] = store if grad else 0
+    plan.parts["moments"] = sum(2 * _buf(4 * _numel(shapes[n])) for n in _trainable(kind, list(shapes)))
+
+    # -- activations (adapt also evaluates before training: a light workspace as well)
+    acts = 0
+    logits = 0
+    for g in ((False, True) if kind == "adapt" else (grad,)):
+        for name, (shape, _, copies) in workspace_shapes(cfg, B, L, g, lim.max_binding).items():
+            nbytes = _buf(4 * _numel(shape))
+            if name == "logits":
+                logits += nbytes
+                plan.buffers.append(("the logits chunk", nbytes, True))
+                continue
+            acts += copies * nbytes
+            plan.buffers.append((f"activation {name} [{' x '.join(map(str, shape))}]", 4 * _numel(shape), True))
+    plan.parts["activations"] = acts
+    plan.parts["logits chunk"] = logits
+
+    # -- kernels' scratch
+    scratch = 0
+    try:
+        seqs = split(lim, B, lambda nb: sequence_windows(nb, L, Di, N, R),
+                     scratch=lambda nb: sequence_scratch(nb, L, Di, N, R))
+    except BindingError:
+        seqs = [(0, 1)]
+    for nb in sorted({nb for _, nb in seqs}):
+        fwd, work, pbc = sequence_scratch(nb, L, Di, N, R)
+        scratch += _buf(fwd) + ((_buf(work) + _buf(pbc)) if grad else 0)
+    chunk = logits_chunk_rows(lim.max_binding, M, V)
+    products = {(M, o, i) for o, i in _linears(cfg)} | {(chunk, V, E)}
+    if grad:
+        products |= {(M, i, o) for o, i in _linears(cfg)} | {(o, i, M) for o, i in _linears(cfg)}
+        products |= {(chunk, E, V), (V, E, chunk)}
+        rpc, nch = _rmsnorm._chunks(lim, M, E)
+        scratch += _buf(4 * nch * E)
+        rpc, nch = _conv1d._chunks(lim, M, Di, K)
+        scratch += _buf(4 * nch * Di * (K + 1)) + _buf(4 * Di * K) + _buf(4 * Di)
+        n_partials = sum(cdiv(_numel(shapes[n]), 2048) + 1 for n in _trainable(kind, list(shapes)))
+        scratch += _buf(4 * max(1024, 1 << (n_partials - 1).bit_length()))
+    scratch += _splitk_scratch(lim, products) + _buf(4 * 1024)
+    plan.parts["scratch"] = scratch
+
+    # -- units of work that must fit one binding
+    plan.units.append((f"one row of the embedding table ({E} values)", 4 * E, False, "tensor"))
+    plan.units.append((f"one row of logits ({V} values)", 4 * V, False, "tensor"))
+    plan.units.append((f"one sequence of the conv1d and selective scan ({L} x {2 * Di} values)",
+                       max(sequence_windows(1, L, Di, N, R)), True, "tensor"))
+    plan.units.append(("the selective scan's scratch for one sequence", max(sequence_scratch(1, L, Di, N, R)),
+                       True, "adapter"))
+    if grad:
+        plan.units.append((f"the embedding's scatter plan for {M} tokens", 4 * (2 + 3 * M), True, "tensor"))
+    _check(plan, lim)
+    return plan
+
+
+def _check(plan: Plan, lim: Limits) -> None:
+    slack = lim.storage_align - 4
+    for what, nbytes, grows, limit_kind in plan.units:
+        limit = lim.max_binding if limit_kind == "tensor" else lim.adapter_max_binding
+        if nbytes > limit - slack:
+            plan.problems.append((f"{what} needs {fmt_bytes(nbytes)} in one storage binding but the adapter "
+                                  f"allows {fmt_bytes(limit)} per binding", grows))
+    for what, nbytes, grows in plan.buffers:
+        if grows and nbytes > lim.max_buffer:  # (a weight too large: store_layout said so)
+            plan.problems.append((f"{what} needs {fmt_bytes(nbytes)} in one GPU buffer but the adapter's "
+                                  f"largest buffer is {fmt_bytes(lim.max_buffer)}", grows))
+    if lim.memory is not None and plan.total > lim.memory:
+        fixed = plan.fixed > lim.memory
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.parts.items() if v)
+        plan.problems.append((f"{plan.kind} needs {fmt_bytes(plan.total)} ({parts}) but "
+                              f"{fmt_bytes(lim.memory)} is available ({lim.memory_source})", not fixed))
+
+
+def _largest(ok, hi: int) -> int:
+    """Largest n in [1, hi] with ok(n) (ok monotone decreasing), or 0."""
+    if hi < 1 or not ok(1):
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
+    """The flag that would make `plan` pass, or a sentence saying that none can."""
+    B, L = plan.batch_size, plan.seq_len
+    if any(not grows for _, grows in plan.problems):
+        return "no --batch-size or --seq-len can help: the weights alone do not fit this adapter"
+
+    def ok(b, n):
+        return estimate(cfg, b, n, plan.kind, lim).ok
+
+    b = _largest(lambda b: ok(b, L), B - 1)
+    if b:
+        return f"use --batch-size {b} or less"
+    n = _largest(lambda n: ok(1, n), L - 1)
+    if n:
+        return f"use --seq-len {n} or less" + (" with --batch-size 1" if B > 1 else "")
+    return "no --batch-size or --seq-len can help on this adapter"
+
+
+def check_run(rt, cfg: MambaConfig, batch_size: int, seq_len: int, kind: str) -> Plan:
+    """Plan a run on `rt`'s adapter before anything is uploaded; MemengineError (exit 2) with
+    one line naming the figure and the flag that would help when it cannot work."""
+    lim = Limits.of(rt)
+    plan = estimate(cfg, batch_size, seq_len, kind, lim)
+    if not plan.ok:
+        msg, _ = plan.problems[0]
+        where = f"batch {plan.batch_size} x {plan.seq_len}"
+        raise MemengineError(f"{msg} ({kind}, {where}); {advice(cfg, plan, lim)}")
+    return plan
+
+
+def min_binding(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str = "train") -> int:
+    """The smallest binding limit a run passes with (tests force it so every tensor splits)."""
+    lim = Limits(2**62, 2**62, 256, 2**62)
+    need = max(b for _, b, _, k in estimate(cfg, batch_size, seq_len, kind, lim).units if k == "tensor")
+    return need + 256
