@@ -424,32 +424,35 @@ class Runtime:
         u = self.wgpu.BufferUsage
         return u.STORAGE | u.COPY_SRC | u.COPY_DST
 
-    def check_size(self, nbytes: int, what: str = "tensor") -> None:
-        """One buffer must fit the adapter's largest buffer (bindings are split by the ops;
-        `engine.plan` refuses oversized runs, with advice, before anything is uploaded)."""
-        if nbytes > self.max_buffer:
+    def check_size(self, nbytes: int, what: str = "tensor", scratch: bool = False) -> None:
+        """One buffer must fit the largest buffer (bindings are split by the ops;
+        `engine.plan` refuses oversized runs, with advice, before anything is uploaded).
+        Kernel scratch is checked against the adapter's own limit: a forced lower limit is
+        for model tensors."""
+        limit = self.adapter_max_buffer if scratch else self.max_buffer
+        if nbytes > limit:
             raise MemengineError(
                 f"{what} needs {fmt_bytes(nbytes)} in one GPU buffer but the adapter's largest "
-                f"buffer is {fmt_bytes(self.max_buffer)}")
+                f"buffer is {fmt_bytes(limit)}")
 
-    def create_buffer(self, nbytes: int, label: str = ""):
+    def create_buffer(self, nbytes: int, label: str = "", scratch: bool = False):
         """A new storage buffer (counted in bytes_allocated / peak_bytes)."""
-        self.check_size(nbytes, label or "tensor")
+        self.check_size(nbytes, label or "tensor", scratch)
         buf = self.device.create_buffer(label=label, size=nbytes, usage=self._usage())
         self.bytes_allocated += nbytes
         self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
         return buf
 
-    def empty(self, shape, dtype: str = "f32", name: str = "") -> Tensor:
+    def empty(self, shape, dtype: str = "f32", name: str = "", scratch: bool = False) -> Tensor:
         shape = tuple(int(s) for s in shape)
         n = 1
         for s in shape:
             n *= s
         nbytes = max(16, ((4 * n + 15) // 16) * 16)
-        self.check_size(nbytes, name or "tensor")
+        self.check_size(nbytes, name or "tensor", scratch)
         key = (nbytes,)
         free = self._pool.get(key)
-        buf = free.pop() if free else self.create_buffer(nbytes, name)
+        buf = free.pop() if free else self.create_buffer(nbytes, name, scratch)
         return Tensor(buf, shape, dtype, 0, name)
 
     def zeros(self, shape, dtype: str = "f32", name: str = "") -> Tensor:
@@ -464,7 +467,7 @@ class Runtime:
         k = (key, tuple(int(x) for x in shape), dtype)
         t = self._scratch.get(k)
         if t is None:
-            t = self.empty(shape, dtype, name=str(key))
+            t = self.empty(shape, dtype, name=str(key), scratch=True)
             self._scratch[k] = t
         return t
 

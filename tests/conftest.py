@@ -3,6 +3,7 @@ the models are very small: E=16, one layer, byte vocabulary)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle never downloads anything
@@ -74,3 +75,32 @@ def rt():
     from memengine.engine.gpu import get_runtime
 
     return get_runtime()
+
+
+@contextlib.contextmanager
+def checked_limits(rt, monkeypatch, binding: int, buffer: int | None = None):
+    """Force the runtime's limits down and check every dispatch against them: each storage
+    binding of a model tensor must fit the forced binding limit (wgpu itself only checks
+    the adapter's real limit, so without this a kernel that did not split would pass).
+    Kernel scratch is exempt (it is sized against the adapter's limit).  Yields a dict
+    counting the dispatches."""
+    from memengine.engine.gpu import Recorder, Tensor
+
+    seen = {"dispatches": 0}
+    orig = Recorder.dispatch
+
+    def checked(self, shader, entry, bindings, groups, constants=None):
+        scratch = {id(t.buffer) for t in rt._scratch.values()}
+        for i, r in bindings.items():
+            if isinstance(r, Tensor) and id(r.buffer) not in scratch:
+                assert r.nbytes <= rt.max_binding, (
+                    f"{shader}.{entry} binding {i} ({r.name}) is {r.nbytes} bytes, over {rt.max_binding}")
+        seen["dispatches"] += 1
+        return orig(self, shader, entry, bindings, groups, constants)
+
+    with rt.forced_limits(binding, buffer):
+        monkeypatch.setattr(Recorder, "dispatch", checked)
+        try:
+            yield seen
+        finally:
+            monkeypatch.setattr(Recorder, "dispatch", orig)

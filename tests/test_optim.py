@@ -1,10 +1,30 @@
-"""AdamW (shaders/adamw.wgsl) and GradClipper (shaders/reduce.wgsl) against numpy / torch."""
+"""AdamW (shaders/adamw.wgsl) and GradClipper (shaders/reduce.wgsl) against numpy / torch.
+
+The tests taking `lim` run twice: with the adapter's limits and with the storage-binding
+limit forced to 4 KiB, so every tensor is stepped / reduced in ranges (each dispatch is
+checked against the forced limit).
+"""
+
+import contextlib
 
 import numpy as np
 import pytest
+from conftest import checked_limits
 
 from memengine.engine.optim import AdamW, GradClipper
 
+FORCED_BINDING = 4096
+
+
+@pytest.fixture(params=["adapter", "forced"])
+def lim(request, rt, monkeypatch):
+    """The runtime, with the adapter's limits or a forced 4 KiB binding limit."""
+    ctx = (contextlib.nullcontext({"dispatches": 0}) if request.param == "adapter"
+           else checked_limits(rt, monkeypatch, FORCED_BINDING))
+    with ctx as seen:
+        yield rt
+    if request.param == "forced":
+        assert seen["dispatches"] > 0
 
 
 def _align_elems(rt):
@@ -63,7 +83,8 @@ class RefAdamW:
         return out
 
 
-def test_adamw_matches_numpy_over_steps(rt):
+def test_adamw_matches_numpy_over_steps(lim):
+    rt = lim
     rng = np.random.default_rng(0)
     shapes = {"a": (1,), "b": (300,), "c": (70_001,), "d": (17, 5)}
     p_np = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
@@ -116,7 +137,8 @@ def test_weight_decay_alone(rt):
     np.testing.assert_allclose(rt.read(p), p0 * (1 - 0.1 * 0.5), rtol=1e-6)
 
 
-def test_trust_region_clamp(rt):
+def test_trust_region_clamp(lim):
+    rt = lim
     rng = np.random.default_rng(2)
     p0 = rng.standard_normal(5000).astype(np.float32)
     p, g = rt.upload(p0), rt.upload(rng.standard_normal(5000).astype(np.float32))
@@ -187,7 +209,8 @@ def test_non_finite_gradients_never_reach_weights_or_moments(rt):
     np.testing.assert_allclose(rt.read(p2)[hit], p0[hit] * (1 - 1e-2 * 0.5), rtol=1e-6)
 
 
-def test_clip_factor_is_applied(rt):
+def test_clip_factor_is_applied(lim):
+    rt = lim
     rng = np.random.default_rng(4)
     p0 = rng.standard_normal(3000).astype(np.float32)
     gs = [rng.standard_normal(3000).astype(np.float32) for _ in range(3)]
@@ -202,7 +225,8 @@ def test_clip_factor_is_applied(rt):
     np.testing.assert_allclose(opt.state_dict()["w.exp_avg"], ref.m["w"], rtol=1e-5, atol=1e-7)
 
 
-def test_matches_torch_adamw(rt):
+def test_matches_torch_adamw(lim):
+    rt = lim
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)
     shapes = {"x": (64, 33), "y": (1000,)}
@@ -320,7 +344,8 @@ def test_misaligned_view_is_refused(rt):
         AdamW(rt).record_step(rt.recorder(), {"w": buf.view((10,), 1)}, {"w": g})
 
 
-def test_state_dict_round_trip_continues_bit_exactly(rt, tmp_path):
+def test_state_dict_round_trip_continues_bit_exactly(lim, tmp_path):
+    rt = lim
     rng = np.random.default_rng(8)
     shapes = {"layers.0.mixer.in_proj.weight": (40, 30), "norm_f.weight": (30,)}
     p0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
@@ -372,7 +397,8 @@ def _clip_record(rt, clipper, grads, max_norm):
     return float(rt.read(clipper.norm)[0]), float(rt.read(clipper.factor)[0])
 
 
-def test_grad_clipper_norm_and_factor(rt):
+def test_grad_clipper_norm_and_factor(lim):
+    rt = lim
     rng = np.random.default_rng(9)
     sizes = [1, 1000, 70_001, 257]
     arrays = [rng.standard_normal(n).astype(np.float32) for n in sizes]
@@ -404,7 +430,8 @@ def test_grad_clipper_non_finite_norm_gives_factor_one(rt):
     assert not np.isfinite(norm) and factor == 1.0
 
 
-def test_clip_then_adamw_step_equals_reference(rt):
+def test_clip_then_adamw_step_equals_reference(lim):
+    rt = lim
     rng = np.random.default_rng(10)
     shapes = {"a": (3000,), "b": (70, 7)}
     p_np = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}

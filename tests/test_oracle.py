@@ -3,10 +3,16 @@ FalconMambaForCausalLM (pure PyTorch).
 
 The oracle is the same checkpoint run through `transformers` on the CPU in float64; our
 GPU model runs it in float32.  The largest relative error of each quantity is printed.
+
+Each case also runs with the storage-binding limit forced down to the smallest one the run
+can work with (a few KiB for the short cases: one sequence must fit) and the buffer limit to
+the largest single tensor, so every tensor larger than that is split into ranges and the
+parameter/gradient stores take several buffers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,8 +23,28 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from memengine.engine import plan  # noqa: E402
 from memengine.engine.config import MambaConfig  # noqa: E402
+from conftest import checked_limits  # noqa: E402
 from memengine.engine.model import MambaModel  # noqa: E402
+
+LIMITS = ["adapter", "forced"]
+
+
+def forced_limits(cfg, B, L) -> tuple[int, int]:
+    """(binding, buffer) limits that split every tensor that can be split: the binding the
+    plan says one unit of work needs (at least 4 KiB), the buffer the largest tensor needs."""
+    binding = max(4096, -(-plan.min_binding(cfg, B, L) // 1024) * 1024)
+    big = plan.Limits(2**62, 2**62, 256)
+    largest = max(b for _, b, _ in plan.estimate(cfg, B, L, "train", big).buffers)
+    return binding, max(binding, largest)
+
+
+def limits_for(rt, mode, cfg, B, L, monkeypatch):
+    """The adapter's limits, or the forced ones with every dispatch checked against them."""
+    if mode == "adapter":
+        return contextlib.nullcontext()
+    return checked_limits(rt, monkeypatch, *forced_limits(cfg, B, L))
 
 
 # (name, config kwargs, batch, seq_len)
@@ -72,14 +98,26 @@ FALCON_CASES = [
 ]
 
 
+@pytest.mark.parametrize("limits", LIMITS)
 @pytest.mark.parametrize("name,kw,B,L", CASES + FALCON_CASES, ids=[c[0] for c in CASES + FALCON_CASES])
-def test_logits_loss_grads_match_transformers(rt, name, kw, B, L):
+def test_logits_loss_grads_match_transformers(rt, monkeypatch, name, kw, B, L, limits):
     falcon = name.startswith("falcon")
     m = hf_model(kw, falcon=falcon)
     tensors = tensors_of(m)
     cfg = MambaConfig.from_dict(m.config.to_dict())
     assert cfg.is_falcon == falcon and cfg.mixer_rms_eps == m.config.to_dict().get("mixer_rms_eps", 1e-6)
+    with limits_for(rt, limits, cfg, B, L, monkeypatch):
+        _compare(rt, m, tensors, cfg, name, kw, B, L, limits)
+
+
+def _compare(rt, m, tensors, cfg, name, kw, B, L, limits):
     ours = MambaModel(rt, cfg, tensors)
+    if limits == "forced":  # the forcing bites: tensors exceed one binding, the stores split
+        ws = ours.workspace(B, L)
+        sizes = [t.nbytes for t in ours.P.views.values()]
+        assert max(sizes + [ws.xz[0].nbytes]) > rt.max_binding, (max(sizes), rt.max_binding)
+        if sum(sizes) > rt.max_buffer:
+            assert len(ours.P.segments) > 1
 
     rng = np.random.default_rng(1)
     V = kw["vocab_size"]
@@ -99,9 +137,12 @@ def test_logits_loss_grads_match_transformers(rt, name, kw, B, L):
     logits = ours.logits(ids)
     e_logits = rel(logits, logits_ref.detach().numpy())
     loss = ours.loss_and_grads(ids, targets)
+    if limits == "forced":
+        print(f"\n[{name}] forced limits: binding {rt.max_binding} B, buffer {rt.max_buffer} B, "
+              f"{len(ours.P.segments)} parameter buffer(s)")
     e_loss = abs(loss - loss_ref.item()) / abs(loss_ref.item())
     grads = ours.grad_dict()
-    print(f"\n[{name}] logits max rel err {e_logits:.2e}; loss {loss:.6f} vs {loss_ref.item():.6f} "
+    print(f"[{name}/{limits}] logits max rel err {e_logits:.2e}; loss {loss:.6f} vs {loss_ref.item():.6f} "
           f"(rel {e_loss:.2e})")
     assert e_logits < 1e-4
     assert e_loss < 1e-4

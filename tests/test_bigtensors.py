@@ -1,0 +1,138 @@
+"""Tensors larger than one storage binding or one buffer: the range splitting of every kernel
+wrapper against numpy with the limits forced down (each dispatch is checked against them),
+and the parameter store in several buffers.  The whole model under forced limits is
+checked against transformers in test_oracle.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import checked_limits
+
+from memengine.engine.errors import MemengineError
+from memengine.engine.gpu import BindingError, parse_bytes, split
+from memengine.engine.model import FlatStore, store_layout
+from memengine.engine.ops import matmul as mm
+from memengine.engine.ops.embedding import EmbeddingBackward, embedding_forward
+
+KIB4 = 4096
+
+
+def test_split_is_one_range_when_everything_fits(rt):
+    assert split(rt, 1000, lambda n: (4 * n,)) == [(0, 1000)]
+    assert split(rt, 0, lambda n: (4 * n,)) == []
+    with rt.forced_limits(binding=KIB4):
+        parts = split(rt, 10_000, lambda n: (4 * n, 4 * n), step=256)
+        assert parts[0] == (0, 768) and sum(n for _, n in parts) == 10_000
+        assert all(s % 256 == 0 for s, _ in parts)
+        assert all(4 * n <= rt.max_binding - rt.storage_align + 4 for _, n in parts)
+        with pytest.raises(BindingError, match="one row of x needs 8.0 KiB"):
+            split(rt, 3, lambda n: (8192 * n,), unit="one row of x")
+
+
+def test_limits_only_go_down_and_env_values_parse(rt, monkeypatch):
+    assert parse_bytes("64K", "X") == 65536 and parse_bytes("1.5MiB", "X") == 1572864
+    with pytest.raises(MemengineError, match="MEMENGINE_MAX_BINDING_BYTES='lots'"):
+        parse_bytes("lots", "MEMENGINE_MAX_BINDING_BYTES")
+    before = (rt.max_binding, rt.max_buffer)
+    with rt.forced_limits(binding=2 * rt.adapter_max_binding, buffer=8192):
+        assert rt.max_buffer == 8192 and rt.max_binding == 8192  # a binding never exceeds a buffer
+    assert (rt.max_binding, rt.max_buffer) == before
+    monkeypatch.setenv("MEMENGINE_MAX_BINDING_BYTES", "16K")
+    rt.apply_env_limits()
+    try:
+        assert rt.max_binding == 16384
+    finally:
+        monkeypatch.delenv("MEMENGINE_MAX_BINDING_BYTES")
+        rt.apply_env_limits()
+    assert rt.max_binding == rt.adapter_max_binding
+
+
+def _mm(rt, a, b, c0, bias, M, N, K, ta, tb, acc, **kw):
+    A, B, C = rt.upload(a), rt.upload(b), rt.upload(c0)
+    Bi = rt.upload(bias) if bias is not None else None
+    rec = rt.recorder()
+    mm.matmul(rec, C, A, B, M=M, N=N, K=K, trans_a=ta, trans_b=tb, acc=acc, bias=Bi, **kw)
+    n = rec.dispatches
+    rec.submit()
+    return rt.read(C), n
+
+
+@pytest.mark.parametrize("M,N,K", [(150, 100, 40), (70, 37, 29), (20, 600, 24), (600, 12, 36)])
+@pytest.mark.parametrize("ta,tb,acc", [(False, False, False), (False, True, True), (True, False, True),
+                                        (True, True, False)])
+def test_matmul_blocks_match_numpy(rt, monkeypatch, M, N, K, ta, tb, acc):
+    """Row, column and reduction blocks (the reduction accumulated, the bias added once)."""
+    rng = np.random.default_rng(M + N + K)
+    a = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32)
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    ref = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b) + bias + (c0 if acc else 0)
+    whole, n_whole = _mm(rt, a, b, c0, bias, M, N, K, ta, tb, acc)
+    with checked_limits(rt, monkeypatch, KIB4):
+        blocks, n_blocks = _mm(rt, a, b, c0, bias, M, N, K, ta, tb, acc)
+    assert n_blocks > n_whole
+    err = np.abs(blocks - ref).max() / np.abs(ref).max()
+    assert err < 1e-5, err
+    np.testing.assert_allclose(blocks, whole, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_linear_column_slices_in_blocks(rt, monkeypatch):
+    """A strided column view (dt_proj reading x_proj's first R columns) split into blocks."""
+    rng = np.random.default_rng(1)
+    M, R, W, Di = 700, 8, 40, 12
+    xdbl = rng.standard_normal((M, W)).astype(np.float32)
+    w = rng.standard_normal((Di, R)).astype(np.float32)
+    X, Wt, Y = rt.upload(xdbl), rt.upload(w), rt.empty((M, Di))
+    with checked_limits(rt, monkeypatch, KIB4):
+        rec = rt.recorder()
+        mm.linear_forward(rec, Y, X, Wt, None, M=M, N=Di, K=R, ldx=W, x_col=4)
+        assert rec.dispatches > 1
+        rec.submit()
+    np.testing.assert_allclose(rt.read(Y), xdbl[:, 4:4 + R] @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_by_vocabulary_and_row_ranges(rt, monkeypatch):
+    rng = np.random.default_rng(2)
+    V, E, M = 300, 24, 300
+    w = rng.standard_normal((V, E)).astype(np.float32)
+    ids = rng.integers(0, V, M).astype(np.int32)
+    ids[[3, 50]] = [-1, V + 5]  # outside the table: zero rows, no gradient
+    dout = rng.standard_normal((M, E)).astype(np.float32)
+    W, I, D = rt.upload(w), rt.upload(ids, "i32"), rt.upload(dout)
+    out = rt.upload(np.full((M, E), 7.0, np.float32))
+    dw = rt.upload(np.ones((V, E), np.float32))
+    back = EmbeddingBackward(rt, M)
+    back.prepare(ids)
+    with checked_limits(rt, monkeypatch, KIB4) as seen:
+        rec = rt.recorder()
+        embedding_forward(rec, out, I, W)
+        back.record(rec, dw, D)
+        rec.submit()
+    assert seen["dispatches"] > 2
+    want = np.where(((ids >= 0) & (ids < V))[:, None], w[np.clip(ids, 0, V - 1)], 0.0)
+    np.testing.assert_array_equal(rt.read(out), want)
+    dref = np.ones((V, E))
+    for m, t in enumerate(ids):
+        if 0 <= t < V:
+            dref[t] += dout[m]
+    np.testing.assert_allclose(rt.read(dw), dref, rtol=1e-5, atol=1e-5)
+
+
+def test_store_takes_several_buffers(rt):
+    shapes = {"a": (1000,), "b": (3, 300), "c": (7,), "d": (2000,)}
+    where, sizes = store_layout(shapes, rt.storage_align // 4, 8192)
+    assert len(sizes) == 2 and where["d"] == (1, 0)
+    with pytest.raises(MemengineError, match="tensor d needs 7.8 KiB in one GPU buffer.*no option"):
+        store_layout(shapes, rt.storage_align // 4, 6000)
+    with rt.forced_limits(buffer=8192):
+        st = FlatStore(rt, shapes, "t")
+        assert len(st.segments) == 2
+        rng = np.random.default_rng(3)
+        vals = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        st.write(vals)
+        got = st.read()
+        for k in shapes:
+            np.testing.assert_array_equal(got[k].reshape(shapes[k]), vals[k])
+            np.testing.assert_array_equal(rt.read(st.views[k]), vals[k])
