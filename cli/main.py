@@ -134,17 +134,24 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
     "memengine info state-spaces/mamba-130m-hf                # a model id (local cache, else download)",
     "memengine info my-org/my-mamba --revision v1.0            # a tag, branch or commit",
     "memengine info weights.safetensors --model-type falcon_mamba",
+    "memengine info mamba-130m --seq-len 2048 --batch-size 4    # will train fit this adapter?",
+    "MEMENGINE_MAX_MEMORY_BYTES=8G memengine info model --json | jq .plan.train",
 ))
 def info(
     ckpt: CkptArg,
     revision: RevisionOpt = None,
     model_type: ModelTypeOpt = None,
+    seq_len: SeqLenOpt = 512,
+    batch_size: BatchOpt = 1,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ):
-    """Show a checkpoint's config, parameter count, dtypes and size, and the GPU adapter."""
+    """Show a checkpoint's config, parameter count, dtypes and size, the GPU adapter, and the memory plan.
+
+    The plan estimates what eval, train and adapt need for --batch-size x --seq-len (parameters, gradients, moments, activations, logits chunk, scratch) and checks it against the adapter's largest buffer and binding and, where one is known, the memory budget.
+    """
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
         from memengine.engine.setup import open_checkpoint, resolve
@@ -160,11 +167,14 @@ def info(
         weight_files = c.extra.get("weight_files", [])
         files = weight_files if ref.path.is_file() else sorted(p for p in ref.path.iterdir() if p.is_file())
         nbytes = int(sum(p.stat().st_size for p in files))
+        plan = None
         try:
+            from memengine.engine import plan as mplan
             from memengine.engine.gpu import get_runtime
 
             rt = get_runtime(device or None, verbose=verbose)
             adapter, caps = rt.describe(), rt.capabilities()
+            plan = mplan.report(cfg, batch_size, seq_len, mplan.Limits.of(rt))
         except MemengineError as e:
             adapter, caps = f"none ({e})", None
         tok = getattr(c, "tokenizer_path", None)
@@ -193,6 +203,16 @@ def info(
              f"{', '.join(caps['features']) or 'none'}; largest binding "
              f"{caps['max_storage_binding_bytes'] / 2**20:,.0f} MiB"),
         ])
+        if plan is not None:
+            lim = plan["limits"]
+            ui.table(f"memory plan for batch {batch_size} x {seq_len} (largest buffer "
+                     f"{mplan.fmt_bytes(lim['max_buffer_bytes'])}, binding {mplan.fmt_bytes(lim['max_binding_bytes'])}"
+                     f", memory {'unknown' if lim['memory_bytes'] is None else mplan.fmt_bytes(lim['memory_bytes'])})",
+                     ["", *mplan.KINDS], mplan.report_rows(plan), right=[False, True, True, True])
+            ui.note(f"memory budget: {lim['memory_source']}")
+            for kind in mplan.KINDS:
+                if not plan[kind]["ok"]:
+                    ui.note(f"{kind}: {plan[kind]['problem']}; {plan[kind]['advice']}")
         if json_out:
             ui.emit({
                 "path": str(ckpt),
@@ -208,6 +228,7 @@ def info(
                 "tokenizer": str(tok) if tok else None,
                 "adapter": adapter,
                 "gpu": caps,
+                "plan": plan,
             })
 
 

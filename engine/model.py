@@ -91,8 +91,7 @@ def store_layout(shapes: dict, align: int, max_bytes: int) -> tuple[dict, list]:
         if 4 * n > max_bytes:
             raise MemengineError(
                 f"tensor {name} needs {fmt_bytes(4 * n)} in one GPU buffer but the adapter's largest "
-                f"buffer is {fmt_bytes(max_bytes)}; this adapter cannot hold it (no option makes a "
-                "weight smaller)")
+                f"buffer is {fmt_bytes(max_bytes)}")
         off = (sizes[-1] + align - 1) // align * align
         if 4 * (off + n) > max_bytes:
             sizes.append(0)

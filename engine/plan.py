@@ -84,7 +84,7 @@ def memory_budget(adapter_type: str) -> tuple[int | None, str]:
     if str(adapter_type).lower() == "cpu":
         avail = _meminfo_available()
         if avail is not None:
-            return avail, "host memory available (MemAvailable, /proc/meminfo; a CPU adapter's buffers are host memory)"
+            return avail, "host memory, MemAvailable in /proc/meminfo"
     return None, "unknown (a GPU reports no memory size; set MEMENGINE_MAX_MEMORY_BYTES to check one)"
 
 
@@ -230,18 +230,20 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     # -- units of work that must fit one binding
     plan.units.append((f"one row of the embedding table ({E} values)", 4 * E, False, "tensor"))
     plan.units.append((f"one row of logits ({V} values)", 4 * V, False, "tensor"))
-    plan.units.append((f"one sequence of the conv1d and selective scan ({L} x {2 * Di} values)",
+    plan.units.append((f"one sequence of the conv1d and selective scan at --seq-len {L} ({L} x {2 * Di} values)",
                        max(sequence_windows(1, L, Di, N, R)), True, "tensor"))
-    plan.units.append(("the selective scan's scratch for one sequence", max(sequence_scratch(1, L, Di, N, R)),
+    plan.units.append((f"the selective scan's scratch for one sequence at --seq-len {L}",
+                       max(sequence_scratch(1, L, Di, N, R)),
                        True, "adapter"))
     if grad:
-        plan.units.append((f"the embedding's scatter plan for {M} tokens", 4 * (2 + 3 * M), True, "tensor"))
+        plan.units.append((f"the embedding's scatter plan for batch {B} x {L}", 4 * (2 + 3 * M), True, "tensor"))
     _check(plan, lim)
     return plan
 
 
 def _check(plan: Plan, lim: Limits) -> None:
     slack = lim.storage_align - 4
+    shape = f"batch {plan.batch_size} x {plan.seq_len}"
     for what, nbytes, grows, limit_kind in plan.units:
         limit = lim.max_binding if limit_kind == "tensor" else lim.adapter_max_binding
         if nbytes > limit - slack:
@@ -249,13 +251,19 @@ def _check(plan: Plan, lim: Limits) -> None:
                                   f"allows {fmt_bytes(limit)} per binding", grows))
     for what, nbytes, grows in plan.buffers:
         if grows and nbytes > lim.max_buffer:  # (a weight too large: store_layout said so)
-            plan.problems.append((f"{what} needs {fmt_bytes(nbytes)} in one GPU buffer but the adapter's "
-                                  f"largest buffer is {fmt_bytes(lim.max_buffer)}", grows))
+            plan.problems.append((f"{what} for {shape} needs {fmt_bytes(nbytes)} in one GPU buffer but the "
+                                  f"adapter's largest buffer is {fmt_bytes(lim.max_buffer)}", grows))
     if lim.memory is not None and plan.total > lim.memory:
-        fixed = plan.fixed > lim.memory
-        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.parts.items() if v)
-        plan.problems.append((f"{plan.kind} needs {fmt_bytes(plan.total)} ({parts}) but "
-                              f"{fmt_bytes(lim.memory)} is available ({lim.memory_source})", not fixed))
+        avail = f"{fmt_bytes(lim.memory)} is available ({lim.memory_source})"
+        if plan.fixed > lim.memory:
+            parts = ", ".join(f"{k} {fmt_bytes(plan.parts[k])}" for k in ("parameters", "gradients", "moments")
+                              if plan.parts[k])
+            plan.problems.append((f"{plan.kind} needs {fmt_bytes(plan.fixed)} for the weights alone ({parts}) "
+                                  f"but {avail}", False))
+        else:
+            parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.parts.items() if v)
+            plan.problems.append((f"{plan.kind} of {shape} needs {fmt_bytes(plan.total)} ({parts}) but {avail}",
+                                  True))
 
 
 def _largest(ok, hi: int) -> int:
@@ -275,19 +283,20 @@ def _largest(ok, hi: int) -> int:
 def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
     """The flag that would make `plan` pass, or a sentence saying that none can."""
     B, L = plan.batch_size, plan.seq_len
+    none = "no --batch-size or --seq-len can help on this adapter"
     if any(not grows for _, grows in plan.problems):
-        return "no --batch-size or --seq-len can help: the weights alone do not fit this adapter"
+        return none
 
     def ok(b, n):
         return estimate(cfg, b, n, plan.kind, lim).ok
 
     b = _largest(lambda b: ok(b, L), B - 1)
     if b:
-        return f"use --batch-size {b} or less"
+        return f"use --batch-size {b}" + (" or less" if b > 1 else "")
     n = _largest(lambda n: ok(1, n), L - 1)
     if n:
         return f"use --seq-len {n} or less" + (" with --batch-size 1" if B > 1 else "")
-    return "no --batch-size or --seq-len can help on this adapter"
+    return none
 
 
 def check_run(rt, cfg: MambaConfig, batch_size: int, seq_len: int, kind: str) -> Plan:
@@ -296,9 +305,7 @@ def check_run(rt, cfg: MambaConfig, batch_size: int, seq_len: int, kind: str) ->
     lim = Limits.of(rt)
     plan = estimate(cfg, batch_size, seq_len, kind, lim)
     if not plan.ok:
-        msg, _ = plan.problems[0]
-        where = f"batch {plan.batch_size} x {plan.seq_len}"
-        raise MemengineError(f"{msg} ({kind}, {where}); {advice(cfg, plan, lim)}")
+        raise MemengineError(f"{plan.problems[0][0]}; {advice(cfg, plan, lim)}")
     return plan
 
 
@@ -307,3 +314,25 @@ def min_binding(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str = "tr
     lim = Limits(2**62, 2**62, 256, 2**62)
     need = max(b for _, b, _, k in estimate(cfg, batch_size, seq_len, kind, lim).units if k == "tensor")
     return need + 256
+
+
+PLAN_ROWS = ("parameters", "gradients", "moments", "activations", "logits chunk", "scratch")
+
+
+def report(cfg: MambaConfig, batch_size: int, seq_len: int, lim: Limits) -> dict:
+    """The plans of eval, train and adapt for one shape (what `memengine info` shows)."""
+    out = {"batch_size": int(batch_size), "seq_len": int(seq_len), "limits": lim.to_dict()}
+    for kind in KINDS:
+        p = estimate(cfg, batch_size, seq_len, kind, lim)
+        d = p.to_dict()
+        d["advice"] = None if p.ok else advice(cfg, p, lim)
+        out[kind] = d
+    return out
+
+
+def report_rows(rep: dict) -> list:
+    """Rows (item, eval, train, adapt) of a `report` for a table."""
+    rows = [(k, *(fmt_bytes(rep[kind]["bytes"][k]) for kind in KINDS)) for k in PLAN_ROWS]
+    rows.append(("total", *(fmt_bytes(rep[kind]["total_bytes"]) for kind in KINDS)))
+    rows.append(("fits", *("yes" if rep[kind]["ok"] else "no" for kind in KINDS)))
+    return rows

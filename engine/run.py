@@ -27,7 +27,7 @@ from .loop import LoopState, TrainingLoop, reads_apart
 from .options import AdaptOptions, EvalOptions, TrainOptions
 from .resolve import public_path
 from .sampler import split_windows
-from .setup import open_checkpoint, open_runtime, open_tokenizer, resolve, tokenizer_file
+from .setup import open_checkpoint, open_model, open_runtime, open_tokenizer, resolve, tokenizer_file
 from .trainer import EvalResult, Trainer, evaluate
 
 STATE_VERSION = 1
@@ -53,15 +53,13 @@ class EvalReport:
 
 def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, verbose: bool,
                          phase: str) -> tuple[EvalResult, str]:
-    from .model import MambaModel
-
     c = open_checkpoint(ref, listener.on_warning)
     tok = open_tokenizer(c, o.tokenizer)
     stream = token_stream(docs, source, tok, c.config.vocab_size)
     batches = make_batches(make_windows(stream.ids, o.seq_len), o.batch_size, o.seq_len)
     rt = open_runtime(o.device, verbose)
     listener.on_adapter(rt.describe())
-    model = MambaModel.from_checkpoint(rt, c)
+    model = open_model(rt, c, "eval", o.batch_size, o.seq_len)
 
     def progress(i, n):
         listener.on_eval_progress(phase, i, n)
@@ -137,8 +135,6 @@ class _Run:
     """The set-up and the outputs of one train/adapt invocation."""
 
     def __init__(self, o: TrainOptions, listener: Listener, verbose: bool):
-        from .model import MambaModel
-
         self.o = o.validate()
         self.listener = lis = listener
         self.snap = snapshots.locate(o.resume) if o.resume is not None else None
@@ -192,7 +188,7 @@ class _Run:
         self.rt = open_runtime(o.device, verbose)
         self.adapter = self.rt.describe()
         lis.on_adapter(self.adapter)
-        self.model = MambaModel.from_checkpoint(self.rt, self.ckpt)
+        self.model = open_model(self.rt, self.ckpt, o.KIND, o.batch_size, o.seq_len)
         opt_file = self.ckpt.directory / optim_state.OPTIMIZER_FILE
         opt_state = optim_state.load(opt_file, self.model)
         if snap is not None and opt_state is None:

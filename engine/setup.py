@@ -1,5 +1,5 @@
-"""Opening what a run works on: the checkpoint (a path or a model id), its tokenizer and the
-GPU runtime."""
+"""Opening what a run works on: the checkpoint (a path or a model id), its tokenizer, the
+GPU runtime, and the model on it once the memory plan says the run fits."""
 
 from __future__ import annotations
 
@@ -46,3 +46,15 @@ def open_runtime(device: Optional[str], verbose: bool):
     rt = get_runtime(device or None, verbose=verbose)
     rt.trim()
     return rt
+
+
+def open_model(rt, ckpt, kind: str, batch_size: int, seq_len: int):
+    """The checkpoint's model on `rt`, after the memory plan of a `kind` run (eval, train,
+    adapt) at batch_size x seq_len passed (engine/plan.py): nothing is uploaded for a run
+    that cannot work, which is refused with one MemengineError line naming the figure and
+    the flag that would help."""
+    from .model import MambaModel
+    from .plan import check_run
+
+    check_run(rt, ckpt.config, batch_size, seq_len, kind)
+    return MambaModel.from_checkpoint(rt, ckpt)

@@ -1,0 +1,142 @@
+"""The memory plan (engine/plan.py): its figures equal what a run allocates, its refusals
+name a flag only when that flag makes the run fit, and the commands refuse before upload."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_cli import assert_one_line_error, run_proc
+
+from memengine.engine import plan
+from memengine.engine.config import MambaConfig, load_config
+from memengine.engine.data import make_batches, make_windows
+from memengine.engine.init import init_weights
+from memengine.engine.model import MambaModel
+from memengine.engine.trainer import TrainOptions, Trainer, evaluate
+
+SMALL = dict(vocab_size=300, hidden_size=64, state_size=16, num_hidden_layers=2, tie_word_embeddings=False,
+             use_bias=True)
+
+
+@pytest.mark.parametrize("kind", plan.KINDS)
+def test_plan_equals_what_a_run_allocates(rt, kind):
+    cfg = MambaConfig.from_dict(SMALL)
+    B, L = 2, 300
+    est = plan.estimate(cfg, B, L, kind, plan.Limits.of(rt))
+    rt.trim()  # count from zero
+    model = MambaModel(rt, cfg, init_weights(cfg, 0))
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 2 * B * L + 1)
+    batches = make_batches(make_windows(ids, L), B, L)
+    if kind == "eval":
+        evaluate(model, batches)
+    elif kind == "train":
+        Trainer(model, TrainOptions(epochs=1, batch_size=B, seq_len=L)).fit(batches)
+    else:
+        from memengine.engine.adapt import adapt
+
+        adapt(model, batches, TrainOptions(epochs=1, batch_size=B, seq_len=L))
+    got = rt.bytes_allocated
+    print(f"\n{kind}: plan {est.total:,} bytes, allocated {got:,} bytes")
+    assert got - 4096 <= est.total <= 1.05 * got
+    assert est.ok
+
+
+def _lim(memory=None, binding=128 * 2**20, buffer=2**31):
+    return plan.Limits(buffer, binding, 256, binding, memory, "test budget")
+
+
+@pytest.mark.parametrize("kind", plan.KINDS)
+@pytest.mark.parametrize("B,L", [(4, 2048), (1, 4096), (16, 512)])
+@pytest.mark.parametrize("memory", [int(0.8 * 2**30), 2 * 2**30, 3 * 2**30, 6 * 2**30])
+def test_advice_names_a_flag_only_when_it_makes_the_run_fit(kind, B, L, memory):
+    """The mamba-130m shape against memory budgets: a refused run's advice, applied, fits;
+    and no advice is given when the weights alone are too large."""
+    cfg = load_config("mamba-130m")
+    lim = _lim(memory)
+    p = plan.estimate(cfg, B, L, kind, lim)
+    if p.ok:
+        assert p.total <= memory
+        return
+    adv = plan.advice(cfg, p, lim)
+    if p.fixed > memory:
+        assert adv.startswith("no --batch-size or --seq-len can help"), adv
+        return
+    words = adv.split()
+    b = int(words[words.index("--batch-size") + 1]) if "--batch-size" in words else B
+    n = int(words[words.index("--seq-len") + 1]) if "--seq-len" in words else L
+    assert (b, n) != (B, L)
+    assert plan.estimate(cfg, b, n, kind, lim).ok, adv
+    # the largest that fits: one more would not
+    if "--seq-len" in words:
+        assert not plan.estimate(cfg, b, n + 1, kind, lim).ok
+    else:
+        assert not plan.estimate(cfg, b + 1, n, kind, lim).ok
+
+
+def test_refusals_that_no_flag_can_fix():
+    cfg = load_config("mamba-130m")
+    # a weight larger than the largest buffer
+    p = plan.estimate(cfg, 1, 64, "eval", _lim(buffer=100 * 2**20))
+    assert "backbone.embeddings.weight needs 147.3 MiB in one GPU buffer" in p.problems[0][0]
+    assert plan.advice(cfg, p, _lim(buffer=100 * 2**20)).startswith("no --batch-size or --seq-len")
+    # one row of logits larger than a binding
+    p = plan.estimate(cfg, 1, 64, "eval", _lim(binding=100 * 2**10))
+    assert "one row of logits (50280 values)" in p.problems[0][0]
+    # a sequence too long for one binding: only --seq-len helps
+    lim = _lim()
+    p = plan.estimate(cfg, 2, 40000, "eval", lim)
+    assert "--seq-len 40000" in p.problems[0][0]
+    assert plan.advice(cfg, p, lim) == "use --seq-len 10922 or less with --batch-size 1"
+
+
+def test_budget_comes_from_env_or_host_memory(rt, monkeypatch):
+    monkeypatch.setenv(plan.ENV_MAX_MEMORY, "3G")
+    assert plan.memory_budget("discretegpu") == (3 * 2**30, plan.ENV_MAX_MEMORY)
+    monkeypatch.delenv(plan.ENV_MAX_MEMORY)
+    mem, src = plan.memory_budget("cpu")
+    assert mem and mem > 2**20 and "MemAvailable" in src
+    assert plan.memory_budget("discretegpu")[0] is None
+
+
+def test_info_prints_the_plan(rt, tiny_ckpt_ro):
+    r = run_proc("info", tiny_ckpt_ro, "--seq-len", "64", "--batch-size", "3", "--json",
+                 env_extra={"MEMENGINE_MAX_MEMORY_BYTES": "1G"})
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)["plan"]
+    assert d["batch_size"] == 3 and d["seq_len"] == 64
+    assert d["limits"]["memory_bytes"] == 2**30 and d["limits"]["memory_source"] == "MEMENGINE_MAX_MEMORY_BYTES"
+    cfg = MambaConfig.from_dict(json.loads(r.stdout)["config"])
+    for kind in plan.KINDS:
+        assert d[kind]["ok"] and d[kind]["bytes"] == plan.estimate(cfg, 3, 64, kind, plan.Limits.of(rt)).parts
+    assert d["eval"]["bytes"]["gradients"] == 0 and d["train"]["bytes"]["moments"] > d["adapt"]["bytes"]["moments"]
+    r = run_proc("info", tiny_ckpt_ro, "--seq-len", "64")
+    assert r.returncode == 0 and "memory plan for batch 1 x 64" in r.stderr and "activations" in r.stderr
+
+
+def test_train_refused_before_upload_with_the_flag_that_helps(tiny_ckpt_ro, sample_text, tmp_path):
+    cfg = MambaConfig.from_dict(json.loads((tiny_ckpt_ro / "config.json").read_text()))
+    fixed = plan.estimate(cfg, 1, 1, "eval", _lim()).fixed  # the parameters
+    budget = plan.estimate(cfg, 1, 512, "train", _lim()).total + 1  # B=1 fits, B=8 does not
+    r = run_proc("train", tiny_ckpt_ro, "--data", sample_text, "-o", tmp_path / "o", "--batch-size", "8",
+                 env_extra={"MEMENGINE_MAX_MEMORY_BYTES": str(budget)})
+    assert r.returncode == 2
+    assert_one_line_error(r.stderr, "use --batch-size")
+    assert not (tmp_path / "o").exists()
+    r = run_proc("eval", tiny_ckpt_ro, "--data", sample_text,
+                 env_extra={"MEMENGINE_MAX_MEMORY_BYTES": str(fixed // 2)})
+    assert r.returncode == 2
+    assert_one_line_error(r.stderr, "no --batch-size or --seq-len can help")
+
+
+def test_eval_with_tiny_forced_binding_gives_the_same_loss(tiny_ckpt_ro, sample_text):
+    a = run_proc("eval", tiny_ckpt_ro, "--data", sample_text, "--seq-len", "12", "--json")
+    b = run_proc("eval", tiny_ckpt_ro, "--data", sample_text, "--seq-len", "12", "--json",
+                 env_extra={"MEMENGINE_MAX_BINDING_BYTES": "4K", "MEMENGINE_MAX_BUFFER_BYTES": "20K"})
+    assert a.returncode == 0 and b.returncode == 0, b.stderr
+    la, lb = json.loads(a.stdout)["loss"], json.loads(b.stdout)["loss"]
+    assert abs(la - lb) <= 1e-5 * abs(la), (la, lb)
+    r = run_proc("eval", tiny_ckpt_ro, "--data", sample_text, env_extra={"MEMENGINE_MAX_BINDING_BYTES": "much"})
+    assert r.returncode == 2
+    assert_one_line_error(r.stderr, "MEMENGINE_MAX_BINDING_BYTES")
