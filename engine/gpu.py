@@ -253,8 +253,7 @@ def split(rt: "Runtime", total: int, windows, *, step: int = 1, unit: str = "uni
         return [(0, total)]
     bad = over(1)
     if bad is not None:
-        raise BindingError(f"{unit} needs {fmt_bytes(bad[0])} in one storage binding but the adapter "
-                           f"allows {fmt_bytes(bad[1])} per binding")
+        raise BindingError(binding_refusal(unit, bad[0], bad[1], slack))
     g = step if step > 1 and over(step) is None else 1
     lo, hi = 1, (total - 1) // g  # in units of g: lo fits; hi * g < total
     while lo < hi:
@@ -265,6 +264,16 @@ def split(rt: "Runtime", total: int, windows, *, step: int = 1, unit: str = "uni
             hi = mid - 1
     n = lo * g
     return [(s, min(n, total - s)) for s in range(0, total, n)]
+
+
+def binding_refusal(what: str, need: int, limit: int, slack: int) -> str:
+    """'<what> needs N in one storage binding but the adapter allows M per binding' (exact
+    bytes when the rounded figures would look equal: a binding starts on the offset
+    alignment, so `slack` bytes of the limit may be lost)."""
+    a, b = fmt_bytes(need), fmt_bytes(limit)
+    if a == b:
+        a, b = f"{need:,} bytes", f"{limit - slack:,} bytes (its {b} limit less the offset alignment)"
+    return f"{what} needs {a} in one storage binding but the adapter allows {b} per binding"
 
 
 def fmt_bytes(n: float) -> str:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from .config import MambaConfig, expected_shapes
 from .errors import MemengineError
-from .gpu import BindingError, cdiv, env_bytes, fmt_bytes, split
+from .gpu import BindingError, binding_refusal, cdiv, env_bytes, fmt_bytes, split
 from .model import logits_chunk_rows, store_layout, workspace_shapes
 from .ops import conv1d as _conv1d, rmsnorm as _rmsnorm
 from .ops.matmul import _split_k
@@ -247,8 +247,7 @@ def _check(plan: Plan, lim: Limits) -> None:
     for what, nbytes, grows, limit_kind in plan.units:
         limit = lim.max_binding if limit_kind == "tensor" else lim.adapter_max_binding
         if nbytes > limit - slack:
-            plan.problems.append((f"{what} needs {fmt_bytes(nbytes)} in one storage binding but the adapter "
-                                  f"allows {fmt_bytes(limit)} per binding", grows))
+            plan.problems.append((binding_refusal(what, nbytes, limit, slack), grows))
     for what, nbytes, grows in plan.buffers:
         if grows and nbytes > lim.max_buffer:  # (a weight too large: store_layout said so)
             plan.problems.append((f"{what} for {shape} needs {fmt_bytes(nbytes)} in one GPU buffer but the "
