@@ -236,6 +236,8 @@ def split(rt: "Runtime", total: int, windows, *, step: int = 1, unit: str = "uni
     """
     total = int(total)
     slack = rt.storage_align - 4
+    if scratch is None and total > 0 and fits_all(rt):
+        return [(0, total)]
 
     def over(n: int):
         """The first (bytes, limit) that does not fit, else None."""
@@ -266,6 +268,12 @@ def split(rt: "Runtime", total: int, windows, *, step: int = 1, unit: str = "uni
     return [(s, min(n, total - s)) for s in range(0, total, n)]
 
 
+def fits_all(rt) -> bool:
+    """True while every storage buffer made so far fits one binding: then no window of any
+    of them can exceed it and nothing needs splitting (the fast path of `split`)."""
+    return getattr(rt, "unsplit", False)
+
+
 def binding_refusal(what: str, need: int, limit: int, slack: int) -> str:
     """'<what> needs N in one storage binding but the adapter allows M per binding' (exact
     bytes when the rounded figures would look equal: a binding starts on the offset
@@ -284,10 +292,13 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def rows(t: Tensor, r0: int, n: int) -> Tensor:
-    """Rows [r0, r0+n) along the first dimension of a row-major tensor."""
-    per = t.numel // int(t.shape[0]) if t.shape and t.shape[0] else 1
-    out = Tensor(t.buffer, (int(n),) + tuple(t.shape[1:]), t.dtype, t.offset + 4 * int(r0) * per, t.name)
+def rows(t: Tensor, r0: int, n: int, width: int | None = None) -> Tensor:
+    """Rows [r0, r0+n) of a row-major tensor of `width` elements per row (default: the size
+    of its first dimension's rows); the tensor itself when that is all of it."""
+    per = int(width) if width is not None else (t.numel // int(t.shape[0]) if t.shape and t.shape[0] else 1)
+    if r0 == 0 and n * per == t.numel:
+        return t
+    out = Tensor(t.buffer, (int(n), per) if per > 1 else (int(n),), t.dtype, t.offset + 4 * int(r0) * per, t.name)
     assert out.offset + out.nbytes <= t.offset + t.nbytes, "rows past the end of its tensor"
     return out
 
@@ -333,13 +344,15 @@ class Runtime:
         with _silence_fd2(not verbose):
             self.device = self.adapter.request_device_sync(required_features=feats, required_limits=want)
         self.limits = dict(self.device.limits)
+        self.storage_align = int(self.limits.get("min-storage-buffer-offset-alignment", 256))
+        self.largest_buffer = 0  # the largest storage buffer made (see fits_all)
+        self.unsplit = True
         self.adapter_max_binding = int(self.limits["max-storage-buffer-binding-size"])
         self.adapter_max_buffer = int(self.limits["max-buffer-size"])
         self.max_binding = self.adapter_max_binding
         self.max_buffer = self.adapter_max_buffer
         self.apply_env_limits()
         self.uniform_align = int(self.limits.get("min-uniform-buffer-offset-alignment", 256))
-        self.storage_align = int(self.limits.get("min-storage-buffer-offset-alignment", 256))
         self._modules: dict = {}
         self._pipelines: dict = {}
         self._bind_groups: dict = {}
@@ -360,6 +373,11 @@ class Runtime:
                 raise MemengineError(f"the forced {name} limit must be at least {MIN_FORCED_LIMIT} bytes (got {v})")
         self.max_buffer = buf & ~3
         self.max_binding = min(bind, buf) & ~3
+        self._update_unsplit()
+
+    def _update_unsplit(self) -> None:
+        """`unsplit`: every storage buffer made so far fits one binding (see gpu.fits_all)."""
+        self.unsplit = self.largest_buffer <= self.max_binding - (self.storage_align - 4)
 
     def apply_env_limits(self) -> None:
         """Apply MEMENGINE_MAX_BINDING_BYTES / MEMENGINE_MAX_BUFFER_BYTES (unset: the adapter's)."""
@@ -374,6 +392,7 @@ class Runtime:
             yield self
         finally:
             self.max_binding, self.max_buffer = saved
+            self._update_unsplit()
 
     # ------------------------------------------------------------------ description
     def describe(self) -> str:
@@ -448,6 +467,8 @@ class Runtime:
         """A new storage buffer (counted in bytes_allocated / peak_bytes)."""
         self.check_size(nbytes, label or "tensor", scratch)
         buf = self.device.create_buffer(label=label, size=nbytes, usage=self._usage())
+        self.largest_buffer = max(self.largest_buffer, nbytes)
+        self._update_unsplit()
         self.bytes_allocated += nbytes
         self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
         return buf

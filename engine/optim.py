@@ -150,6 +150,7 @@ class AdamW:
         if missing:
             raise KeyError(f"AdamW: no gradient for {missing}")
         al = rt.storage_align
+        ranges = {}
         for name, p in params.items():
             g = grads[name]
             if p.numel != g.numel:
@@ -161,7 +162,8 @@ class AdamW:
                     raise ValueError(f"AdamW: {name!r}: {what} view offset {t.offset} is not a multiple "
                                      f"of the storage-offset alignment {al}")
             self._moment(name, p)
-            for i, _ in enumerate(self._ranges(p)):
+            ranges[name] = [(0, p.numel)] if rt.unsplit else self._ranges(p)
+            for i in range(len(ranges[name])):
                 self._slot(name if i == 0 else (name, i))
         self._ensure_uniform_capacity()
 
@@ -171,7 +173,6 @@ class AdamW:
         # (computed in double), so v / (1 - b2^t) stays unbiased for the betas actually used.
         b1, b2 = (float(np.float32(b)) for b in self.betas)
         data = bytearray(len(self._slots) * self._stride)
-        ranges = {name: self._ranges(p) for name, p in params.items()}
         for name in params:
             for i, (_, n) in enumerate(ranges[name]):
                 struct.pack_into(_ADAM_FMT, data, self._slots[name if i == 0 else (name, i)] * self._stride,

@@ -21,13 +21,16 @@ KIB4 = 4096
 def test_split_is_one_range_when_everything_fits(rt):
     assert split(rt, 1000, lambda n: (4 * n,)) == [(0, 1000)]
     assert split(rt, 0, lambda n: (4 * n,)) == []
+    t = rt.empty((10_000,))  # a buffer larger than the forced binding: splitting is on
     with rt.forced_limits(binding=KIB4):
+        assert not rt.unsplit
         parts = split(rt, 10_000, lambda n: (4 * n, 4 * n), step=256)
         assert parts[0] == (0, 768) and sum(n for _, n in parts) == 10_000
         assert all(s % 256 == 0 for s, _ in parts)
         assert all(4 * n <= rt.max_binding - rt.storage_align + 4 for _, n in parts)
         with pytest.raises(BindingError, match="one row of x needs 8.0 KiB"):
             split(rt, 3, lambda n: (8192 * n,), unit="one row of x")
+    rt.free(t)
 
 
 def test_limits_only_go_down_and_env_values_parse(rt, monkeypatch):

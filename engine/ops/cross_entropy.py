@@ -27,8 +27,8 @@ def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Ten
     parts = split(rt, Mc, lambda n: (4 * n * V, 4 * n), unit=f"one row of logits ({V} values)")
     if len(parts) > 1:  # logits larger than one binding: row ranges
         for r0, n in parts:
-            cross_entropy(rec, rows(loss_rows.view((Mc,)), r0, n), rows(logits.view((Mc, V)), r0, n),
-                          rows(targets.view((Mc,)), r0, n), scale, want_grad=want_grad)
+            cross_entropy(rec, rows(loss_rows, r0, n, 1), rows(logits, r0, n, V), rows(targets, r0, n, 1),
+                          scale, want_grad=want_grad)
         return
     (bl, ol), (bx, ox), (bt, ot), (bs, os_) = (bound(rt, t) for t in (loss_rows, logits, targets, scale))
     bindings = {0: bl, 1: bx, 2: bt, 3: bs}

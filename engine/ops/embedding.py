@@ -37,8 +37,8 @@ def embedding_forward(rec: Recorder, out: Tensor, ids: Tensor, weight: Tensor) -
         return
     rt = rec.rt
     for m0, mn in _row_ranges(rt, M, E):
-        bo, oo = bound(rt, rows(out.view((M, E)), m0, mn))
-        bi, oi = bound(rt, rows(ids.view((M,)), m0, mn))
+        bo, oo = bound(rt, rows(out, m0, mn, E))
+        bi, oi = bound(rt, rows(ids, m0, mn, 1))
         for v0, vn in _vocab_ranges(rt, weight):
             bw, ow = bound(rt, rows(weight, v0, vn))
             u = rt.uniform(pack("8I", mn, E, vn, oo, oi, ow, v0, V))
@@ -94,6 +94,6 @@ class EmbeddingBackward:
         for v0, vn in _vocab_ranges(rt, dweight):
             bd, od = bound(rt, rows(dweight, v0, vn))
             for m0, mn in _row_ranges(rt, M, E):
-                bg, og = bound(rt, rows(dout.view((M, E)), m0, mn))
+                bg, og = bound(rt, rows(dout, m0, mn, E))
                 u = rt.uniform(pack("12I", M, E, vn, nblk, od, og, v0, m0, mn, 0, 0, 0))
                 rec.dispatch("embedding", "embedding_backward", {0: bd, 1: self.csr, 2: bg, 3: u}, M * nblk)

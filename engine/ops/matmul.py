@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from ..gpu import BindingError, Recorder, Tensor, bound, cdiv, fmt_bytes, pack, span
+from ..gpu import BindingError, Recorder, Tensor, bound, cdiv, fits_all, fmt_bytes, pack, span
 
 # "reference" forces the plain kernel everywhere (the fast one must match it); "nosplit"
 # turns split-K off
@@ -62,7 +62,8 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     """
     if M == 0 or N == 0:
         return
-    if _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, acc, bias):
+    if not rec.rt.unsplit and _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc,
+                                          a_col, b_col, c_col, acc, bias):
         return
     # views at any offset: bind from the aligned offset below and shift the indices
     rt = rec.rt
@@ -136,6 +137,8 @@ def _half(d: int) -> int:
 def _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, acc, bias) -> bool:
     """Record the product as blocks when an operand does not fit one binding (False: it fits)."""
     rt = rec.rt
+    if fits_all(rt):
+        return False
     limit = rt.max_binding - (rt.storage_align - 4)
     if all(4 * t.numel <= limit for t in (A, B, C, bias) if t is not None):
         return False

@@ -29,6 +29,8 @@ def _rows(x: Tensor, E: int, col: int, ld: int | None) -> tuple[int, int]:
 
 
 def _ranges(rt, M: int, E: int, ld: int, n_mats: int, step: int = 1) -> list:
+    if rt.unsplit:
+        return [(0, M)]
     return split(rt, M, lambda n: (4 * n * ld,) * n_mats + (4 * n, 4 * E), step=step,
                  unit=f"one row of an activation ({ld} values)")
 
@@ -44,8 +46,7 @@ def rmsnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, x: Tensor, weight:
     rt = rec.rt
     for r0, n in _ranges(rt, M, E, ld, 2):
         (bo, oo), (br, orr), (bx, ox), (bw, ow) = (
-            bound(rt, t) for t in (rows(out.view((M, ld)), r0, n), rows(rstd.view((M,)), r0, n),
-                                   rows(x.view((M, ld)), r0, n), weight))
+            bound(rt, t) for t in (rows(out, r0, n, ld), rows(rstd, r0, n, 1), rows(x, r0, n, ld), weight))
         u = rt.uniform(pack("IIfI8I", n, E, float(eps), 0, oo + col, orr, ox + col, ow, 0, 0, ld, 0))
         rec.dispatch("rmsnorm", "rmsnorm_forward", {0: bo, 1: br, 2: bx, 3: bw, 4: u}, n)
 
@@ -66,15 +67,14 @@ def rmsnorm_backward(rec: Recorder, dx: Tensor, dweight: Tensor, dout: Tensor, x
 
     def bind_rows(r0, n):
         (bg, og), (bx, ox), (br, orr) = (
-            bound(rt, t) for t in (rows(dout.view((M, ld)), r0, n), rows(x.view((M, ld)), r0, n),
-                                   rows(rstd.view((M,)), r0, n)))
+            bound(rt, t) for t in (rows(dout, r0, n, ld), rows(x, r0, n, ld), rows(rstd, r0, n, 1)))
         return (bg, og + col), (bx, ox + col), (br, orr)
 
     if dx is not None:
         assert dx.numel == M * ld
         for r0, n in _ranges(rt, M, E, ld, 3):
             (bg, og), (bx, ox), (br, orr) = bind_rows(r0, n)
-            bd, od = bound(rt, rows(dx.view((M, ld)), r0, n))
+            bd, od = bound(rt, rows(dx, r0, n, ld))
             u = rt.uniform(pack("IIfI8I", n, E, 0.0, rpc, od + col, og, ox, ow, orr, cdiv(n, rpc), ld, 0))
             rec.dispatch("rmsnorm", "rmsnorm_backward", {0: bd, 1: bg, 2: bx, 3: bw, 4: br, 5: u}, n)
     if dweight is not None:
