@@ -4,7 +4,7 @@ Commands: init, info, eval, train, adapt, quantize, demo.  Human output goes to 
 through `cli.ui.UI`; `--json` puts JSON lines (and nothing else) on stdout.  Exit status:
 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back, 130 interrupted.
 
-eval, train and adapt are built from the engine's option dataclasses (cli/params.py):
+info, eval, train and adapt are built from the engine's option dataclasses (cli/params.py):
 each is a few lines that take the resolved options, call the engine and render.
 """
 
@@ -22,7 +22,7 @@ import typer
 
 from memengine.engine import staging
 from memengine.engine.errors import MemengineError
-from memengine.engine.options import AdaptOptions, EvalOptions, TrainOptions
+from memengine.engine.options import AdaptOptions, EvalOptions, InfoOptions, TrainOptions
 from memengine.engine.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 from .common import EXIT_ROLLED_BACK, engine_version, guard
@@ -128,7 +128,87 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
 
 
 # =========================================================================== info
-@app.command(epilog=_examples(
+def _info(o: InfoOptions, ui: UI) -> None:
+    from memengine.engine import plan as mplan
+    from memengine.engine.setup import open_checkpoint, resolve
+
+    ref = resolve(o.ckpt, o.revision, o.model_type)
+    c = open_checkpoint(ref, ui.warn)
+    cfg = c.config
+    n_params = int(sum(int(a.size) for a in c.tensors.values()))
+    dtypes: dict[str, int] = {}
+    for name in c.tensors:
+        dt = str(c.dtypes.get(name, "F32")) if getattr(c, "dtypes", None) else "F32"
+        dtypes[dt] = dtypes.get(dt, 0) + 1
+    weight_files = c.extra.get("weight_files", [])
+    files = weight_files if ref.path.is_file() else sorted(p for p in ref.path.iterdir() if p.is_file())
+    nbytes = int(sum(p.stat().st_size for p in files))
+    plan = None
+    try:
+        from memengine.engine.gpu import get_runtime
+
+        rt = get_runtime(o.device or None, verbose=ui.verbose)
+        adapter, caps = rt.describe(), rt.capabilities()
+        plan = mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt))
+    except MemengineError as e:
+        adapter, caps = f"none ({e})", None
+    tok = getattr(c, "tokenizer_path", None)
+    ui.kv(f"checkpoint {o.ckpt}", [
+        ("model type", cfg.model_type),
+        ("weights", weight_files[0].name if len(weight_files) == 1 else
+         f"{len(weight_files)} shards ({c.extra['model_file'].name})"),
+        *([("local path", str(ref.path))] if ref.repo_id else []),
+        ("layers", cfg.num_hidden_layers),
+        ("hidden size (E)", cfg.hidden_size),
+        ("inner size (Di)", cfg.intermediate_size),
+        ("state size (N)", cfg.state_size),
+        ("conv kernel (K)", cfg.conv_kernel),
+        ("dt rank (R)", cfg.dt_rank),
+        ("vocabulary (V)", cfg.vocab_size),
+        ("tied lm_head", cfg.tie_word_embeddings),
+        ("biases", f"use_bias={cfg.use_bias} use_conv_bias={cfg.use_conv_bias}"),
+        ("tensors", len(c.tensors)),
+        ("parameters", f"{n_params:,}"),
+        ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(dtypes.items()))),
+        ("size on disk", f"{nbytes:,} bytes"),
+        ("tokenizer", str(tok) if tok else "byte-level (built-in)"),
+        ("optimizer state", "yes" if c.extra.get("optimizer_path") else "no"),
+        ("adapter", adapter),
+        ("GPU features", "n/a" if caps is None else
+         f"{', '.join(caps['features']) or 'none'}; largest binding "
+         f"{caps['max_storage_binding_bytes'] / 2**20:,.0f} MiB"),
+    ])
+    if plan is not None:
+        lim = plan["limits"]
+        ui.table(f"memory plan for batch {o.batch_size} x {o.seq_len} (largest buffer "
+                 f"{mplan.fmt_bytes(lim['max_buffer_bytes'])}, binding {mplan.fmt_bytes(lim['max_binding_bytes'])}"
+                 f", memory {'unknown' if lim['memory_bytes'] is None else mplan.fmt_bytes(lim['memory_bytes'])})",
+                 ["", *mplan.KINDS], mplan.report_rows(plan), right=[False, True, True, True])
+        ui.note(f"memory budget: {lim['memory_source']}")
+        for kind in mplan.KINDS:
+            if not plan[kind]["ok"]:
+                ui.note(f"{kind}: {plan[kind]['problem']}; {plan[kind]['advice']}")
+    ui.emit({
+        "path": str(o.ckpt),
+        "local_path": str(ref.path),
+        "model_type": cfg.model_type,
+        "weight_files": [p.name for p in weight_files],
+        "config": cfg.to_hf_dict(),
+        "parameters": n_params,
+        "tensors": {n: {"shape": list(a.shape), "dtype": str(c.dtypes.get(n, "F32")) if c.dtypes else "F32"}
+                    for n, a in c.tensors.items()},
+        "dtypes": dtypes,
+        "bytes": nbytes,
+        "tokenizer": str(tok) if tok else None,
+        "adapter": adapter,
+        "gpu": caps,
+        "plan": plan,
+    })
+
+
+run_command(app, InfoOptions, _info, name="info", help="""Show a checkpoint's config, parameter count, dtypes and size, the GPU adapter, and the memory plan.
+
+The plan estimates what eval, train and adapt need for --batch-size x --seq-len (parameters, gradients, moments, activations, logits chunk, scratch) and checks it against the adapter's largest buffer and binding and, where one is known, the memory budget.""", epilog=_examples(
     "memengine info tiny-model",
     "memengine info model/model.safetensors --json | jq .parameters",
     "memengine info state-spaces/mamba-130m-hf                # a model id (local cache, else download)",
@@ -137,99 +217,6 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
     "memengine info mamba-130m --seq-len 2048 --batch-size 4    # will train fit this adapter?",
     "MEMENGINE_MAX_MEMORY_BYTES=8G memengine info model --json | jq .plan.train",
 ))
-def info(
-    ckpt: CkptArg,
-    revision: RevisionOpt = None,
-    model_type: ModelTypeOpt = None,
-    seq_len: SeqLenOpt = 512,
-    batch_size: BatchOpt = 1,
-    json_out: JsonOpt = False,
-    device: DeviceOpt = None,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = False,
-):
-    """Show a checkpoint's config, parameter count, dtypes and size, the GPU adapter, and the memory plan.
-
-    The plan estimates what eval, train and adapt need for --batch-size x --seq-len (parameters, gradients, moments, activations, logits chunk, scratch) and checks it against the adapter's largest buffer and binding and, where one is known, the memory budget.
-    """
-    ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
-    with guard(ui):
-        from memengine.engine.setup import open_checkpoint, resolve
-
-        ref = resolve(ckpt, revision, model_type)
-        c = open_checkpoint(ref, ui.warn)
-        cfg = c.config
-        n_params = int(sum(int(a.size) for a in c.tensors.values()))
-        dtypes: dict[str, int] = {}
-        for name in c.tensors:
-            dt = str(c.dtypes.get(name, "F32")) if getattr(c, "dtypes", None) else "F32"
-            dtypes[dt] = dtypes.get(dt, 0) + 1
-        weight_files = c.extra.get("weight_files", [])
-        files = weight_files if ref.path.is_file() else sorted(p for p in ref.path.iterdir() if p.is_file())
-        nbytes = int(sum(p.stat().st_size for p in files))
-        plan = None
-        try:
-            from memengine.engine import plan as mplan
-            from memengine.engine.gpu import get_runtime
-
-            rt = get_runtime(device or None, verbose=verbose)
-            adapter, caps = rt.describe(), rt.capabilities()
-            plan = mplan.report(cfg, batch_size, seq_len, mplan.Limits.of(rt))
-        except MemengineError as e:
-            adapter, caps = f"none ({e})", None
-        tok = getattr(c, "tokenizer_path", None)
-        ui.kv(f"checkpoint {ckpt}", [
-            ("model type", cfg.model_type),
-            ("weights", weight_files[0].name if len(weight_files) == 1 else
-             f"{len(weight_files)} shards ({c.extra['model_file'].name})"),
-            *([("local path", str(ref.path))] if ref.repo_id else []),
-            ("layers", cfg.num_hidden_layers),
-            ("hidden size (E)", cfg.hidden_size),
-            ("inner size (Di)", cfg.intermediate_size),
-            ("state size (N)", cfg.state_size),
-            ("conv kernel (K)", cfg.conv_kernel),
-            ("dt rank (R)", cfg.dt_rank),
-            ("vocabulary (V)", cfg.vocab_size),
-            ("tied lm_head", cfg.tie_word_embeddings),
-            ("biases", f"use_bias={cfg.use_bias} use_conv_bias={cfg.use_conv_bias}"),
-            ("tensors", len(c.tensors)),
-            ("parameters", f"{n_params:,}"),
-            ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(dtypes.items()))),
-            ("size on disk", f"{nbytes:,} bytes"),
-            ("tokenizer", str(tok) if tok else "byte-level (built-in)"),
-            ("optimizer state", "yes" if c.extra.get("optimizer_path") else "no"),
-            ("adapter", adapter),
-            ("GPU features", "n/a" if caps is None else
-             f"{', '.join(caps['features']) or 'none'}; largest binding "
-             f"{caps['max_storage_binding_bytes'] / 2**20:,.0f} MiB"),
-        ])
-        if plan is not None:
-            lim = plan["limits"]
-            ui.table(f"memory plan for batch {batch_size} x {seq_len} (largest buffer "
-                     f"{mplan.fmt_bytes(lim['max_buffer_bytes'])}, binding {mplan.fmt_bytes(lim['max_binding_bytes'])}"
-                     f", memory {'unknown' if lim['memory_bytes'] is None else mplan.fmt_bytes(lim['memory_bytes'])})",
-                     ["", *mplan.KINDS], mplan.report_rows(plan), right=[False, True, True, True])
-            ui.note(f"memory budget: {lim['memory_source']}")
-            for kind in mplan.KINDS:
-                if not plan[kind]["ok"]:
-                    ui.note(f"{kind}: {plan[kind]['problem']}; {plan[kind]['advice']}")
-        if json_out:
-            ui.emit({
-                "path": str(ckpt),
-                "local_path": str(ref.path),
-                "model_type": cfg.model_type,
-                "weight_files": [p.name for p in weight_files],
-                "config": cfg.to_hf_dict(),
-                "parameters": n_params,
-                "tensors": {n: {"shape": list(a.shape), "dtype": str(c.dtypes.get(n, "F32")) if c.dtypes else "F32"}
-                            for n, a in c.tensors.items()},
-                "dtypes": dtypes,
-                "bytes": nbytes,
-                "tokenizer": str(tok) if tok else None,
-                "adapter": adapter,
-                "gpu": caps,
-                "plan": plan,
-            })
 
 
 # =========================================================================== eval

@@ -1,8 +1,9 @@
 """Typer parameters made from the engine's option dataclasses (engine/options.py).
 
-A run command (eval, train, adapt) is declared with `run_command(app, Options, body)`:
+A command (info, eval, train, adapt) is declared with `run_command(app, Options, body)`:
 its flags, help texts, defaults and panels come from the dataclass fields, plus the
-flags every command shares (--config, --json, --quiet, --verbose).  The flags given
+flags every command shares (--json, --quiet, --verbose, and --config unless the class says
+otherwise).  The flags given
 explicitly (command line or environment) are told apart from defaults so that a --config
 file and a resumed run can fill in the rest (`options.resolve`).  Validation is the
 dataclass's; Typer only parses.
@@ -76,7 +77,8 @@ def run_command(app: typer.Typer, cls, body: Callable, *, name: str, help: str, 
     for n in names:
         ann, default = param(cls, n)
         params.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default))
-    for n, (ann, default) in _UI_PARAMS.items():
+    ui_params = {n: v for n, v in _UI_PARAMS.items() if n != "config" or cls.CONFIG_FILE}
+    for n, (ann, default) in ui_params.items():
         params.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default))
 
     def command(ctx: typer.Context, **kw):
@@ -84,7 +86,7 @@ def run_command(app: typer.Typer, cls, body: Callable, *, name: str, help: str, 
         code = None
         with guard(ui):
             explicit = {n: kw[n] for n in names if _given(ctx, n)}
-            opts = eo.resolve(cls, explicit, kw["config"])
+            opts = eo.resolve(cls, explicit, kw.get("config"))
             code = body(opts, ui)
         if code:
             raise typer.Exit(code)

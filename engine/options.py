@@ -1,4 +1,4 @@
-"""The options of each run kind (eval, train, adapt): one dataclass each, the only place
+"""The options of each run kind (info, eval, train, adapt): one dataclass each, the only place
 that says an option's default, help text, whether a --config file may set it, and what
 values it accepts.  The command line builds its flags from these fields (cli/params.py),
 so nothing here is repeated there.
@@ -119,6 +119,7 @@ class Options:
     """Shared behaviour: validation, conversion of --config values, a JSON record."""
 
     KIND: ClassVar[str] = ""
+    CONFIG_FILE: ClassVar[bool] = True  # the command takes --config
 
     @classmethod
     def option_fields(cls) -> list:
@@ -213,6 +214,27 @@ def _tokenizer() -> Any:
     return opt(None, panel=RUNTIME, restore=False, path=True,
                help="A tokenizer.json (or its directory) to use instead of the one beside the checkpoint; "
                     "'bytes' for the built-in byte-level tokenizer (the default when there is none).")
+
+
+# ----------------------------------------------------------------------- info
+@dataclass
+class InfoOptions(Options):
+    """`memengine info`: what a checkpoint holds, the adapter, and the memory plan of eval,
+    train and adapt at --batch-size x --seq-len (engine/plan.py)."""
+
+    KIND: ClassVar[str] = "info"
+    CONFIG_FILE: ClassVar[bool] = False
+
+    ckpt: Optional[str] = _ckpt()
+    seq_len: int = _seq_len(512)
+    batch_size: int = _batch_size(1)
+    revision: Optional[str] = _revision()
+    model_type: Optional[str] = _model_type()
+    device: Optional[str] = _device()
+
+    def check_together(self) -> None:
+        if self.ckpt is None:
+            raise MemengineError("missing argument CKPT (a checkpoint directory or .safetensors file)")
 
 
 # ----------------------------------------------------------------------- eval

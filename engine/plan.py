@@ -109,6 +109,8 @@ class Plan:
     buffers: list = field(default_factory=list)   # (what, bytes, grows with B x L)
     units: list = field(default_factory=list)     # (what, bytes, grows with B x L, limit kind)
     problems: list = field(default_factory=list)  # (message, grows with B x L)
+    eval_passes: tuple = ()                       # batches of each evaluation pass
+    trace_steps: int = 1
 
     @property
     def total(self) -> int:
@@ -163,15 +165,29 @@ def _splitk_scratch(lim: Limits, products: set) -> int:
     return total
 
 
-def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Limits) -> Plan:
-    """The plan of one run (see the module docstring); problems are filled in."""
+def default_eval_passes(kind: str) -> tuple:
+    """Batches per evaluation pass when the data is not known (`memengine info`): one batch
+    for eval and adapt (adapt measures perplexity before and after), none for train (no
+    held-out data)."""
+    return () if kind == "train" else (1,)
+
+
+def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Limits,
+             eval_passes: tuple | None = None, trace_steps: int = 1) -> Plan:
+    """The plan of one run (see the module docstring); problems are filled in.
+
+    `eval_passes`: the number of batches of each distinct evaluation the run makes (eval:
+    its data; adapt: its data, and held-out data if any; train: held-out data if any), for
+    the per-window sums (12 bytes a window); None: `default_eval_passes`.  `trace_steps`:
+    the steps a trainer's loss/norm trace holds (engine/loop.reads_apart)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}")
     B, L = int(batch_size), int(seq_len)
     M = B * L
     E, Di, N, R, V, K = (cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank,
                          cfg.vocab_size, cfg.conv_kernel)
-    plan = Plan(kind, B, L)
+    passes = default_eval_passes(kind) if eval_passes is None else tuple(int(n) for n in eval_passes)
+    plan = Plan(kind, B, L, eval_passes=passes, trace_steps=int(trace_steps))
     shapes = dict(expected_shapes(cfg))
     grad = kind != "eval"
 
@@ -225,6 +241,11 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
         n_partials = sum(cdiv(_numel(shapes[n]), 2048) + 1 for n in _trainable(kind, list(shapes)))
         scratch += _buf(4 * max(1024, 1 << (n_partials - 1).bit_length()))
     scratch += _splitk_scratch(lim, products) + _buf(4 * 1024)
+    # evaluation: top-1/top-5 hits per row, a batch's window sums, every batch's sums
+    if passes:
+        scratch += _buf(4 * 2 * M) + _buf(4 * 3 * B) + sum(_buf(4 * 3 * B * int(n)) for n in sorted(set(passes)))
+    if grad:  # the trainer's trace (loss and grad norm per step) and step loss
+        scratch += _buf(4 * 2 * max(1, int(trace_steps))) + _buf(4)
     plan.parts["scratch"] = scratch
 
     # -- units of work that must fit one binding
@@ -286,8 +307,9 @@ def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
     if any(not grows for _, grows in plan.problems):
         return none
 
-    def ok(b, n):
-        return estimate(cfg, b, n, plan.kind, lim).ok
+    def ok(b, n):  # the same text in windows of b x n: as many tokens per evaluation pass
+        passes = tuple(cdiv(k * B * L, b * n) for k in plan.eval_passes)
+        return estimate(cfg, b, n, plan.kind, lim, passes, plan.trace_steps).ok
 
     b = _largest(lambda b: ok(b, L), B - 1)
     if b:
@@ -298,11 +320,12 @@ def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
     return none
 
 
-def check_run(rt, cfg: MambaConfig, batch_size: int, seq_len: int, kind: str) -> Plan:
+def check_run(rt, cfg: MambaConfig, batch_size: int, seq_len: int, kind: str,
+              eval_passes: tuple | None = None, trace_steps: int = 1) -> Plan:
     """Plan a run on `rt`'s adapter before anything is uploaded; MemengineError (exit 2) with
     one line naming the figure and the flag that would help when it cannot work."""
     lim = Limits.of(rt)
-    plan = estimate(cfg, batch_size, seq_len, kind, lim)
+    plan = estimate(cfg, batch_size, seq_len, kind, lim, eval_passes, trace_steps)
     if not plan.ok:
         raise MemengineError(f"{plan.problems[0][0]}; {advice(cfg, plan, lim)}")
     return plan

@@ -59,7 +59,7 @@ def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, 
     batches = make_batches(make_windows(stream.ids, o.seq_len), o.batch_size, o.seq_len)
     rt = open_runtime(o.device, verbose)
     listener.on_adapter(rt.describe())
-    model = open_model(rt, c, "eval", o.batch_size, o.seq_len)
+    model = open_model(rt, c, "eval", o.batch_size, o.seq_len, eval_passes=(len(batches),))
 
     def progress(i, n):
         listener.on_eval_progress(phase, i, n)
@@ -188,7 +188,10 @@ class _Run:
         self.rt = open_runtime(o.device, verbose)
         self.adapter = self.rt.describe()
         lis.on_adapter(self.adapter)
-        self.model = open_model(self.rt, self.ckpt, o.KIND, o.batch_size, o.seq_len)
+        val = (len(self.val_batches),) if self.val_batches else ()
+        evals = (math.ceil(len(self.all_windows) / o.batch_size),) + val if o.WSLA else val
+        self.model = open_model(self.rt, self.ckpt, o.KIND, o.batch_size, o.seq_len, eval_passes=evals,
+                                trace_steps=reads_apart(o, len(self.windows)))
         opt_file = self.ckpt.directory / optim_state.OPTIMIZER_FILE
         opt_state = optim_state.load(opt_file, self.model)
         if snap is not None and opt_state is None:

@@ -296,7 +296,7 @@ def test_output_equal_to_input_refused(tiny_ckpt, sample_text):
     assert tree_digest(tiny_ckpt) == before
 
 
-@pytest.mark.parametrize("name", ["eval", "train", "adapt"])
+@pytest.mark.parametrize("name", ["info", "eval", "train", "adapt"])
 def test_run_command_flags_come_from_the_options_dataclass(name):
     """Each field of the run's options dataclass is a parameter of the command, with the
     dataclass's help and default (nothing restated in the CLI)."""
@@ -304,9 +304,9 @@ def test_run_command_flags_come_from_the_options_dataclass(name):
 
     import typer
 
-    from memengine.engine.options import AdaptOptions, EvalOptions, TrainOptions, spec_of
+    from memengine.engine.options import AdaptOptions, EvalOptions, InfoOptions, TrainOptions, spec_of
 
-    cls = {"eval": EvalOptions, "train": TrainOptions, "adapt": AdaptOptions}[name]
+    cls = {"info": InfoOptions, "eval": EvalOptions, "train": TrainOptions, "adapt": AdaptOptions}[name]
     cmd = typer.main.get_command(app).commands[name]
     params = {p.name: p for p in cmd.params}
     for f in cls.option_fields():
@@ -315,6 +315,7 @@ def test_run_command_flags_come_from_the_options_dataclass(name):
         assert getattr(p, "help", want) == want, f.name
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         assert p.default == default or (p.default in (None, ()) and default in (None, [])), (f.name, p.default)
-    assert set(params) - {f.name for f in cls.option_fields()} == {"config", "json_out", "quiet", "verbose"}
+    shared = {"json_out", "quiet", "verbose"} | ({"config"} if cls.CONFIG_FILE else set())
+    assert set(params) - {f.name for f in cls.option_fields()} == shared
     if name == "adapt":
         assert params["max_delta"].default == 0.05 and params["tolerance"].default == 1.25

@@ -11,36 +11,51 @@ from test_cli import assert_one_line_error, run_proc
 
 from memengine.engine import plan
 from memengine.engine.config import MambaConfig, load_config
-from memengine.engine.data import make_batches, make_windows
 from memengine.engine.init import init_weights
-from memengine.engine.model import MambaModel
-from memengine.engine.trainer import TrainOptions, Trainer, evaluate
 
 SMALL = dict(vocab_size=300, hidden_size=64, state_size=16, num_hidden_layers=2, tie_word_embeddings=False,
              use_bias=True)
 
 
 @pytest.mark.parametrize("kind", plan.KINDS)
-def test_plan_equals_what_a_run_allocates(rt, kind):
+def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
+    """A whole run through the engine (eval; train with held-out windows; adapt, which
+    evaluates before and after): the plan it passed equals the bytes it allocated."""
+    from memengine.engine.checkpoint import save_checkpoint
+    from memengine.engine.options import AdaptOptions, EvalOptions, TrainOptions
+    from memengine.engine.run import run_adapt, run_eval, run_train
+
     cfg = MambaConfig.from_dict(SMALL)
     B, L = 2, 300
-    est = plan.estimate(cfg, B, L, kind, plan.Limits.of(rt))
-    rt.trim()  # count from zero
-    model = MambaModel(rt, cfg, init_weights(cfg, 0))
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 2 * B * L + 1)
-    batches = make_batches(make_windows(ids, L), B, L)
-    if kind == "eval":
-        evaluate(model, batches)
-    elif kind == "train":
-        Trainer(model, TrainOptions(epochs=1, batch_size=B, seq_len=L)).fit(batches)
-    else:
-        from memengine.engine.adapt import adapt
+    save_checkpoint(tmp_path / "m", cfg, init_weights(cfg, 0), dtype="F32")
+    rng = np.random.default_rng(0)
+    (tmp_path / "d.txt").write_text("".join(chr(c) for c in rng.integers(97, 123, 5 * B * L)), encoding="utf-8")
+    common = dict(ckpt=str(tmp_path / "m"), data=[str(tmp_path / "d.txt")], batch_size=B, seq_len=L)
+    seen = {}
+    real = plan.check_run
 
-        adapt(model, batches, TrainOptions(epochs=1, batch_size=B, seq_len=L))
+    def spy(*a, **kw):
+        seen["plan"] = real(*a, **kw)
+        return seen["plan"]
+
+    import memengine.engine.plan as mplan
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mplan, "check_run", spy)
+    try:
+        if kind == "eval":
+            run_eval(EvalOptions(**common))
+        elif kind == "train":
+            run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o"))
+        else:
+            run_adapt(AdaptOptions(**common, epochs=1, output=tmp_path / "o"))
+    finally:
+        mp.undo()
+    est = seen["plan"]
     got = rt.bytes_allocated
     print(f"\n{kind}: plan {est.total:,} bytes, allocated {got:,} bytes")
     assert got - 4096 <= est.total <= 1.05 * got
-    assert est.ok
+    assert est.ok and est.kind == kind and (est.batch_size, est.seq_len) == (B, L)
 
 
 def _lim(memory=None, binding=128 * 2**20, buffer=2**31):
@@ -115,7 +130,7 @@ def test_info_prints_the_plan(rt, tiny_ckpt_ro):
     assert r.returncode == 0 and "memory plan for batch 1 x 64" in r.stderr and "activations" in r.stderr
 
 
-def test_train_refused_before_upload_with_the_flag_that_helps(tiny_ckpt_ro, sample_text, tmp_path):
+def test_runs_refused_before_upload_with_the_flag_that_helps(tiny_ckpt_ro, sample_text, tmp_path):
     cfg = MambaConfig.from_dict(json.loads((tiny_ckpt_ro / "config.json").read_text()))
     fixed = plan.estimate(cfg, 1, 1, "eval", _lim()).fixed  # the parameters
     budget = plan.estimate(cfg, 1, 512, "train", _lim()).total + 1  # B=1 fits, B=8 does not
@@ -123,6 +138,11 @@ def test_train_refused_before_upload_with_the_flag_that_helps(tiny_ckpt_ro, samp
                  env_extra={"MEMENGINE_MAX_MEMORY_BYTES": str(budget)})
     assert r.returncode == 2
     assert_one_line_error(r.stderr, "use --batch-size")
+    assert not (tmp_path / "o").exists()
+    r = run_proc("adapt", tiny_ckpt_ro, "--data", sample_text, "-o", tmp_path / "o", "--batch-size", "8",
+                 env_extra={"MEMENGINE_MAX_MEMORY_BYTES": str(budget)})
+    assert r.returncode == 2  # (adapt also evaluates: one more workspace than train)
+    assert_one_line_error(r.stderr, "use --seq-len")
     assert not (tmp_path / "o").exists()
     r = run_proc("eval", tiny_ckpt_ro, "--data", sample_text,
                  env_extra={"MEMENGINE_MAX_MEMORY_BYTES": str(fixed // 2)})
