@@ -3,10 +3,11 @@
 # system Python is never modified).
 #   make demo   tiny model, bundled text: init, train, adapt, quantize, eval
 #   make test   the whole test suite (the oracle is transformers' MambaForCausalLM)
+#   make test-slow  the tests marked slow (minutes on a software adapter: real model sizes)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test setup setup-test bench
+.PHONY: demo test test-slow setup setup-test bench
 
 # stamps: reinstall only when the project's metadata changes
 $(VENV)/.installed: pyproject.toml .ci/venv.sh
@@ -27,6 +28,9 @@ demo: setup
 
 test: setup-test
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+test-slow: setup-test
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow
 
 bench: setup-test
 	$(PY) benchmarks/bench.py --shapes tiny --seq 128 --batch 1
