@@ -35,6 +35,7 @@ from importlib import resources
 import numpy as np
 
 from .errors import MemengineError, NoAdapterError
+from .hostmem import fmt_bytes  # noqa: F401  (the ops and the plan format sizes with it)
 
 _DTYPES = {"f32": np.float32, "u32": np.uint32, "i32": np.int32}
 MAX_GROUPS = 65535
@@ -282,14 +283,6 @@ def binding_refusal(what: str, need: int, limit: int, slack: int) -> str:
     if a == b:
         a, b = f"{need:,} bytes", f"{limit - slack:,} bytes (its {b} limit less the offset alignment)"
     return f"{what} needs {a} in one storage binding but the adapter allows {b} per binding"
-
-
-def fmt_bytes(n: float) -> str:
-    n = float(n)
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= k:
-            return f"{n / k:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def rows(t: Tensor, r0: int, n: int, width: int | None = None) -> Tensor:

@@ -11,8 +11,9 @@ The plan checks, for a batch of B windows of L tokens:
    embedding table and of the logits, one sequence of the conv1d and selective scan, the
    embedding's scatter plan (everything larger is processed in ranges);
 3. the total fits the memory budget when there is one: `MEMENGINE_MAX_MEMORY_BYTES` when
-   set; else, for a CPU adapter (lavapipe, llvmpipe: its buffers are host memory),
-   `MemAvailable` from /proc/meminfo; for a GPU no budget is known, so only 1 and 2 are
+   set; else, for a CPU adapter (lavapipe, llvmpipe: its buffers are host memory), the
+   host memory available (`hostmem.available_bytes`: MemAvailable, else the physical
+   size); for a GPU no budget is known, so only 1 and 2 are
    checked and the total is reported.
 
 A refusal is one line naming the figure and the flag that would help: the largest
@@ -28,12 +29,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import hostmem
 from .config import MambaConfig, expected_shapes
 from .errors import MemengineError
 from .gpu import BindingError, binding_refusal, cdiv, env_bytes, fmt_bytes, split
 from .model import logits_chunk_rows, store_layout, workspace_shapes
 from .ops import conv1d as _conv1d, rmsnorm as _rmsnorm
-from .ops.matmul import _split_k
+from .ops.matmul import splitk_slices
 from .ops.scan import sequence_scratch, sequence_windows
 
 KINDS = ("eval", "train", "adapt")
@@ -65,26 +67,15 @@ class Limits:
                 "memory_bytes": self.memory, "memory_source": self.memory_source}
 
 
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def memory_budget(adapter_type: str) -> tuple[int | None, str]:
     """(bytes, where the figure comes from) a run may use, or (None, why unknown)."""
     forced = env_bytes(ENV_MAX_MEMORY)
     if forced is not None:
         return forced, ENV_MAX_MEMORY
-    if str(adapter_type).lower() == "cpu":
-        avail = _meminfo_available()
+    if str(adapter_type).lower() == "cpu":  # its buffers are host memory
+        avail, source = hostmem.available_bytes()
         if avail is not None:
-            return avail, "host memory, MemAvailable in /proc/meminfo"
+            return avail, f"host memory, {source}"
     return None, "unknown (a GPU reports no memory size; set MEMENGINE_MAX_MEMORY_BYTES to check one)"
 
 
@@ -158,10 +149,9 @@ def _splitk_scratch(lim: Limits, products: set) -> int:
     """Bytes of the split-K partial products (one scratch per product shape that splits)."""
     total = 0
     for M, N, K in products:
-        s = _split_k(lim, M, N, K, cdiv(N, 128) * cdiv(M, 128))
-        if s > 1:
-            ks = cdiv(cdiv(K, s), 8) * 8
-            total += _buf(4 * cdiv(K, ks) * M * N)
+        slices, _ = splitk_slices(lim, M, N, K)
+        if slices > 1:
+            total += _buf(4 * slices * M * N)
     return total
 
 
@@ -227,8 +217,9 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     except BindingError:
         seqs = [(0, 1)]
     for nb in sorted({nb for _, nb in seqs}):
-        fwd, work, pbc = sequence_scratch(nb, L, Di, N, R)
-        scratch += _buf(fwd) + ((_buf(work) + _buf(pbc)) if grad else 0)
+        _, work, pbc = sequence_scratch(nb, L, Di, N, R)
+        scratch += (_buf(work) + _buf(pbc)) if grad else 0
+    scratch += _buf(sequence_scratch(1, L, Di, N, R)[0])  # the forward's parameter copy, any B
     chunk = logits_chunk_rows(lim.max_binding, M, V)
     products = {(M, o, i) for o, i in _linears(cfg)} | {(chunk, V, E)}
     if grad:

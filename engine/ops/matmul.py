@@ -44,6 +44,17 @@ def _split_k(rt, M: int, N: int, K: int, tiles: int) -> int:
     return max(s, 1)
 
 
+def splitk_slices(rt, M: int, N: int, K: int) -> tuple[int, int]:
+    """(slices, K per slice) of the fast kernel's split-K path for an M x N x K product;
+    (1, K) when it does not split.  Slices are whole BK tiles; the partial products
+    (slices x M x N) fit one binding (`_split_k`)."""
+    s = _split_k(rt, M, N, K, cdiv(N, 128) * cdiv(M, 128))
+    if s <= 1:
+        return 1, K
+    ks = cdiv(cdiv(K, s), 16) * 16   # a whole number of BK tiles
+    return cdiv(K, ks), ks
+
+
 # workgroups that fill a large GPU once (132 SMs on an H100/H200, two 256-thread tiles each)
 _TARGET_TILES = 264
 _MIN_SLICE_K = 512
@@ -89,11 +100,8 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     ldc = N if ldc is None else ldc
     if _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, (A, B, C, bias)):
         fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
-        tiles = cdiv(N, 128) * cdiv(M, 128)
-        slices = _split_k(rec.rt, M, N, K, tiles)
+        slices, ks = splitk_slices(rec.rt, M, N, K)
         if slices > 1:
-            ks = cdiv(cdiv(K, slices), 16) * 16   # a whole number of BK tiles
-            slices = cdiv(K, ks)
             part = rec.rt.scratch("matmul_splitk", (slices * M * N,))
             u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
             rec.dispatch("matmul", "matmul_fast", {0: part, 1: A, 2: B, 3: A, 4: u},
