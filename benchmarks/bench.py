@@ -42,6 +42,7 @@ SHAPES = {
     "tiny": dict(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2),
     "small": dict(vocab_size=256, hidden_size=256, state_size=16, num_hidden_layers=4),
     "mamba-130m": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24),
+    "mamba-1.4b": dict(vocab_size=50280, hidden_size=2048, state_size=16, num_hidden_layers=48),
 }
 
 # configurations compared by --variants (benchmarks/README.md has what earlier ones gave)

@@ -82,7 +82,7 @@ def _root(
     "memengine init mamba-130m -o m130 --max-shard-size 200MB   # transformers-style shards",
 ))
 def init(
-    config: Annotated[str, typer.Argument(metavar="CONFIG", help="Built-in config name (tiny, small, mamba-130m) or a JSON/YAML file of MambaConfig keys.")],
+    config: Annotated[str, typer.Argument(metavar="CONFIG", help="Built-in config name (tiny, small, mamba-130m, mamba-1.4b) or a JSON/YAML file of MambaConfig keys.")],
     output: OutOpt,
     seed: Annotated[int, typer.Option("--seed", help="Random seed (same seed, same weights).")] = 0,
     max_shard_size: MaxShardSizeOpt = DEFAULT_MAX_SHARD_SIZE,

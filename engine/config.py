@@ -238,7 +238,7 @@ def _read_config_file(path: Path) -> dict:
 
 
 def load_config(name_or_path: str | Path) -> MambaConfig:
-    """A named config from configs/ (tiny, small, mamba-130m), a JSON/YAML file or a checkpoint dir."""
+    """A named config from configs/ (tiny, small, mamba-130m, mamba-1.4b), a JSON/YAML file or a checkpoint dir."""
     s = str(name_or_path)
     p = Path(s)
     if p.exists():

@@ -160,3 +160,36 @@ def test_eval_with_tiny_forced_binding_gives_the_same_loss(tiny_ckpt_ro, sample_
     r = run_proc("eval", tiny_ckpt_ro, "--data", sample_text, env_extra={"MEMENGINE_MAX_BINDING_BYTES": "much"})
     assert r.returncode == 2
     assert_one_line_error(r.stderr, "MEMENGINE_MAX_BINDING_BYTES")
+
+
+def test_mamba_1_4b_config_and_its_plan(rt, monkeypatch):
+    """configs/mamba-1.4b.json is state-spaces/mamba-1.4b-hf's shape: every tensor name and
+    shape as transformers' MambaForCausalLM makes them (on the meta device: no memory), and
+    its plan at batch 8 x 2048: everything fits a 141 GiB budget (an H200); with 16 GiB
+    training is refused with no flag to try (the weights, gradients and moments alone are
+    larger) while evaluation fits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from memengine.engine.config import expected_shapes
+
+    cfg = load_config("mamba-1.4b")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.state_size, cfg.intermediate_size,
+            cfg.conv_kernel, cfg.dt_rank) == (2048, 48, 50280, 16, 4096, 4, 128)
+    with torch.device("meta"):
+        hf = transformers.MambaForCausalLM(transformers.MambaConfig(
+            vocab_size=50280, hidden_size=2048, num_hidden_layers=48))
+    want = {k: tuple(v.shape) for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert expected_shapes(cfg) == want
+    n_params = sum(int(np.prod(s)) for s in want.values())
+    assert 1.3e9 < n_params < 1.4e9
+
+    monkeypatch.setenv(plan.ENV_MAX_MEMORY, "141G")
+    rep = plan.report(cfg, 8, 2048, plan.Limits.of(rt))
+    assert all(rep[k]["ok"] for k in plan.KINDS)
+    assert 4 * n_params <= rep["train"]["bytes"]["parameters"] <= 4 * n_params + 256 * len(want)
+    assert 8 * n_params <= rep["train"]["bytes"]["moments"] <= 8 * n_params + 32 * len(want)  # AdamW's two
+    monkeypatch.setenv(plan.ENV_MAX_MEMORY, "16G")
+    rep = plan.report(cfg, 8, 2048, plan.Limits.of(rt))
+    assert rep["eval"]["ok"] and not rep["train"]["ok"]
+    assert "for the weights alone" in rep["train"]["problem"]
+    assert rep["train"]["advice"].startswith("no --batch-size or --seq-len can help")
