@@ -106,8 +106,17 @@ def test_logits_loss_grads_match_transformers(rt, monkeypatch, name, kw, B, L, l
     tensors = tensors_of(m)
     cfg = MambaConfig.from_dict(m.config.to_dict())
     assert cfg.is_falcon == falcon and cfg.mixer_rms_eps == m.config.to_dict().get("mixer_rms_eps", 1e-6)
+    from memengine.engine.ops import scan
+
+    scan_parts = []
+    whole = scan._sequences
+    monkeypatch.setattr(scan, "_sequences", lambda *a: scan_parts.append(len(whole(*a))) or whole(*a))
     with limits_for(rt, limits, cfg, B, L, monkeypatch):
+        batch_over = max(scan.sequence_windows(B, L, cfg.intermediate_size, cfg.state_size, cfg.dt_rank)) > (
+            rt.max_binding - rt.storage_align + 4)
         _compare(rt, m, tensors, cfg, name, kw, B, L, limits)
+    if limits == "forced" and batch_over:  # the selective scan ran in ranges of sequences
+        assert max(scan_parts) > 1, scan_parts
 
 
 def _compare(rt, m, tensors, cfg, name, kw, B, L, limits):
