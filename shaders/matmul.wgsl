@@ -97,11 +97,11 @@ fn matmul_forward(@builtin(local_invocation_id) lid: vec3<u32>,
 // ---------------------------------------------------------------------------------------
 // matmul_fast: the same product for operands whose rows start on 16-byte boundaries and
 // whose contiguous dimension is a multiple of 4 (every linear layer of a real model).
-// A 128x128 tile of C per workgroup of 256 threads, each thread an 8x8 register block
-// (two vec4 columns x eight rows); K walked in steps of BK = 16 through workgroup memory,
-// the next tile's global loads issued before this tile's arithmetic (register prefetch).
-// (Measured on an H200: BK 8 was 12% slower; double-buffered workgroup memory and explicit
-// fma() gained nothing; benchmarks/README.md.)
+// A BM x BN tile of C per workgroup of (BM/8)*(BN/8) threads, each thread an 8x8 register
+// block (rows 4ty..4ty+3 and BM/2+4ty.., columns 4tx..4tx+3 and BN/2+4tx..); K walked in
+// steps of BK through workgroup memory, the next tile's global loads issued before this
+// tile's arithmetic (register prefetch). The tile shape is chosen per product and adapter
+// by engine/ops/matmul.py through the pipeline constants below.
 // fast flags: bit 0 accumulate, bit 1 bias, bit 2 A transposed (stored [K, lda], M
 // contiguous), bit 3 B transposed (stored [N, ldb], K contiguous).
 // Offsets and leading dimensions are in floats and are multiples of 4.
@@ -121,23 +121,35 @@ struct FastParams {
 @group(0) @binding(3) var<storage, read> bias1: array<f32>;
 @group(0) @binding(4) var<uniform> F: FastParams;
 
-const BK: u32 = 16u;
-// [k][32 vec4]: a k-row of the A tile (128 rows of C) / of the B tile (128 columns of C)
-var<workgroup> As4: array<array<vec4<f32>, 32>, 16>;
-var<workgroup> Bs4: array<array<vec4<f32>, 32>, 16>;
+override BM: u32 = 128u;    // rows of C per workgroup, a multiple of 8
+override BN: u32 = 128u;    // columns of C per workgroup, a multiple of 8
+override BK: u32 = 16u;     // K per workgroup-memory tile, a multiple of 4
+// the next tile's global loads held in registers during this tile's arithmetic
+override PREFETCH: bool = true;
+override TX: u32 = BN / 8u;
+override TY: u32 = BM / 8u;
+override NT: u32 = TX * TY;   // threads per workgroup
+override AQ: u32 = BM / 4u;   // vec4 per k-row of the A tile
+override BQ: u32 = BN / 4u;
+override NA: u32 = BK * AQ;   // vec4 of one A tile
+override NB: u32 = BK * BQ;
 
-// Tile loads: 16 x 128 floats of A (or B) = 512 vec4, two per thread: vec4 number
-// e = tid + 256*i of the tile.
+// [k][BM/4 vec4]: a k-row of the A tile / [k][BN/4 vec4]: a k-row of the B tile
+var<workgroup> As4: array<vec4<f32>, NA>;
+var<workgroup> Bs4: array<vec4<f32>, NB>;
+
+// Tile loads: vec4 number e of the tile (0 <= e < NA or NB).
 fn fast_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
+    if (e >= NA) { return vec4<f32>(0.0); }
     if ((F.flags & 4u) != 0u) {            // A^T stored [K, lda]: M contiguous
-        let k = e / 32u;
-        let mq = e % 32u;
+        let k = e / AQ;
+        let mq = e % AQ;
         if (k0 + k < k_hi && row0 + mq * 4u < F.M) {
             return A4[(F.a_off + (k0 + k) * F.lda + row0 + mq * 4u) / 4u];
         }
     } else {                                // A stored [M, lda]: K contiguous
-        let m = e / 4u;
-        let kq = e % 4u;
+        let m = e / (BK / 4u);
+        let kq = e % (BK / 4u);
         if (row0 + m < F.M && k0 + kq * 4u < k_hi) {
             return A4[(F.a_off + (row0 + m) * F.lda + k0 + kq * 4u) / 4u];
         }
@@ -146,30 +158,32 @@ fn fast_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
 }
 
 fn fast_store_a(v: vec4<f32>, e: u32) {
+    if (e >= NA) { return; }
     if ((F.flags & 4u) != 0u) {
-        As4[e / 32u][e % 32u] = v;
+        As4[e] = v;
     } else {
-        let m = e / 4u;
-        let k = (e % 4u) * 4u;
-        let q = m / 4u;
+        let m = e / (BK / 4u);
+        let kq = e % (BK / 4u);
+        let i = kq * 4u * AQ + m / 4u;
         let c = m % 4u;
-        As4[k][q][c] = v.x;
-        As4[k + 1u][q][c] = v.y;
-        As4[k + 2u][q][c] = v.z;
-        As4[k + 3u][q][c] = v.w;
+        As4[i][c] = v.x;
+        As4[i + AQ][c] = v.y;
+        As4[i + 2u * AQ][c] = v.z;
+        As4[i + 3u * AQ][c] = v.w;
     }
 }
 
 fn fast_load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f32> {
+    if (e >= NB) { return vec4<f32>(0.0); }
     if ((F.flags & 8u) != 0u) {            // B^T stored [N, ldb]: K contiguous
-        let n = e / 4u;
-        let kq = e % 4u;
+        let n = e / (BK / 4u);
+        let kq = e % (BK / 4u);
         if (col0 + n < F.N && k0 + kq * 4u < k_hi) {
             return B4[(F.b_off + (col0 + n) * F.ldb + k0 + kq * 4u) / 4u];
         }
     } else {                                // B stored [K, ldb]: N contiguous
-        let k = e / 32u;
-        let nq = e % 32u;
+        let k = e / BQ;
+        let nq = e % BQ;
         if (k0 + k < k_hi && col0 + nq * 4u < F.N) {
             return B4[(F.b_off + (k0 + k) * F.ldb + col0 + nq * 4u) / 4u];
         }
@@ -178,27 +192,29 @@ fn fast_load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f32> {
 }
 
 fn fast_store_b(v: vec4<f32>, e: u32) {
+    if (e >= NB) { return; }
     if ((F.flags & 8u) != 0u) {
-        let n = e / 4u;
-        let k = (e % 4u) * 4u;
-        let q = n / 4u;
+        let n = e / (BK / 4u);
+        let kq = e % (BK / 4u);
+        let i = kq * 4u * BQ + n / 4u;
         let c = n % 4u;
-        Bs4[k][q][c] = v.x;
-        Bs4[k + 1u][q][c] = v.y;
-        Bs4[k + 2u][q][c] = v.z;
-        Bs4[k + 3u][q][c] = v.w;
+        Bs4[i][c] = v.x;
+        Bs4[i + BQ][c] = v.y;
+        Bs4[i + 2u * BQ][c] = v.z;
+        Bs4[i + 3u * BQ][c] = v.w;
     } else {
-        Bs4[e / 32u][e % 32u] = v;
+        Bs4[e] = v;
     }
 }
 
-@compute @workgroup_size(256)
+// up to four vec4 of each tile per thread (matmul.py keeps NA, NB <= 4 * NT)
+@compute @workgroup_size(NT)
 fn matmul_fast(@builtin(local_invocation_index) tid: u32,
                @builtin(workgroup_id) wid: vec3<u32>) {
-    let row0 = wid.y * 128u;
-    let col0 = wid.x * 128u;
-    let tx = tid % 16u;
-    let ty = tid / 16u;
+    let row0 = wid.y * BM;
+    let col0 = wid.x * BN;
+    let tx = tid % TX;
+    let ty = tid / TX;
     var k_lo = 0u;
     var k_hi = F.K;
     var c_base = F.c_off;
@@ -212,28 +228,53 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
     var c4 = vec4<f32>(0.0); var c5 = vec4<f32>(0.0); var c6 = vec4<f32>(0.0); var c7 = vec4<f32>(0.0);
     var c8 = vec4<f32>(0.0); var c9 = vec4<f32>(0.0); var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
     var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0); var c14 = vec4<f32>(0.0); var c15 = vec4<f32>(0.0);
-
+    // slot i holds vec4 number tid + i*NT of the tile; slots past the tile are never used
     var va0 = fast_load_a(k_lo, k_hi, row0, tid);
-    var va1 = fast_load_a(k_lo, k_hi, row0, tid + 256u);
+    var va1 = vec4<f32>(0.0); var va2 = vec4<f32>(0.0); var va3 = vec4<f32>(0.0);
+    if (NT < NA) { va1 = fast_load_a(k_lo, k_hi, row0, tid + NT); }
+    if (2u * NT < NA) { va2 = fast_load_a(k_lo, k_hi, row0, tid + 2u * NT); }
+    if (3u * NT < NA) { va3 = fast_load_a(k_lo, k_hi, row0, tid + 3u * NT); }
     var vb0 = fast_load_b(k_lo, k_hi, col0, tid);
-    var vb1 = fast_load_b(k_lo, k_hi, col0, tid + 256u);
+    var vb1 = vec4<f32>(0.0); var vb2 = vec4<f32>(0.0); var vb3 = vec4<f32>(0.0);
+    if (NT < NB) { vb1 = fast_load_b(k_lo, k_hi, col0, tid + NT); }
+    if (2u * NT < NB) { vb2 = fast_load_b(k_lo, k_hi, col0, tid + 2u * NT); }
+    if (3u * NT < NB) { vb3 = fast_load_b(k_lo, k_hi, col0, tid + 3u * NT); }
     for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
+        if (!PREFETCH && k0 != k_lo) {
+            va0 = fast_load_a(k0, k_hi, row0, tid);
+            if (NT < NA) { va1 = fast_load_a(k0, k_hi, row0, tid + NT); }
+            if (2u * NT < NA) { va2 = fast_load_a(k0, k_hi, row0, tid + 2u * NT); }
+            if (3u * NT < NA) { va3 = fast_load_a(k0, k_hi, row0, tid + 3u * NT); }
+            vb0 = fast_load_b(k0, k_hi, col0, tid);
+            if (NT < NB) { vb1 = fast_load_b(k0, k_hi, col0, tid + NT); }
+            if (2u * NT < NB) { vb2 = fast_load_b(k0, k_hi, col0, tid + 2u * NT); }
+            if (3u * NT < NB) { vb3 = fast_load_b(k0, k_hi, col0, tid + 3u * NT); }
+        }
         fast_store_a(va0, tid);
-        fast_store_a(va1, tid + 256u);
+        if (NT < NA) { fast_store_a(va1, tid + NT); }
+        if (2u * NT < NA) { fast_store_a(va2, tid + 2u * NT); }
+        if (3u * NT < NA) { fast_store_a(va3, tid + 3u * NT); }
         fast_store_b(vb0, tid);
-        fast_store_b(vb1, tid + 256u);
+        if (NT < NB) { fast_store_b(vb1, tid + NT); }
+        if (2u * NT < NB) { fast_store_b(vb2, tid + 2u * NT); }
+        if (3u * NT < NB) { fast_store_b(vb3, tid + 3u * NT); }
         workgroupBarrier();
-        if (k0 + BK < k_hi) {   // the next tile's loads, in flight during this tile's arithmetic
-            va0 = fast_load_a(k0 + BK, k_hi, row0, tid);
-            va1 = fast_load_a(k0 + BK, k_hi, row0, tid + 256u);
-            vb0 = fast_load_b(k0 + BK, k_hi, col0, tid);
-            vb1 = fast_load_b(k0 + BK, k_hi, col0, tid + 256u);
+        if (PREFETCH && k0 + BK < k_hi) {   // the next tile's loads, in flight during this tile's arithmetic
+            let k1 = k0 + BK;
+            va0 = fast_load_a(k1, k_hi, row0, tid);
+            if (NT < NA) { va1 = fast_load_a(k1, k_hi, row0, tid + NT); }
+            if (2u * NT < NA) { va2 = fast_load_a(k1, k_hi, row0, tid + 2u * NT); }
+            if (3u * NT < NA) { va3 = fast_load_a(k1, k_hi, row0, tid + 3u * NT); }
+            vb0 = fast_load_b(k1, k_hi, col0, tid);
+            if (NT < NB) { vb1 = fast_load_b(k1, k_hi, col0, tid + NT); }
+            if (2u * NT < NB) { vb2 = fast_load_b(k1, k_hi, col0, tid + 2u * NT); }
+            if (3u * NT < NB) { vb3 = fast_load_b(k1, k_hi, col0, tid + 3u * NT); }
         }
         for (var k = 0u; k < BK; k++) {
-            let a0 = As4[k][ty];
-            let a1 = As4[k][16u + ty];
-            let b0 = Bs4[k][tx];
-            let b1 = Bs4[k][16u + tx];
+            let a0 = As4[k * AQ + ty];
+            let a1 = As4[k * AQ + TY + ty];
+            let b0 = Bs4[k * BQ + tx];
+            let b1 = Bs4[k * BQ + TX + tx];
             c0 += a0.x * b0;  c1 += a0.x * b1;
             c2 += a0.y * b0;  c3 += a0.y * b1;
             c4 += a0.z * b0;  c5 += a0.z * b1;
@@ -247,9 +288,9 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
     }
 
     let r0 = row0 + ty * 4u;
-    let r1 = row0 + 64u + ty * 4u;
+    let r1 = row0 + BM / 2u + ty * 4u;
     let q0 = col0 + tx * 4u;
-    let q1 = col0 + 64u + tx * 4u;
+    let q1 = col0 + (TX + tx) * 4u;
     store_fast(c_base, r0, q0, c0);       store_fast(c_base, r0, q1, c1);
     store_fast(c_base, r0 + 1u, q0, c2);  store_fast(c_base, r0 + 1u, q1, c3);
     store_fast(c_base, r0 + 2u, q0, c4);  store_fast(c_base, r0 + 2u, q1, c5);

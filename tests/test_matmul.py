@@ -52,7 +52,7 @@ def test_fast_path_is_taken_for_aligned_shapes(rt):
     rec = rt.recorder()
     mm.matmul(rec, C, A, B, M=64, N=16, K=32)
     rec.submit()
-    assert ("matmul", "matmul_fast", ()) in rt._pipelines
+    assert any(k[:2] == ("matmul", "matmul_fast") for k in rt._pipelines)
     np.testing.assert_allclose(rt.read(C), a @ b, rtol=1e-5, atol=1e-5)
 
 
@@ -90,3 +90,46 @@ def test_split_k_matches_numpy_and_reference(rt, M, N, K, ta):
     errs = [float(np.abs(x - ref).max() / np.abs(ref).max()) for x in (split, whole, plain)]
     print(f"\nsplit-K {M}x{N}x{K}: split {errs[0]:.1e} fast {errs[1]:.1e} plain {errs[2]:.1e}")
     assert max(errs) < 1e-5
+
+
+# every tile configuration matmul_fast may run with (fast_config's and the benchmarks')
+CONFIGS = [
+    dict(BM=128, BN=128, BK=16),
+    dict(BM=80, BN=128, BK=16),     # x_proj's weight gradient (M 80)
+    dict(BM=64, BN=128, BK=16),     # the smallest BM (bias gradients, M 1)
+    dict(BM=128, BN=64, BK=16),     # dt_proj's weight gradient (N 48, split-K)
+    dict(BM=64, BN=64, BK=16),
+    dict(BM=128, BN=128, BK=16, PREFETCH=False),
+]
+
+
+def test_fast_config_choices_are_covered(rt):
+    """fast_config's picks for a model's products are among the tested configurations."""
+    shapes = [(16384, 3072, 768), (80, 1536, 16384), (1536, 48, 16384), (16384, 48, 1536), (1, 96, 4096)]
+    tested = [{**mm.BASE, **c} for c in CONFIGS]
+    for M, N, K in shapes:
+        assert mm.fast_config(rt, M, N, K) in tested, (M, N, K)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "{BM}x{BN}x{BK}{p}".format(
+    p="-noprefetch" if c.get("PREFETCH") is False else "", **c))
+def test_every_tile_configuration_matches_numpy(rt, cfg):
+    """Each configuration on partial tiles, all four transpose cases and a split-K product."""
+    cfg = {**mm.BASE, **cfg}
+    assert mm.valid_config(cfg)
+    rng = np.random.default_rng(5)
+    old = mm.FORCE
+    mm.FORCE = cfg
+    try:
+        for (M, N, K), (ta, tb) in zip([(132, 84, 68), (40, 136, 36), (72, 20, 100), (96, 56, 2100)],
+                                       itertools.product([False, True], [False, True])):
+            a = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32)
+            b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32)
+            c0 = rng.standard_normal((M, N)).astype(np.float32)
+            bias = rng.standard_normal(N).astype(np.float32)
+            ref = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b) + bias + c0
+            got, _ = run(rt, "auto", a, b, c0, bias, M, N, K, ta, tb)
+            assert ("matmul", "matmul_fast", tuple(sorted((k, int(v)) for k, v in cfg.items()))) in rt._pipelines
+            assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5, (M, N, K, ta, tb)
+    finally:
+        mm.FORCE = old

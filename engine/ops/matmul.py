@@ -18,6 +18,40 @@ from ..gpu import BindingError, Recorder, Tensor, bound, cdiv, fits_all, fmt_byt
 # turns split-K off
 _MODE = os.environ.get("MEMENGINE_MATMUL", "auto")
 
+# matmul_fast's tile configuration (its pipeline constants): BM x BN of C per workgroup of
+# (BM/8)*(BN/8) threads, K in steps of BK; see shaders/matmul.wgsl.
+BASE = dict(BM=128, BN=128, BK=16)
+# a dict or a function (rt, M, N, K) -> dict forcing the configuration (tests, benchmarks)
+FORCE = None
+
+
+def valid_config(c: dict) -> bool:
+    """The shader's constraints: 8x8 blocks per thread, at most 256 threads, each thread
+    loading at most four vec4 of each operand's tile."""
+    nt = (c["BM"] // 8) * (c["BN"] // 8)
+    na, nb = c["BK"] * c["BM"] // 4, c["BK"] * c["BN"] // 4
+    return (c["BM"] % 8 == 0 and c["BN"] % 8 == 0 and c["BK"] % 4 == 0 and nt <= 256
+            and na <= 4 * nt and nb <= 4 * nt)
+
+
+def fast_config(rt, M: int, N: int, K: int) -> dict:
+    """The tile configuration of matmul_fast for one product on this adapter.
+
+    Measured on the H200 (benchmarks/README.md): 128x128 tiles, BK 16 everywhere except
+    few rows (x_proj's weight gradient, M = 80: BM = M rounded up to 8, 1.3x) and narrow,
+    long products (dt_proj's weight gradient, N = 48, split-K: BN 64, 1.5x)."""
+    if FORCE is not None:
+        c = FORCE(rt, M, N, K) if callable(FORCE) else FORCE
+        c = {**BASE, **c}
+    else:
+        c = dict(BASE)
+        if M <= 96:
+            c["BM"] = max(64, -(-M // 8) * 8)
+        elif N <= 64 and K >= 4 * _MIN_SLICE_K:
+            c["BN"] = 64
+    assert valid_config(c), c
+    return c
+
 
 def _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tensors) -> bool:
     if _MODE == "reference" or K % 4 or N % 4 or ldc % 4 or c_col % 4:
@@ -48,10 +82,11 @@ def splitk_slices(rt, M: int, N: int, K: int) -> tuple[int, int]:
     """(slices, K per slice) of the fast kernel's split-K path for an M x N x K product;
     (1, K) when it does not split.  Slices are whole BK tiles; the partial products
     (slices x M x N) fit one binding (`_split_k`)."""
-    s = _split_k(rt, M, N, K, cdiv(N, 128) * cdiv(M, 128))
+    cfg = fast_config(rt, M, N, K)
+    s = _split_k(rt, M, N, K, cdiv(N, cfg["BN"]) * cdiv(M, cfg["BM"]))
     if s <= 1:
         return 1, K
-    ks = cdiv(cdiv(K, s), 16) * 16   # a whole number of BK tiles
+    ks = cdiv(cdiv(K, s), cfg["BK"]) * cfg["BK"]   # a whole number of BK tiles
     return cdiv(K, ks), ks
 
 
@@ -100,12 +135,15 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     ldc = N if ldc is None else ldc
     if _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, (A, B, C, bias)):
         fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
+        cfg = fast_config(rt, M, N, K)
+        consts = {k: int(v) for k, v in cfg.items()}
+        bm, bn = cfg["BM"], cfg["BN"]
         slices, ks = splitk_slices(rec.rt, M, N, K)
         if slices > 1:
             part = rec.rt.scratch("matmul_splitk", (slices * M * N,))
             u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
             rec.dispatch("matmul", "matmul_fast", {0: part, 1: A, 2: B, 3: A, 4: u},
-                         (cdiv(N, 128), cdiv(M, 128), slices))
+                         (cdiv(N, bn), cdiv(M, bm), slices), consts)
             u = rec.rt.uniform(pack("12I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, bias_off, 0))
             rec.dispatch("matmul", "matmul_splitk_reduce",
                          {0: C, 1: part, 3: bias if bias is not None else part, 4: u}, cdiv(M * N // 4, 256))
@@ -113,7 +151,7 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
         rec.dispatch("matmul", "matmul_fast",
                      {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
-                     (cdiv(N, 128), cdiv(M, 128), 1))
+                     (cdiv(N, bn), cdiv(M, bm), 1), consts)
         return
     flags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if a_cs == 1 else 0) | (8 if b_cs == 1 else 0)
     u = rec.rt.uniform(pack("16I", M, N, K, flags, a_off, a_rs, a_cs, b_off,
