@@ -101,7 +101,10 @@ fn matmul_forward(@builtin(local_invocation_id) lid: vec3<u32>,
 // block (rows 4ty..4ty+3 and BM/2+4ty.., columns 4tx..4tx+3 and BN/2+4tx..); K walked in
 // steps of BK through workgroup memory, the next tile's global loads issued before this
 // tile's arithmetic (register prefetch). The tile shape is chosen per product and adapter
-// by engine/ops/matmul.py through the pipeline constants below.
+// by engine/ops/matmul.py through the pipeline constants below. (Measured on an H200, in
+// benchmarks/README.md: BK 8 or 32, 8x16 blocks per thread, 64-row or 64-column tiles for
+// large products, 8x4-thread warp layouts, row-wise loads of K-contiguous operands and no
+// register prefetch all lost or gained nothing; double buffering and fma() gained nothing.)
 // fast flags: bit 0 accumulate, bit 1 bias, bit 2 A transposed (stored [K, lda], M
 // contiguous), bit 3 B transposed (stored [N, ldb], K contiguous).
 // Offsets and leading dimensions are in floats and are multiples of 4.
@@ -124,8 +127,6 @@ struct FastParams {
 override BM: u32 = 128u;    // rows of C per workgroup, a multiple of 8
 override BN: u32 = 128u;    // columns of C per workgroup, a multiple of 8
 override BK: u32 = 16u;     // K per workgroup-memory tile, a multiple of 4
-// the next tile's global loads held in registers during this tile's arithmetic
-override PREFETCH: bool = true;
 override TX: u32 = BN / 8u;
 override TY: u32 = BM / 8u;
 override NT: u32 = TX * TY;   // threads per workgroup
@@ -240,16 +241,6 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
     if (2u * NT < NB) { vb2 = fast_load_b(k_lo, k_hi, col0, tid + 2u * NT); }
     if (3u * NT < NB) { vb3 = fast_load_b(k_lo, k_hi, col0, tid + 3u * NT); }
     for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
-        if (!PREFETCH && k0 != k_lo) {
-            va0 = fast_load_a(k0, k_hi, row0, tid);
-            if (NT < NA) { va1 = fast_load_a(k0, k_hi, row0, tid + NT); }
-            if (2u * NT < NA) { va2 = fast_load_a(k0, k_hi, row0, tid + 2u * NT); }
-            if (3u * NT < NA) { va3 = fast_load_a(k0, k_hi, row0, tid + 3u * NT); }
-            vb0 = fast_load_b(k0, k_hi, col0, tid);
-            if (NT < NB) { vb1 = fast_load_b(k0, k_hi, col0, tid + NT); }
-            if (2u * NT < NB) { vb2 = fast_load_b(k0, k_hi, col0, tid + 2u * NT); }
-            if (3u * NT < NB) { vb3 = fast_load_b(k0, k_hi, col0, tid + 3u * NT); }
-        }
         fast_store_a(va0, tid);
         if (NT < NA) { fast_store_a(va1, tid + NT); }
         if (2u * NT < NA) { fast_store_a(va2, tid + 2u * NT); }
@@ -259,7 +250,7 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
         if (2u * NT < NB) { fast_store_b(vb2, tid + 2u * NT); }
         if (3u * NT < NB) { fast_store_b(vb3, tid + 3u * NT); }
         workgroupBarrier();
-        if (PREFETCH && k0 + BK < k_hi) {   // the next tile's loads, in flight during this tile's arithmetic
+        if (k0 + BK < k_hi) {   // the next tile's loads, in flight during this tile's arithmetic
             let k1 = k0 + BK;
             va0 = fast_load_a(k1, k_hi, row0, tid);
             if (NT < NA) { va1 = fast_load_a(k1, k_hi, row0, tid + NT); }
