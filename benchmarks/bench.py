@@ -49,23 +49,16 @@ SHAPES = {
 MATMUL_VARIANTS = {
     "default": {},
     "no-split-K": {"mode": "nosplit"},
-    "128x128": {"force": dict(BM=128, BN=128)},
-    "no-prefetch": {"force": lambda rt, M, N, K: {**mm_config(rt, M, N, K), "PREFETCH": False}},
-    "64x64": {"force": dict(BM=64, BN=64)},
+    "128x128": {"force": dict(BM=128, BN=128)},   # one tile shape for every product
 }
 
 
-def mm_config(rt, M, N, K):
-    from memengine.engine.ops import matmul as mm
-
-    old, mm.FORCE = mm.FORCE, None
-    try:
-        return mm.fast_config(rt, M, N, K)
-    finally:
-        mm.FORCE = old
-
-
 SCAN_VARIANTS = {"default": True, "workgroup-memory": False}   # scan.SUBGROUPS
+
+
+def _rate(tflops):
+    """TFLOP/s, or GFLOP/s below 0.1 TFLOP/s (a CPU)."""
+    return f"{tflops:6.2f}" if tflops >= 0.1 else f"{tflops * 1e3:5.1f}G"
 
 
 def _median(xs):
@@ -341,10 +334,10 @@ def bench_matmul(rt, cases, torch, variants=("default",)):
         rows.append(row)
         line = f"  {name:13s} {kw['M']:6d}x{kw['N']:5d}x{kw['K']:5d}"
         for v in variants:
-            line += f"  {v} {row[v]['tflops']:5.2f}"
+            line += f"  {v} {_rate(row[v]['tflops'])}"
         for key in ("cublas", "torch_cpu"):
             if key in row:
-                line += f"  {key} {row[key]['tflops']:5.2f} TFLOP/s ({row['default']['tflops'] / row[key]['tflops']:.2f}x)"
+                line += f"  {key} {_rate(row[key]['tflops'])} TFLOP/s ({row['default']['tflops'] / row[key]['tflops']:.2f}x)"
         err = max([row["rel_err"]] + [row[v].get("rel_err", 0.0) for v in variants])
         print(line + f"  err {err:.1e}", flush=True)
     rt.trim()
@@ -463,13 +456,42 @@ def bench_peer_train(torch, shape, B, L, prec, steps):
     return out
 
 
-def bench_torch_train(torch, shape, B, L, steps, device, warmup=1):
+def _mambapy_calls():
+    """Patch mambapy's parallel scan with a call counter (transformers imports it at each
+    call and silently falls back to its loop when mambapy is missing); None without it."""
+    try:
+        import mambapy.pscan as ps
+        from transformers.utils.import_utils import is_mambapy_available
+    except ImportError:
+        return None
+    if not is_mambapy_available():
+        return None
+    if not hasattr(ps, "_memengine_calls"):
+        inner = ps.pscan
+        ps._memengine_calls = [0]
+
+        def counted(*a, **k):
+            ps._memengine_calls[0] += 1
+            return inner(*a, **k)
+
+        ps.pscan = counted
+    return ps._memengine_calls
+
+
+def bench_torch_train(torch, shape, B, L, steps, device, warmup=1, mambapy=False):
     """transformers' MambaForCausalLM as installed, fp32 (TF32 off): without mamba-ssm
-    (and on the CPU) that is its pure-PyTorch loop over time steps, the slow path."""
+    (and on the CPU) that is its pure-PyTorch loop over time steps, the slow path; with
+    mambapy=True its parallel scan from the mambapy package (the fastest CPU path)."""
     import transformers
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = transformers.MambaConfig(**SHAPES[shape])
+    calls = None
+    if mambapy:
+        calls = _mambapy_calls()
+        if calls is None:
+            return dict(error="mambapy not installed (pip install -e '.[bench]')")
+        calls[0] = 0
+    cfg = transformers.MambaConfig(**SHAPES[shape], use_mambapy=mambapy)
     torch.manual_seed(0)
     m = transformers.MambaForCausalLM(cfg).to(device).train()
     g = torch.Generator().manual_seed(0)
@@ -479,11 +501,41 @@ def bench_torch_train(torch, shape, B, L, steps, device, warmup=1):
         out = _torch_step(torch, m, lambda x: m(input_ids=x).logits, cfg.vocab_size, ids, tg, "fp32", steps, warmup)
     except torch.OutOfMemoryError as e:
         out = dict(error="CUDA out of memory: " + str(e)[:120])
+    if calls is not None:
+        out["pscan_calls"] = calls[0]
+        if calls[0] == 0:
+            out = dict(error="transformers did not call mambapy's pscan")
     del m
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def _cpu_rounds(rt, torch, row, shape, B, L, steps, rounds, threads):
+    """CPU: memengine and transformers + mambapy in alternating rounds, the peer at each
+    torch thread count in `threads` and the fastest taken (on a loaded machine one thread
+    can beat all cores by 5x); the medians and the median of the per-round ratios."""
+    ours, peer, ratios, per_threads = [], [], [], {t: [] for t in threads}
+    for _ in range(max(1, rounds)):
+        me = bench_memengine_train(rt, shape, B, L, steps)
+        best = 0.0
+        for t in threads:
+            torch.set_num_threads(t)
+            pp = bench_torch_train(torch, shape, B, L, steps, "cpu", mambapy=True)
+            if "error" in pp:
+                row["mambapy"] = pp
+                return
+            per_threads[t].append(pp["tokens_per_s"])
+            best = max(best, pp["tokens_per_s"])
+        ours.append(me["tokens_per_s"])
+        peer.append(best)
+        ratios.append(ours[-1] / peer[-1])
+    torch.set_num_threads(max(threads))
+    row["memengine"].update(tokens_per_s=_median(ours), rounds=ours)
+    row["mambapy"] = dict(tokens_per_s=_median(peer), rounds=peer, ratio=_median(ratios),
+                          by_threads={str(t): v for t, v in per_threads.items()},
+                          pscan_calls=pp.get("pscan_calls"))
 
 
 # ---------------------------------------------------------------------------- report
@@ -510,12 +562,12 @@ def summary(res) -> list:
     mm = res.get("matmul") or []
     if mm:
         variants = [v for v in MATMUL_VARIANTS if v in mm[0]]
-        lines.append("matmul (TFLOP/s; ratio = ours / torch fp32: cuBLAS with TF32 off, or torch on the CPU)")
+        lines.append("matmul (TFLOP/s, G = GFLOP/s; ratio = ours / torch fp32: cuBLAS with TF32 off, or torch on the CPU)")
         for r in mm:
-            line = f"  {r['name']:13s} " + " ".join(f"{v}={r[v]['tflops']:6.2f}" for v in variants)
+            line = f"  {r['name']:13s} " + " ".join(f"{v}={_rate(r[v]['tflops'])}" for v in variants)
             for key in ("cublas", "torch_cpu"):
                 if key in r:
-                    line += f"  {key}={r[key]['tflops']:6.2f}  {r['default']['tflops'] / r[key]['tflops']:.2f}x"
+                    line += f"  {key}={_rate(r[key]['tflops'])}  {r['default']['tflops'] / r[key]['tflops']:.2f}x"
             lines.append(line)
         tot = {v: sum(r["calls"] * r[v]["ms"] for r in mm) for v in variants}
         line = "  step total ms: " + " ".join(f"{v}={tot[v]:.1f}" for v in variants)
@@ -529,12 +581,13 @@ def summary(res) -> list:
         line = f"train {row['shape']} B={row['B']} L={row['L']}: memengine {me.get('tokens_per_s', 0):8.0f} tok/s"
         if me.get("peak_bytes"):
             line += f" ({me['peak_bytes'] / 2**30:.1f} GiB)"
-        for key in ("mamba_ssm_fp32", "mamba_ssm_bf16", "slow_path", "torch_cpu"):
+        for key in ("mamba_ssm_fp32", "mamba_ssm_bf16", "mambapy", "slow_path", "torch_cpu"):
             p = row.get(key)
             if not p:
                 continue
             if p.get("tokens_per_s"):
-                line += f" | {key} {p['tokens_per_s']:8.0f} ({me.get('tokens_per_s', 0) / p['tokens_per_s']:.2f}x"
+                ratio = p.get("ratio") or me.get("tokens_per_s", 0) / p["tokens_per_s"]
+                line += f" | {key} {p['tokens_per_s']:8.0f} ({ratio:.2f}x"
                 line += f", {p['peak_bytes'] / 2**30:.1f} GiB)" if p.get("peak_bytes") else ")"
             else:
                 line += f" | {key}: {p.get('error', '?')[:50]}"
@@ -565,6 +618,11 @@ def main(argv=None):
     ap.add_argument("--bf16-batches", default="8", help="batch sizes at which mamba-ssm bf16 runs too")
     ap.add_argument("--slow-path", default="", help="CUDA: B,L at which to time transformers' slow path too (e.g. 1,512)")
     ap.add_argument("--no-torch", action="store_true", help="no PyTorch peer at all")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="CPU: rounds of memengine and the mambapy peer, interleaved (a shared machine's load hits both)")
+    ap.add_argument("--torch-threads", default="",
+                    help="CPU: torch thread counts tried for the mambapy peer, fastest kept (default: 1 and all cores)")
+    ap.add_argument("--no-slow-path", action="store_true", help="CPU: skip transformers' loop over time steps")
     ap.add_argument("--out", default="bench-results.json")
     ap.add_argument("--variants", action="store_true", help="also time the kernel configurations that are not the default")
     ap.add_argument("--profile", action="store_true", help="time the first train row's step kernel by kernel")
@@ -601,8 +659,8 @@ def main(argv=None):
         save()
 
     if "matmul" in suites:
-        if cpu:
-            cases = [("square", 1, dict(M=256, N=256, K=256)), ("in_proj-like", 1, dict(M=512, N=256, K=128, trans_b=True))]
+        if cpu:   # the step's products at B 1 and the first --seq
+            cases = step_matmuls(1, int(a.seq.split(",")[0]), shape)
         else:
             cases = step_matmuls(8, 2048, shape)
         variants = list(MATMUL_VARIANTS) if a.variants else ["default"]
@@ -623,10 +681,17 @@ def main(argv=None):
                     if prof and "profile" in row["memengine"]:
                         res["profile"] = row["memengine"].pop("profile")
                         res["profile_of"] = f"{sh} B={B} L={L}"
-                    if tdev == "cpu":   # the CPU peer: always
-                        row["torch_cpu"] = bench_torch_train(torch, sh, B, L, a.steps, "cpu")
+                    if tdev == "cpu":   # the CPU peers: always
+                        threads = sorted({int(x) for x in a.torch_threads.split(",")} if a.torch_threads
+                                         else {1, os.cpu_count() or 1})
+                        _cpu_rounds(rt, torch, row, sh, B, L, a.steps, a.rounds, threads)
+                        if not a.no_slow_path:
+                            row["torch_cpu"] = bench_torch_train(torch, sh, B, L, a.steps, "cpu")
                     res["train"].append(row)
-                    print(f"train {sh} B={B} L={L}: memengine {row['memengine'].get('tokens_per_s', 0):.0f} tok/s", flush=True)
+                    line = f"train {sh} B={B} L={L}: memengine {row['memengine'].get('tokens_per_s', 0):.0f} tok/s"
+                    if row.get("mambapy", {}).get("ratio"):
+                        line += f", transformers+mambapy {row['mambapy']['tokens_per_s']:.0f} ({row['mambapy']['ratio']:.2f}x)"
+                    print(line, flush=True)
                     save()
         if a.slow_path and cuda:
             B, L = (int(x) for x in a.slow_path.split(","))
