@@ -478,6 +478,25 @@ def _mambapy_calls():
     return ps._memengine_calls
 
 
+def _slow_path_class():
+    """transformers' MambaForCausalLM on its own PyTorch code.  modeling_mamba binds
+    mamba-ssm's fused functions at import time when mamba_ssm imports (a peer build that
+    finished meanwhile), and those then need causal-conv1d; so it is imported afresh with
+    mamba_ssm hidden."""
+    import importlib
+
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] == "mamba_ssm"}
+    sys.modules["mamba_ssm"] = None     # import mamba_ssm -> ImportError while modeling_mamba loads
+    try:
+        import transformers.models.mamba.modeling_mamba as mm
+
+        mm = importlib.reload(mm)
+    finally:
+        del sys.modules["mamba_ssm"]
+        sys.modules.update(saved)
+    return mm.MambaForCausalLM
+
+
 def bench_torch_train(torch, shape, B, L, steps, device, warmup=1, mambapy=False):
     """transformers' MambaForCausalLM as installed, fp32 (TF32 off): without mamba-ssm
     (and on the CPU) that is its pure-PyTorch loop over time steps, the slow path; with
@@ -493,7 +512,8 @@ def bench_torch_train(torch, shape, B, L, steps, device, warmup=1, mambapy=False
         calls[0] = 0
     cfg = transformers.MambaConfig(**SHAPES[shape], use_mambapy=mambapy)
     torch.manual_seed(0)
-    m = transformers.MambaForCausalLM(cfg).to(device).train()
+    model_class = _slow_path_class() if device == "cuda" else transformers.MambaForCausalLM
+    m = model_class(cfg).to(device).train()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (B, L), generator=g).to(device)
     tg = torch.randint(0, cfg.vocab_size, (B, L), generator=g).to(device)
