@@ -1,0 +1,331 @@
+// decode: recurrent (one token at a time) Mamba-1 inference, the O(1)-per-token step of
+// SPEC section 2 for batch 1, plus the kernels that turn a prompt's sequence pass into the
+// recurrent state and the sampler that picks the next token on the GPU.
+//
+// Per layer and token (x, z = the two halves of in_proj's output xz [2Di]):
+//   decode_conv_step   pre = bias + sum_{k<K-1} w[d,k] conv[k,d] + w[d,K-1] x[d];  xc = silu(pre)
+//                      conv <- (conv[1..K-1], x)       conv [K-1, Di]: the last K-1 inputs x
+//   decode_ssm_step    dt = softplus(dt_proj.weight[d] . xdbl[0:R] + dt_proj.bias[d])
+//                      s[d,n] = exp(dt A[d,n]) s[d,n] + dt Bm[n] xc[d];   A = -exp(A_log)
+//                      y[d] = (sum_n s[d,n] Cm[n] + D[d] xc[d]) * silu(z[d])
+//   decode_matvec      out (+)= W x + b: in_proj, x_proj, out_proj (accumulating onto h) and
+//                      the LM head, with the same arithmetic as the sequence kernels but one row
+//
+// After the prompt's sequence pass (the sequence kernels, rows t = 0..L-1 of batch row 0):
+//   decode_conv_prefill   conv[k, d] = x[L-(K-1)+k, d]   (0 before the sequence start)
+//   decode_ssm_prefill    s = the state after position L-1, from the scan's saved state at the
+//                         start of the last chunk (see engine/ops/decode.py for that contract)
+//                         and the remaining positions stepped with the same math as the scan.
+//
+// Per-layer constants (A_log [Di*N], dt_proj.bias [Di], D [Di]) are packed once into one
+// buffer `pk` (offsets 0, Di*N, Di*N+Di) so the step kernel stays within 8 storage buffers.
+// The arithmetic (order of the conv sum, the softplus form, the state update) is the one
+// of shaders/conv1d.wgsl and shaders/selective_scan.wgsl, so that the step reproduces the
+// sequence pass up to f32 rounding of the dt_proj dot product.
+
+struct DP {
+    Di: u32, N: u32, R: u32, K: u32,
+    L: u32, ldx: u32, T: u32, has_bias: u32,
+    o_a: u32, o_b: u32, o_c: u32, o_d: u32,
+    o_e: u32, o_f: u32, o_g: u32, o_h: u32,
+}
+
+@group(0) @binding(0) var<storage, read_write> out: array<f32>;
+@group(0) @binding(1) var<storage, read_write> st: array<f32>;
+@group(0) @binding(2) var<storage, read> xin: array<f32>;
+@group(0) @binding(3) var<storage, read> xdbl: array<f32>;
+@group(0) @binding(4) var<storage, read> xz: array<f32>;
+@group(0) @binding(5) var<storage, read> wt: array<f32>;
+@group(0) @binding(6) var<storage, read> pk: array<f32>;
+@group(0) @binding(7) var<uniform> P: DP;
+@group(0) @binding(8) var<storage, read> saved: array<f32>;
+@group(0) @binding(9) var<storage, read> delta: array<f32>;
+@group(0) @binding(10) var<storage, read> bias: array<f32>;
+
+fn sigmoid(v: f32) -> f32 { return 1.0 / (1.0 + exp(-v)); }
+fn silu(v: f32) -> f32 { return v * sigmoid(v); }
+
+// log1p(exp(x)), torch's threshold 20; Kahan's log1p (as in selective_scan.wgsl).
+fn softplus(x: f32) -> f32 {
+    if (x > 20.0) { return x; }
+    let e = exp(x);
+    let w = 1.0 + e;
+    if (w == 1.0) { return e; }
+    return log(w) * e / (w - 1.0);
+}
+
+fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
+    return (wid.x + wid.y * nwg.x) * 256u + lid;
+}
+
+// ---------------------------------------------------------------- conv step
+// out = xc [Di] (o_a); st = conv state [K-1, Di] (o_b); xz (o_c: x at +0); wt = conv1d.weight
+// [Di, K] (o_d); bias = conv1d.bias (o_e, when has_bias).
+@compute @workgroup_size(256)
+fn decode_conv_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    let d = lin(wid, nwg, lid);
+    if (d >= P.Di) { return; }
+    var acc = 0.0;
+    if (P.has_bias != 0u) { acc = bias[P.o_e + d]; }
+    let x = xz[P.o_c + d];
+    for (var k = 0u; k + 1u < P.K; k++) {
+        acc = acc + wt[P.o_d + d * P.K + k] * st[P.o_b + k * P.Di + d];
+    }
+    acc = acc + wt[P.o_d + d * P.K + P.K - 1u] * x;
+    for (var k = 0u; k + 2u < P.K; k++) {
+        st[P.o_b + k * P.Di + d] = st[P.o_b + (k + 1u) * P.Di + d];
+    }
+    if (P.K > 1u) { st[P.o_b + (P.K - 2u) * P.Di + d] = x; }
+    out[P.o_a + d] = acc * sigmoid(acc);
+}
+
+// ---------------------------------------------------------------- selective state update
+// out = y [Di] (o_a); st = SSM state [Di, N] (o_b); xin = xc [Di] (o_c); xdbl [R+2N] (o_d);
+// xz (o_e: z at +Di); wt = dt_proj.weight [Di, R] (o_f); pk (o_g).
+@compute @workgroup_size(256)
+fn decode_ssm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) lid: u32) {
+    let d = lin(wid, nwg, lid);
+    if (d >= P.Di) { return; }
+    var lo = 0.0;
+    for (var r = 0u; r < P.R; r++) { lo = lo + wt[P.o_f + d * P.R + r] * xdbl[P.o_d + r]; }
+    let dt = softplus(lo + pk[P.o_g + P.Di * P.N + d]);
+    let u = xin[P.o_c + d];
+    var acc = 0.0;
+    for (var n = 0u; n < P.N; n++) {
+        let a = -exp(pk[P.o_g + d * P.N + n]);
+        let i = P.o_b + d * P.N + n;
+        let s = exp(dt * a) * st[i] + dt * xdbl[P.o_d + P.R + n] * u;
+        st[i] = s;
+        acc += s * xdbl[P.o_d + P.R + P.N + n];
+    }
+    let z = xz[P.o_e + P.Di + d];
+    out[P.o_a + d] = (acc + pk[P.o_g + P.Di * P.N + P.Di + d] * u) * silu(z);
+}
+
+// ---------------------------------------------------------------- state after a prompt
+// st = conv state [K-1, Di] (o_b); xz = the prompt's xz [L, 2Di] (o_c).
+@compute @workgroup_size(256)
+fn decode_conv_prefill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                       @builtin(local_invocation_index) lid: u32) {
+    let i = lin(wid, nwg, lid);
+    if (i >= (P.K - 1u) * P.Di) { return; }
+    let k = i / P.Di;
+    let d = i % P.Di;
+    var v = 0.0;
+    let back = P.K - 1u - k;            // input row L - back
+    if (P.L >= back) { v = xz[P.o_c + (P.L - back) * 2u * P.Di + d]; }
+    st[P.o_b + i] = v;
+}
+
+// st = SSM state [Di, N] (o_b); xin = the prompt's xc [L, Di] (o_c); xdbl [L, ldx] (o_d);
+// pk (o_g); saved = the scan's saved states [nchk, Di, N] (o_h); delta [L, Di] (o_e).
+// One thread per (d, n): start from the last saved chunk-start state, step to the end.
+@compute @workgroup_size(256)
+fn decode_ssm_prefill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) lid: u32) {
+    let i = lin(wid, nwg, lid);
+    if (i >= P.Di * P.N) { return; }
+    let d = i / P.N;
+    let n = i % P.N;
+    let last = (P.L - 1u) / P.T;        // the chunk holding position L-1
+    var s = saved[P.o_h + last * P.Di * P.N + i];
+    let a = -exp(pk[P.o_g + i]);
+    let b = pk[P.o_g + P.Di * P.N + d];
+    for (var t = last * P.T; t < P.L; t++) {
+        let dt = softplus(delta[P.o_e + t * P.Di + d] + b);
+        s = exp(dt * a) * s + dt * xdbl[P.o_d + t * P.ldx + P.R + n] * xin[P.o_c + t * P.Di + d];
+    }
+    st[P.o_b + i] = s;
+}
+
+// ---------------------------------------------------------------- matrix-vector product
+// out[r] (+)= sum_k W[r, k] x[k] (+ b[r]) for r < rows. 8 rows per workgroup, 32 threads per
+// row striding over k, then a tree sum in workgroup memory.
+struct MV { rows: u32, K: u32, flags: u32, o_out: u32, o_w: u32, o_x: u32, o_b: u32, _p: u32 }
+
+@group(0) @binding(0) var<storage, read_write> mv_out: array<f32>;
+@group(0) @binding(1) var<storage, read> mv_w: array<f32>;
+@group(0) @binding(2) var<storage, read> mv_x: array<f32>;
+@group(0) @binding(3) var<storage, read> mv_b: array<f32>;
+@group(0) @binding(4) var<uniform> Q: MV;
+
+var<workgroup> red: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn decode_matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let r = (wid.x + wid.y * nwg.x) * 8u + lid / 32u;
+    let j = lid % 32u;
+    var acc = 0.0;
+    if (r < Q.rows) {
+        let base = Q.o_w + r * Q.K;
+        for (var k = j; k < Q.K; k += 32u) { acc += mv_w[base + k] * mv_x[Q.o_x + k]; }
+    }
+    red[lid] = acc;
+    workgroupBarrier();
+    for (var s = 16u; s > 0u; s = s >> 1u) {
+        if (j < s) { red[lid] = red[lid] + red[lid + s]; }
+        workgroupBarrier();
+    }
+    if (j == 0u && r < Q.rows) {
+        var v = red[lid];
+        if ((Q.flags & 2u) != 0u) { v += mv_b[Q.o_b + r]; }
+        let o = Q.o_out + r;
+        if ((Q.flags & 1u) != 0u) { v += mv_out[o]; }
+        mv_out[o] = v;
+    }
+}
+
+// ---------------------------------------------------------------- sampler
+// One workgroup. io (i32): io[0] = tokens sampled so far t, io[1] = the current token (what the
+// next step embeds), io[2 + t] = token t (the history the host reads back).  Greedy: the
+// lowest index of the largest logit (torch.argmax).  Sampling (HF's order: temperature, then
+// top-k, then top-p on what top-k kept): a token is kept when its logit is >= the k-th largest
+// (ties kept, as transformers' TopKLogitsWarper) and when the probability mass of the kept
+// tokens strictly more probable than it is < top_p (so the most probable token always stays);
+// the kept set's thresholds are found by bisection on the bit patterns, then one token is drawn
+// with the Gumbel-max trick, argmax(v + g), g = -log(-log(u)), u from a counter-based hash of
+// (seed, t, token id): reproducible for a seed on one adapter, independent of the workgroup.
+struct SP { V: u32, mode: u32, top_k: u32, cap: u32, seed_lo: u32, seed_hi: u32, inv_temp: f32, top_p: f32,
+            o_logits: u32, _p0: u32, _p1: u32, _p2: u32 }
+
+@group(0) @binding(0) var<storage, read_write> io: array<i32>;
+@group(0) @binding(1) var<storage, read> logits: array<f32>;
+@group(0) @binding(2) var<uniform> S: SP;
+
+var<workgroup> rv: array<f32, 256>;
+var<workgroup> ri: array<u32, 256>;
+
+fn pcg(v: u32) -> u32 {
+    let s = v * 747796405u + 2891336453u;
+    let w = ((s >> ((s >> 28u) + 4u)) ^ s) * 277803737u;
+    return (w >> 22u) ^ w;
+}
+
+// logit as an order-preserving u32 (NaN treated as the lowest value)
+fn okey(v: f32) -> u32 {
+    if (v != v) { return 0u; }
+    let b = bitcast<u32>(v);
+    if ((b & 0x80000000u) != 0u) { return ~b; }
+    return b | 0x80000000u;
+}
+
+fn logit(i: u32) -> f32 {
+    let v = logits[S.o_logits + i];
+    if (v != v) { return -3.0e38; }
+    return max(v, -3.0e38);           // above the empty slots' -3.4e38 of the reductions
+}
+
+// workgroup sums (u32 count / f32 mass), every thread gets the result
+fn wg_sum_f(v: f32, lid: u32) -> f32 {
+    rv[lid] = v;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s = s >> 1u) {
+        if (lid < s) { rv[lid] = rv[lid] + rv[lid + s]; }
+        workgroupBarrier();
+    }
+    let r = rv[0];
+    workgroupBarrier();
+    return r;
+}
+
+fn wg_sum_u(v: u32, lid: u32) -> u32 {
+    ri[lid] = v;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s = s >> 1u) {
+        if (lid < s) { ri[lid] = ri[lid] + ri[lid + s]; }
+        workgroupBarrier();
+    }
+    let r = ri[0];
+    workgroupBarrier();
+    return r;
+}
+
+// argmax of (value, lowest index) across the workgroup; returns the index
+fn wg_argmax(v: f32, i: u32, lid: u32) -> u32 {
+    rv[lid] = v;
+    ri[lid] = i;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s = s >> 1u) {
+        if (lid < s) {
+            let ov = rv[lid + s];
+            let oi = ri[lid + s];
+            if (ov > rv[lid] || (ov == rv[lid] && oi < ri[lid])) { rv[lid] = ov; ri[lid] = oi; }
+        }
+        workgroupBarrier();
+    }
+    let r = ri[0];
+    workgroupBarrier();
+    return r;
+}
+
+@compute @workgroup_size(256)
+fn decode_sample(@builtin(local_invocation_index) lid: u32) {
+    let t = u32(io[0]);
+    // largest logit (and the greedy token)
+    var bv = -3.4e38;
+    var bi = 0xffffffffu;
+    for (var i = lid; i < S.V; i += 256u) {
+        let v = logit(i);
+        if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }
+    }
+    var tok = wg_argmax(bv, bi, lid);
+    if (S.mode != 0u) {
+        let m = logit(tok);
+        // top-k: the largest key x with count(key >= x) >= k is the k-th largest logit
+        var kmin = 0u;
+        if (S.top_k > 0u && S.top_k < S.V) {
+            for (var bit = 31i; bit >= 0i; bit--) {
+                let cand = kmin | (1u << u32(bit));
+                var c = 0u;
+                for (var i = lid; i < S.V; i += 256u) { if (okey(logit(i)) >= cand) { c += 1u; } }
+                if (wg_sum_u(c, lid) >= S.top_k) { kmin = cand; }
+            }
+        }
+        // top-p on w = exp((l - max) / T) over the top-k set: the largest logit key x whose
+        // strictly larger kept mass is >= top_p * Z; kept are the logits with keys > x.  (The
+        // decision is on the logits' keys, never on a recomputed w: two computations of the
+        // same exp may differ in the last bit.)
+        var pmax = 0u;
+        let has_p = S.top_p < 1.0;
+        if (has_p) {
+            var z = 0.0;
+            for (var i = lid; i < S.V; i += 256u) {
+                let l = logit(i);
+                if (okey(l) >= kmin) { z += exp((l - m) * S.inv_temp); }
+            }
+            let goal = S.top_p * wg_sum_f(z, lid);
+            for (var bit = 31i; bit >= 0i; bit--) {
+                let cand = pmax | (1u << u32(bit));
+                var mass = 0.0;
+                for (var i = lid; i < S.V; i += 256u) {
+                    let l = logit(i);
+                    let k = okey(l);
+                    if (k >= kmin && k > cand) { mass += exp((l - m) * S.inv_temp); }
+                }
+                if (!(wg_sum_f(mass, lid) < goal)) { pmax = cand; }
+            }
+        }
+        let key = pcg(S.seed_hi ^ pcg(S.seed_lo ^ pcg(t)));
+        var gv = -3.4e38;
+        var gi = 0xffffffffu;
+        for (var i = lid; i < S.V; i += 256u) {
+            let l = logit(i);
+            let v = (l - m) * S.inv_temp;
+            let k = okey(l);
+            if (k < kmin || (has_p && k <= pmax)) { continue; }
+            let h = pcg(key ^ pcg(i));
+            let u = (f32(h >> 8u) + 0.5) * (1.0 / 16777216.0);
+            let g = v - log(-log(u));
+            if (g > gv || gi == 0xffffffffu) { gv = g; gi = i; }
+        }
+        tok = wg_argmax(gv, gi, lid);
+    }
+    if (lid == 0u) {
+        io[1] = i32(tok);
+        if (t < S.cap) { io[2u + t] = i32(tok); }
+        io[0] = i32(t + 1u);
+    }
+}

@@ -1,0 +1,303 @@
+"""Recurrent decoding (engine/generate.py, shaders/decode.wgsl) against transformers.
+
+* The step kernels' logits after every position equal transformers' full-sequence logits
+  (float64) and our own sequence forward, for prompts that end inside, at and after the
+  scan's first saved chunk, and shorter than the conv kernel.
+* Greedy output equals `MambaForCausalLM.generate(do_sample=False)` token for token, or
+  differs first where transformers' own top two logits are within float32 noise (a near
+  tie, detected and reported explicitly; nothing after it is compared).
+* The sampler draws from softmax(logits / T) restricted exactly as transformers' top-k /
+  top-p warpers restrict it (checked against numpy on many draws), reproducibly per seed.
+* Stop conditions: length, EOS id, stop strings (never shown, not even in part).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from memengine.engine.config import MambaConfig  # noqa: E402
+from memengine.engine.errors import MemengineError  # noqa: E402
+from memengine.engine.generate import (  # noqa: E402
+    Decoder,
+    GenerateOptions,
+    _TextStream,
+    eos_token_id,
+    generate,
+)
+from memengine.engine.model import MambaModel  # noqa: E402
+from memengine.engine.ops import scan as scan_mod  # noqa: E402
+from memengine.engine.ops.decode import sample  # noqa: E402
+from memengine.engine.tokenizer import ByteTokenizer  # noqa: E402
+
+CASES = [
+    ("tied-odd", dict(vocab_size=259, hidden_size=37, state_size=5, num_hidden_layers=2, expand=2,
+                      conv_kernel=4, use_bias=False, use_conv_bias=True, tie_word_embeddings=True)),
+    ("untied-bias", dict(vocab_size=67, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+                         conv_kernel=3, use_bias=True, use_conv_bias=False, tie_word_embeddings=False,
+                         time_step_rank=3)),
+    ("untied-both-biases-k2", dict(vocab_size=131, hidden_size=24, state_size=16, num_hidden_layers=1, expand=3,
+                                   conv_kernel=2, use_bias=True, use_conv_bias=True, tie_word_embeddings=False)),
+]
+
+
+def hf_model(kwargs, seed=0):
+    """A transformers model whose weights are perturbed away from the symmetric init, so
+    that greedy text is varied (the plain init repeats one token)."""
+    torch.manual_seed(seed)
+    cfg = transformers.MambaConfig(**kwargs)
+    m = transformers.MambaForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.add_(0.15 * torch.randn_like(p))
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def ours_of(rt, m) -> MambaModel:
+    sd = {k: v.detach().to(torch.float32).numpy().copy() for k, v in m.state_dict().items()}
+    if m.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return MambaModel(rt, MambaConfig.from_dict(m.config.to_dict()), sd)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+# ----------------------------------------------------------------------------- step vs sequence
+@pytest.mark.parametrize("chunked", [False, True], ids=["serial-scan", "chunked-scan"])
+@pytest.mark.parametrize("name,kw", CASES[:2], ids=[c[0] for c in CASES[:2]])
+def test_step_logits_equal_sequence_logits(rt, monkeypatch, name, kw, chunked):
+    """Prompt of p tokens, then the rest fed one token at a time through the step kernels:
+    the logits after every position equal the sequence pass over all of it (ours and
+    transformers'), with the state handed over inside, at the end of and after the scan's
+    first chunk of saved states, and before the conv window is full."""
+    monkeypatch.setattr(scan_mod, "_SERIAL", not chunked)
+    m = hf_model(kw)
+    ours = ours_of(rt, m)
+    L = scan_mod.CHUNK + 12
+    ids = np.random.default_rng(1).integers(0, kw["vocab_size"], L).astype(np.int32)
+    ref = m(input_ids=torch.tensor(ids[None], dtype=torch.long)).logits[0].detach().numpy()
+    seq = ours.logits(ids[None])[0]
+    assert rel(seq, ref) < 1e-5
+    dec = Decoder(ours, 1)
+    prefixes = [1, 2, scan_mod.CHUNK - 1, scan_mod.CHUNK, scan_mod.CHUNK + 1] if not chunked else [1, scan_mod.CHUNK + 1]
+    worst = 0.0
+    for p in prefixes:
+        got = [dec.prefill_logits(ids[:p])]
+        for t in range(p, L):
+            got.append(dec.push_logits(int(ids[t])))
+        got = np.array(got)
+        e_ref, e_seq = rel(got, ref[p - 1:]), rel(got, seq[p - 1:])
+        worst = max(worst, e_ref)
+        assert got.shape == (L - p + 1, kw["vocab_size"])
+        assert e_ref < 1e-5, (p, e_ref)
+        assert e_seq < 1e-5, (p, e_seq)
+    dec.close()
+    print(f"\n[{name}{' chunked' if chunked else ''}] step logits vs transformers: max rel err {worst:.2e}")
+
+
+# ----------------------------------------------------------------------------- greedy vs transformers
+def _first_divergence(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
+def test_greedy_equals_transformers_generate(rt, name, kw):
+    m = hf_model(kw, seed=4)
+    ours = ours_of(rt, m)
+    n_new = 40
+    rng = np.random.default_rng(7)
+    for p in (1, 9, 70):
+        prompt = rng.integers(0, kw["vocab_size"], p).astype(np.int32)
+        out = m.generate(torch.tensor(prompt[None], dtype=torch.long), max_new_tokens=n_new, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)
+        want = out.sequences[0, p:].tolist()
+        scores = torch.stack(out.scores)[:, 0].numpy()           # float64 logits of each step
+        res = generate(ours, prompt, GenerateOptions(max_new_tokens=n_new, temperature=0), decode=lambda x: "")
+        got = res.tokens
+        assert len(got) == n_new and res.stop == "length"
+        j = _first_divergence(got, want)
+        if j is None:
+            assert len(set(want)) > 3, "degenerate text: the comparison would be weak"
+            continue
+        # allowed only where transformers' own logits make our pick a near tie
+        s = scores[j]
+        gap = float(s[want[j]] - s[got[j]])
+        scale = float(np.abs(s).max())
+        print(f"\n[{name} p={p}] diverges at new token {j}: ours {got[j]}, transformers {want[j]}, "
+              f"logit gap {gap:.2e} (scale {scale:.2e})")
+        assert gap <= 1e-5 * scale, f"not a near tie: {gap} at token {j}"
+        assert j > 0 or p == 1
+
+
+def test_generate_does_not_rerun_the_prompt(rt):
+    """Each new token is one recorded step (same dispatch count whatever the prompt length)."""
+    m = hf_model(CASES[1][1])
+    ours = ours_of(rt, m)
+    dec = Decoder(ours, 4)
+    counts = []
+    for p in (3, 90):
+        generate(ours, np.arange(p) % 60, GenerateOptions(max_new_tokens=4, temperature=0), decode=lambda x: "",
+                 decoder=dec)
+        counts.append(dec._step.dispatches)
+    assert counts[0] == counts[1] == 1 + 6 * ours.cfg.num_hidden_layers + 3
+    dec.close()
+
+
+# ----------------------------------------------------------------------------- sampler
+def _draw(rt, logits, n, **kw):
+    """n tokens drawn from the same logits (one dispatch each, one submission)."""
+    V = logits.size
+    lt = rt.upload(logits.astype(np.float32))
+    io = rt.zeros((2 + n,), "i32")
+    rec = rt.recorder()
+    for _ in range(n):
+        sample(rec, io, lt, V=V, **kw)
+    rec.submit()
+    out = rt.read(io)
+    rt.free(lt)
+    rt.free(io)
+    assert out[0] == n
+    return out[2:]
+
+
+def _kept_reference(logits, T, top_k, top_p):
+    """transformers' TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper, in numpy
+    float64: the renormalised probabilities of the tokens they keep."""
+    s = logits.astype(np.float64) / T
+    if 0 < top_k < s.size:
+        kth = np.sort(s)[-top_k]
+        s = np.where(s < kth, -np.inf, s)
+    p = np.exp(s - s.max())
+    p /= p.sum()
+    if top_p < 1:
+        order = np.argsort(p, kind="stable")      # ascending, as transformers sorts
+        cum = np.cumsum(p[order])
+        remove = cum <= 1 - top_p
+        remove[-1] = False
+        p[order[remove]] = 0
+        p /= p.sum()
+    return p
+
+
+@pytest.mark.parametrize("T,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 12, 0.6)])
+def test_sampler_draws_from_the_warped_distribution(rt, T, top_k, top_p):
+    rng = np.random.default_rng(0)
+    V = 41
+    logits = rng.standard_normal(V) * 1.5
+    logits[[3, 17]] = logits.max() + 0.5                  # a tie at the top
+    n = 3000
+    draws = _draw(rt, logits, n, temperature=T, top_k=top_k, top_p=top_p, seed=11)
+    p = _kept_reference(logits, T, top_k, top_p)
+    freq = np.bincount(draws, minlength=V) / n
+    assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(p)), "drew a token the warpers remove"
+    assert set(np.flatnonzero(p > 0.01)) <= set(np.flatnonzero(freq)), "never drew a likely kept token"
+    # every frequency within 5 standard errors of its probability
+    se = np.sqrt(np.maximum(p * (1 - p), 1e-12) / n)
+    assert np.all(np.abs(freq - p) <= 5 * se + 1e-9), np.abs(freq - p).max()
+
+
+def test_greedy_sampler_is_torch_argmax(rt):
+    logits = np.array([0.5, 2.0, -1.0, 2.0, 1.9], np.float32)    # tie: the lowest index wins
+    assert _draw(rt, logits, 3, temperature=0, top_k=0, top_p=1.0, seed=0).tolist() == [1, 1, 1]
+    big = np.random.default_rng(3).standard_normal(5000).astype(np.float32)
+    assert _draw(rt, big, 1, temperature=0, top_k=0, top_p=1.0, seed=0)[0] == int(np.argmax(big))
+
+
+def test_sampling_reproducible_with_seed(rt):
+    m = hf_model(CASES[0][1])
+    ours = ours_of(rt, m)
+    prompt = np.arange(1, 12)
+
+    def run(seed, **kw):
+        o = GenerateOptions(max_new_tokens=30, temperature=1.0, seed=seed, **kw)
+        return generate(ours, prompt, o, decode=lambda x: "").tokens
+
+    a, b, c = run(5), run(5), run(6)
+    assert a == b
+    assert a != c
+    assert run(5, top_k=3, top_p=0.9) == run(5, top_k=3, top_p=0.9)
+
+
+# ----------------------------------------------------------------------------- stop conditions
+def test_stop_at_eos_length_and_string(rt):
+    m = hf_model(CASES[0][1], seed=2)
+    ours = ours_of(rt, m)
+    prompt = np.array([72, 101, 108, 108, 111])
+    greedy = GenerateOptions(max_new_tokens=24, temperature=0)
+    full = generate(ours, prompt, greedy, decode=lambda x: "")
+    assert full.stop == "length" and len(full.tokens) == 24
+    # EOS: the first id that occurs for the first time at position >= 3
+    k = next(i for i in range(3, 24) if full.tokens[i] not in full.tokens[:i])
+    eos = full.tokens[k]
+    r = generate(ours, prompt, greedy, decode=lambda x: "", eos_id=eos)
+    assert r.stop == "eos" and r.tokens == full.tokens[:k + 1]
+    # stop string: the text of tokens k..k+1 (byte tokenizer on ids < 256), never shown
+    tok = ByteTokenizer()
+    text = tok.decode(full.tokens)
+    stop = tok.decode(full.tokens[k:k + 2])
+    cut = text.find(stop)
+    pieces = []
+    r = generate(ours, prompt, GenerateOptions(max_new_tokens=24, temperature=0, stop=("\x00never", stop)),
+                 decode=tok.decode, on_text=pieces.append)
+    assert r.stop == "stop"
+    assert r.text == text[:cut] == "".join(pieces)
+    assert len(r.tokens) <= k + 2
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    tok = ByteTokenizer()
+    ids = list("héllo wörld".encode())
+    s = _TextStream(tok.decode, ())
+    out = [s.push(i) for i in ids]
+    assert "".join(out) + s.finish() == "héllo wörld"
+    assert all("\ufffd" not in o for o in out)
+    s = _TextStream(tok.decode, ("wör", "lo!"))
+    shown = ""
+    for i in ids:
+        shown += s.push(i)
+        assert "héllo ".startswith(shown)       # nothing shown is ever taken back
+        if s.stopped:
+            break
+    shown += s.finish()
+    assert s.stopped and shown == s.text == "héllo "
+
+
+def test_options_are_validated():
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_k=-2), dict(top_p=0),
+                dict(top_p=1.5), dict(seed=-1), dict(stop=("",))):
+        with pytest.raises(MemengineError):
+            GenerateOptions(**bad)
+
+
+def test_prompt_errors(rt):
+    m = hf_model(CASES[1][1])
+    ours = ours_of(rt, m)
+    with pytest.raises(MemengineError, match="empty"):
+        generate(ours, [], GenerateOptions(), decode=lambda x: "")
+    with pytest.raises(MemengineError, match="vocabulary"):
+        generate(ours, [1, 67], GenerateOptions(), decode=lambda x: "")
+
+
+def test_eos_of_tokenizers():
+    cfg = MambaConfig.from_dict(dict(CASES[0][1], eos_token_id=7))
+    assert eos_token_id(ByteTokenizer(), cfg) is None
+
+    class Named:
+        name = "tokenizer.json"
+
+    assert eos_token_id(Named(), cfg) == 7
