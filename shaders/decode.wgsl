@@ -141,8 +141,11 @@ fn decode_ssm_prefill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 }
 
 // ---------------------------------------------------------------- matrix-vector product
-// out[r] (+)= sum_k W[r, k] x[k] (+ b[r]) for r < rows. 8 rows per workgroup, 32 threads per
-// row striding over k, then a tree sum in workgroup memory.
+// out[r] (+)= sum_k W[r, k] x[k] (+ b[r]) for r < rows.  LANES threads per row (256 / LANES
+// rows per workgroup) stride over k, then a tree sum in workgroup memory.  The host picks
+// LANES per adapter (engine/ops/decode.py).  decode_matvec4 loads vec4s and needs K, the
+// weight's and x's offsets to be multiples of 4 (every real model); decode_matvec is the
+// same with scalar loads, for other shapes.
 struct MV { rows: u32, K: u32, flags: u32, o_out: u32, o_w: u32, o_x: u32, o_b: u32, _p: u32 }
 
 @group(0) @binding(0) var<storage, read_write> mv_out: array<f32>;
@@ -150,22 +153,22 @@ struct MV { rows: u32, K: u32, flags: u32, o_out: u32, o_w: u32, o_x: u32, o_b: 
 @group(0) @binding(2) var<storage, read> mv_x: array<f32>;
 @group(0) @binding(3) var<storage, read> mv_b: array<f32>;
 @group(0) @binding(4) var<uniform> Q: MV;
+@group(0) @binding(1) var<storage, read> mv_w4: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> mv_x4: array<vec4<f32>>;
+
+override LANES: u32 = 32u;   // a power of two <= 256
 
 var<workgroup> red: array<f32, 256>;
 
-@compute @workgroup_size(256)
-fn decode_matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                 @builtin(local_invocation_index) lid: u32) {
-    let r = (wid.x + wid.y * nwg.x) * 8u + lid / 32u;
-    let j = lid % 32u;
-    var acc = 0.0;
-    if (r < Q.rows) {
-        let base = Q.o_w + r * Q.K;
-        for (var k = j; k < Q.K; k += 32u) { acc += mv_w[base + k] * mv_x[Q.o_x + k]; }
-    }
+fn mv_row(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
+    return (wid.x + wid.y * nwg.x) * (256u / LANES) + lid / LANES;
+}
+
+fn mv_finish(r: u32, lid: u32, acc: f32) {
+    let j = lid % LANES;
     red[lid] = acc;
     workgroupBarrier();
-    for (var s = 16u; s > 0u; s = s >> 1u) {
+    for (var s = LANES / 2u; s > 0u; s = s >> 1u) {
         if (j < s) { red[lid] = red[lid] + red[lid + s]; }
         workgroupBarrier();
     }
@@ -176,6 +179,31 @@ fn decode_matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         if ((Q.flags & 1u) != 0u) { v += mv_out[o]; }
         mv_out[o] = v;
     }
+}
+
+@compute @workgroup_size(256)
+fn decode_matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let r = mv_row(wid, nwg, lid);
+    var acc = 0.0;
+    if (r < Q.rows) {
+        let base = Q.o_w + r * Q.K;
+        for (var k = lid % LANES; k < Q.K; k += LANES) { acc += mv_w[base + k] * mv_x[Q.o_x + k]; }
+    }
+    mv_finish(r, lid, acc);
+}
+
+@compute @workgroup_size(256)
+fn decode_matvec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    let r = mv_row(wid, nwg, lid);
+    var acc = vec4<f32>(0.0);
+    if (r < Q.rows) {
+        let base = (Q.o_w + r * Q.K) / 4u;
+        let xb = Q.o_x / 4u;
+        for (var k = lid % LANES; k < Q.K / 4u; k += LANES) { acc += mv_w4[base + k] * mv_x4[xb + k]; }
+    }
+    mv_finish(r, lid, (acc.x + acc.y) + (acc.z + acc.w));
 }
 
 // ---------------------------------------------------------------- sampler
@@ -329,3 +357,4 @@ fn decode_sample(@builtin(local_invocation_index) lid: u32) {
         io[0] = i32(t + 1u);
     }
 }
+

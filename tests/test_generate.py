@@ -34,7 +34,7 @@ from memengine.engine.generate import (  # noqa: E402
 )
 from memengine.engine.model import MambaModel  # noqa: E402
 from memengine.engine.ops import scan as scan_mod  # noqa: E402
-from memengine.engine.ops.decode import sample  # noqa: E402
+from memengine.engine.ops.decode import matvec, sample  # noqa: E402
 from memengine.engine.tokenizer import ByteTokenizer  # noqa: E402
 
 CASES = [
@@ -105,6 +105,26 @@ def test_step_logits_equal_sequence_logits(rt, monkeypatch, name, kw, chunked):
         assert e_seq < 1e-5, (p, e_seq)
     dec.close()
     print(f"\n[{name}{' chunked' if chunked else ''}] step logits vs transformers: max rel err {worst:.2e}")
+
+
+@pytest.mark.parametrize("lanes", ["1", "4", "32"])
+def test_matvec_against_numpy(rt, monkeypatch, lanes):
+    """Scalar and vec4 paths, bias and accumulate, and a weight split into row ranges when it
+    exceeds a (here artificially small) storage binding."""
+    monkeypatch.setenv("MEMENGINE_MATVEC_LANES", lanes)
+    rng = np.random.default_rng(int(lanes))
+    for rows, K, small in ((37, 13, False), (40, 16, False), (300, 20, True)):
+        W, x, b, o = (rng.standard_normal(s) for s in ((rows, K), K, rows, rows))
+        tw, tx, tb, to = (rt.upload(a.astype(np.float32)) for a in (W, x, b, o))
+        if small:
+            monkeypatch.setattr(rt, "max_binding", 4 * K * 64 + rt.storage_align)
+        rec = rt.recorder()
+        matvec(rec, to, tw, tx, tb, rows=rows, K=K, acc=True)
+        rec.submit()
+        monkeypatch.setattr(rt, "max_binding", rt.limits["max-storage-buffer-binding-size"])
+        np.testing.assert_allclose(rt.read(to), o + W @ x + b, rtol=1e-5, atol=1e-5)
+        for t in (tw, tx, tb, to):
+            rt.free(t)
 
 
 # ----------------------------------------------------------------------------- greedy vs transformers
