@@ -366,6 +366,39 @@ class _TextStream:
         return out
 
 
+def read_prompt(value: str, stdin=None) -> str:
+    """--prompt TEXT as given, or '-' for all of stdin (UTF-8, a leading BOM dropped; the
+    text is kept exactly, a final newline included, as eval reads data)."""
+    if value != "-":
+        return value
+    import sys
+
+    stream = stdin if stdin is not None else getattr(sys.stdin, "buffer", sys.stdin)
+    raw = stream.read()
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MemengineError(f"--prompt -: stdin is not UTF-8 text (invalid byte 0x{raw[e.start]:02x} "
+                             f"at offset {e.start})") from None
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def generate_text(model, tokenizer, text: str, opts: GenerateOptions, *, on_text=None,
+                  on_token=None) -> GenerateResult:
+    """What `memengine generate` does once the model is on the GPU: tokenize the prompt as
+    eval tokenizes data (no special tokens), generate, stop at the tokenizer's EOS id."""
+    from .data import check_vocab
+
+    ids = np.asarray(tokenizer.encode(text)).reshape(-1)
+    if ids.size == 0:
+        raise MemengineError("--prompt: empty; at least one token is needed")
+    check_vocab(ids, model.cfg.vocab_size, "--prompt")
+    return generate(model, ids, opts, decode=tokenizer.decode, eos_id=eos_token_id(tokenizer, model.cfg),
+                    on_text=on_text, on_token=on_token)
+
+
 def generate(model, prompt_ids, opts: GenerateOptions, *, decode, eos_id: int | None = None,
              on_text=None, on_token=None, decoder: Decoder | None = None) -> GenerateResult:
     """Continue `prompt_ids` (a 1-D sequence of ids) with up to opts.max_new_tokens tokens.

@@ -168,7 +168,8 @@ def test_demo_fast(tmp_path):
     r = run("demo", "--workdir", wd, "--chars", "300", "--epochs", "1", "--seq-len", "64")
     assert r.exit_code == 0, r.stderr
     assert r.stdout == ""
-    for step in ("1/5", "2/5", "3/5", "4/5", "5/5", "perplexity before", "perplexity after", "fp32 vs fp16"):
+    for step in ("1/6", "2/6", "3/6", "4/6", "5/6", "6/6", "perplexity before", "perplexity after", "fp32 vs fp16",
+                 'continuations of "The lighthouse keeper"'):
         assert step in r.stderr, step
     for d in ("base", "trained", "model-f16"):
         assert (wd / d / "model.safetensors").is_file(), d

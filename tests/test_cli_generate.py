@@ -1,0 +1,112 @@
+"""`memengine generate` on the command line: output shapes, stdin, checkpoint kinds, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from memengine.cli.main import app
+
+from conftest import make_checkpoint
+from test_cli import assert_one_line_error, run_proc
+
+KEYS = {"prompt_tokens", "tokens", "text", "stop", "tokens_per_s", "ttft_s", "elapsed_s"}
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(app, [str(a) for a in args], input=input, catch_exceptions=False)
+
+
+def gen_json(*args, input=None) -> dict:
+    r = run("generate", *args, "--json", input=input)
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1, r.stdout
+    return json.loads(lines[0])
+
+
+def test_json_object(tiny_ckpt_ro):
+    out = gen_json(tiny_ckpt_ro, "--prompt", "It was the", "--max-new-tokens", "7", "--temperature", "0")
+    assert set(out) == KEYS
+    assert out["prompt_tokens"] == len("It was the".encode())
+    assert len(out["tokens"]) == 7 and out["stop"] == "length"
+    assert all(isinstance(t, int) and 0 <= t < 256 for t in out["tokens"])
+    assert out["text"] == bytes(out["tokens"]).decode("utf-8", errors="replace")
+    assert out["tokens_per_s"] > 0 and out["ttft_s"] > 0
+
+
+def test_human_output_streams_text_to_stdout(tiny_ckpt_ro):
+    want = gen_json(tiny_ckpt_ro, "-p", "It was", "-n", "9", "-t", "0")["text"]
+    r = run("generate", tiny_ckpt_ro, "-p", "It was", "-n", "9", "-t", "0")
+    assert r.exit_code == 0
+    assert r.stdout == want + "\n"
+    assert "tokens/s" in r.stderr and "stop: length" in r.stderr
+    r = run("generate", tiny_ckpt_ro, "-p", "It was", "-n", "9", "-t", "0", "--quiet")
+    assert r.stdout == want + "\n" and r.stderr == ""
+
+
+def test_stdin_prompt_equals_argument(tiny_ckpt_ro):
+    a = gen_json(tiny_ckpt_ro, "--prompt", "age of wisdom\n", "-n", "6", "-t", "0")
+    b = gen_json(tiny_ckpt_ro, "--prompt", "-", "-n", "6", "-t", "0", input="age of wisdom\n")
+    assert a == {**b, "tokens_per_s": a["tokens_per_s"], "ttft_s": a["ttft_s"], "elapsed_s": a["elapsed_s"]}
+    assert b["prompt_tokens"] == 14
+
+
+def test_seeded_sampling_and_stop(tiny_ckpt_ro):
+    args = (tiny_ckpt_ro, "-p", "the", "-n", "24", "--temperature", "1.0", "--top-k", "50", "--top-p", "0.95")
+    a, b = gen_json(*args, "--seed", "7"), gen_json(*args, "--seed", "7")
+    c = gen_json(*args, "--seed", "8")
+    assert a["tokens"] == b["tokens"] != c["tokens"]
+    text = a["text"]
+    stop = text[5:7]
+    assert len(stop) == 2
+    s = gen_json(*args, "--seed", "7", "--stop", stop, "--stop", "\u2603never")
+    assert s["stop"] == "stop" and s["text"] == text[:text.find(stop)]
+
+
+def test_f16_and_bare_file_checkpoints(tiny_ckpt, tmp_path):
+    from memengine.engine.quantize import quantize_checkpoint
+
+    base = gen_json(tiny_ckpt, "-p", "It", "-n", "5", "-t", "0")
+    bare = gen_json(tiny_ckpt / "model.safetensors", "-p", "It", "-n", "5", "-t", "0")
+    assert bare["tokens"] == base["tokens"]
+    quantize_checkpoint(tiny_ckpt, tmp_path / "f16", dtype="f16", saturate=False, dry_run=False)
+    f16 = gen_json(tmp_path / "f16", "-p", "It", "-n", "5", "-t", "0")
+    assert len(f16["tokens"]) == 5
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--temperature", "-1"), "--temperature"),
+    (("--top-p", "0"), "--top-p"),
+    (("--max-new-tokens", "0"), "--max-new-tokens"),
+    (("--stop", ""), "--stop"),
+])
+def test_bad_options_exit_2(tiny_ckpt_ro, args, needle):
+    r = run("generate", tiny_ckpt_ro, "-p", "x", *args)
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, needle)
+    assert r.stdout == ""
+
+
+def test_bad_inputs_exit_2(tiny_ckpt_ro, tmp_path):
+    r = run("generate", tiny_ckpt_ro, "--prompt", "")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "empty")
+    r = run("generate", tmp_path / "nowhere", "--prompt", "x")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "nowhere")
+    small = make_checkpoint(tmp_path / "v64", {"vocab_size": 64})
+    r = run("generate", small, "--prompt", "~")  # byte 126 >= 64
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "vocabulary")
+
+
+def test_process_exit_codes_and_stdout(tiny_ckpt_ro):
+    r = run_proc("generate", tiny_ckpt_ro, "--prompt", "-", "-n", "4", "--json", input="It was")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prompt_tokens"] == 6
+    assert "Traceback" not in r.stderr
+    r = run_proc("generate", tiny_ckpt_ro)           # --prompt is required
+    assert r.returncode == 2 and r.stdout == "" and "--prompt" in r.stderr
