@@ -1,7 +1,7 @@
 # The two commands of the README. Each installs what it needs on a fresh machine (the
 # Vulkan driver when there is no GPU adapter, and a project virtualenv in .venv, so the
 # system Python is never modified).
-#   make demo   tiny model, bundled text: init, train, adapt, quantize, eval
+#   make demo   tiny model, bundled text: init, train, adapt, quantize, eval, generate
 #   make test   the whole test suite (the oracle is transformers' MambaForCausalLM)
 #   make test-slow  the tests marked slow (minutes on a software adapter: real model sizes)
 VENV ?= .venv

@@ -229,7 +229,11 @@ class Decoder:
         E, Di, N, R, K, V = self.dims
         m, p = self.model, self.model.params
         L = int(ids.size)
-        ws = m.workspace(1, L)
+        try:
+            ws = m.workspace(1, L)
+        except MemengineError as e:  # its advice (--seq-len, --batch-size) is train's
+            raise MemengineError(f"the prompt ({L} tokens) is too long for this adapter: "
+                                 f"{str(e).split('; use')[0]}") from None
         m.write_batch(ws, ids.reshape(1, L))
         rec.clear(self.io)
         m.record_forward(rec, ws)

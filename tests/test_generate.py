@@ -313,6 +313,14 @@ def test_prompt_errors(rt):
         generate(ours, [1, 67], GenerateOptions(), decode=lambda x: "")
 
 
+def test_prompt_beyond_the_buffer_limit_is_a_clear_error(rt, monkeypatch):
+    ours = ours_of(rt, hf_model(CASES[1][1]))
+    monkeypatch.setattr(rt, "max_binding", 20000)     # the prompt's activations [L, 2Di] exceed it
+    with pytest.raises(MemengineError, match=r"prompt \(300 tokens\) is too long") as e:
+        generate(ours, np.arange(300) % 60, GenerateOptions(), decode=lambda x: "")
+    assert "--seq-len" not in str(e.value)
+
+
 def test_eos_of_tokenizers():
     cfg = MambaConfig.from_dict(dict(CASES[0][1], eos_token_id=7))
     assert eos_token_id(ByteTokenizer(), cfg) is None
