@@ -212,10 +212,13 @@ fn decode_matvec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 // lowest index of the largest logit (torch.argmax).  Sampling (HF's order: temperature, then
 // top-k, then top-p on what top-k kept): a token is kept when its logit is >= the k-th largest
 // (ties kept, as transformers' TopKLogitsWarper) and when the probability mass of the kept
-// tokens strictly more probable than it is < top_p (so the most probable token always stays);
-// the kept set's thresholds are found by bisection on the bit patterns, then one token is drawn
-// with the Gumbel-max trick, argmax(v + g), g = -log(-log(u)), u from a counter-based hash of
-// (seed, t, token id): reproducible for a seed on one adapter, independent of the workgroup.
+// tokens strictly more probable than it is < top_p (so the most probable token always stays).
+// Both sets are {key >= d} for a threshold d on the logits' order-preserving u32 keys, found
+// by a radix select 3 bits at a time (11 passes over the logits each); decisions are made on
+// the keys, never on a recomputed probability (two computations of one exp may differ in the
+// last bit).  Then one token is drawn with the Gumbel-max trick, argmax(v + g),
+// g = -log(-log(u)), u from a counter-based hash of (seed, t, token id): reproducible for a
+// seed on one adapter.
 struct SP { V: u32, mode: u32, top_k: u32, cap: u32, seed_lo: u32, seed_hi: u32, inv_temp: f32, top_p: f32,
             o_logits: u32, _p0: u32, _p1: u32, _p2: u32 }
 
@@ -225,6 +228,7 @@ struct SP { V: u32, mode: u32, top_k: u32, cap: u32, seed_lo: u32, seed_hi: u32,
 
 var<workgroup> rv: array<f32, 256>;
 var<workgroup> ri: array<u32, 256>;
+var<workgroup> hw: array<f32, 2304>;   // 9 rows x 256 threads: 8 radix bins and "above"
 
 fn pcg(v: u32) -> u32 {
     let s = v * 747796405u + 2891336453u;
@@ -246,7 +250,6 @@ fn logit(i: u32) -> f32 {
     return max(v, -3.0e38);           // above the empty slots' -3.4e38 of the reductions
 }
 
-// workgroup sums (u32 count / f32 mass), every thread gets the result
 fn wg_sum_f(v: f32, lid: u32) -> f32 {
     rv[lid] = v;
     workgroupBarrier();
@@ -255,18 +258,6 @@ fn wg_sum_f(v: f32, lid: u32) -> f32 {
         workgroupBarrier();
     }
     let r = rv[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn wg_sum_u(v: u32, lid: u32) -> u32 {
-    ri[lid] = v;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s = s >> 1u) {
-        if (lid < s) { ri[lid] = ri[lid] + ri[lid + s]; }
-        workgroupBarrier();
-    }
-    let r = ri[0];
     workgroupBarrier();
     return r;
 }
@@ -289,6 +280,51 @@ fn wg_argmax(v: f32, i: u32, lid: u32) -> u32 {
     return r;
 }
 
+// The largest key d with  sum of weight over tokens with key >= d (and key >= floor)  >= goal;
+// weight 1 (mass = false: a count) or exp((l - m) / T).  Bits 31..30, then 3 at a time.
+fn select_key(goal: f32, mass: bool, floor: u32, m: f32, lid: u32) -> u32 {
+    var d = 0u;
+    for (var step = 0u; step < 11u; step++) {
+        var shift = 30u;
+        var g = 2u;
+        if (step > 0u) { shift = 30u - 3u * step; g = 3u; }
+        let top = shift + g;                 // bits above the pass: fixed in d already
+        var hist: array<f32, 8>;
+        for (var b = 0u; b < 8u; b++) { hist[b] = 0.0; }
+        var above = 0.0;
+        for (var i = lid; i < S.V; i += 256u) {
+            let l = logit(i);
+            let k = okey(l);
+            if (k < floor) { continue; }
+            var w = 1.0;
+            if (mass) { w = exp((l - m) * S.inv_temp); }
+            var kh = 0u;
+            var dh = 0u;
+            if (top < 32u) { kh = k >> top; dh = d >> top; }
+            if (kh > dh) { above += w; } else if (kh == dh) { hist[(k >> shift) & ((1u << g) - 1u)] += w; }
+        }
+        for (var b = 0u; b < 8u; b++) { hw[b * 256u + lid] = hist[b]; }
+        hw[2048u + lid] = above;
+        workgroupBarrier();
+        for (var s = 128u; s > 0u; s = s >> 1u) {
+            if (lid < s) {
+                for (var b = 0u; b < 9u; b++) { hw[b * 256u + lid] = hw[b * 256u + lid] + hw[b * 256u + lid + s]; }
+            }
+            workgroupBarrier();
+        }
+        // the largest bin j whose suffix (bins >= j, plus everything above) reaches the goal
+        var acc = hw[2048u];
+        var pick = 0u;
+        for (var j = 1u << g; j > 0u; j--) {
+            acc += hw[(j - 1u) * 256u];
+            if (acc >= goal) { pick = j - 1u; break; }
+        }
+        d = d | (pick << shift);
+        workgroupBarrier();
+    }
+    return d;
+}
+
 @compute @workgroup_size(256)
 fn decode_sample(@builtin(local_invocation_index) lid: u32) {
     let t = u32(io[0]);
@@ -302,51 +338,29 @@ fn decode_sample(@builtin(local_invocation_index) lid: u32) {
     var tok = wg_argmax(bv, bi, lid);
     if (S.mode != 0u) {
         let m = logit(tok);
-        // top-k: the largest key x with count(key >= x) >= k is the k-th largest logit
         var kmin = 0u;
         if (S.top_k > 0u && S.top_k < S.V) {
-            for (var bit = 31i; bit >= 0i; bit--) {
-                let cand = kmin | (1u << u32(bit));
-                var c = 0u;
-                for (var i = lid; i < S.V; i += 256u) { if (okey(logit(i)) >= cand) { c += 1u; } }
-                if (wg_sum_u(c, lid) >= S.top_k) { kmin = cand; }
-            }
+            kmin = select_key(f32(S.top_k), false, 0u, m, lid);
         }
-        // top-p on w = exp((l - max) / T) over the top-k set: the largest logit key x whose
-        // strictly larger kept mass is >= top_p * Z; kept are the logits with keys > x.  (The
-        // decision is on the logits' keys, never on a recomputed w: two computations of the
-        // same exp may differ in the last bit.)
-        var pmax = 0u;
-        let has_p = S.top_p < 1.0;
-        if (has_p) {
+        var pmin = 0u;
+        if (S.top_p < 1.0) {
             var z = 0.0;
             for (var i = lid; i < S.V; i += 256u) {
                 let l = logit(i);
                 if (okey(l) >= kmin) { z += exp((l - m) * S.inv_temp); }
             }
-            let goal = S.top_p * wg_sum_f(z, lid);
-            for (var bit = 31i; bit >= 0i; bit--) {
-                let cand = pmax | (1u << u32(bit));
-                var mass = 0.0;
-                for (var i = lid; i < S.V; i += 256u) {
-                    let l = logit(i);
-                    let k = okey(l);
-                    if (k >= kmin && k > cand) { mass += exp((l - m) * S.inv_temp); }
-                }
-                if (!(wg_sum_f(mass, lid) < goal)) { pmax = cand; }
-            }
+            pmin = select_key(S.top_p * wg_sum_f(z, lid), true, kmin, m, lid);
         }
+        let keep = max(kmin, pmin);
         let key = pcg(S.seed_hi ^ pcg(S.seed_lo ^ pcg(t)));
         var gv = -3.4e38;
         var gi = 0xffffffffu;
         for (var i = lid; i < S.V; i += 256u) {
             let l = logit(i);
-            let v = (l - m) * S.inv_temp;
-            let k = okey(l);
-            if (k < kmin || (has_p && k <= pmax)) { continue; }
+            if (okey(l) < keep) { continue; }
             let h = pcg(key ^ pcg(i));
             let u = (f32(h >> 8u) + 0.5) * (1.0 / 16777216.0);
-            let g = v - log(-log(u));
+            let g = (l - m) * S.inv_temp - log(-log(u));
             if (g > gv || gi == 0xffffffffu) { gv = g; gi = i; }
         }
         tok = wg_argmax(gv, gi, lid);
@@ -357,4 +371,3 @@ fn decode_sample(@builtin(local_invocation_index) lid: u32) {
         io[0] = i32(t + 1u);
     }
 }
-
