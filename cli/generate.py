@@ -8,7 +8,6 @@ by a newline; tokens/s, time to the first token and the stop reason go to stderr
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -19,7 +18,9 @@ from .common import (
     CkptArg,
     DeviceOpt,
     JsonOpt,
+    ModelTypeOpt,
     QuietOpt,
+    RevisionOpt,
     TokenizerOpt,
     VerboseOpt,
     check_interrupt,
@@ -28,6 +29,7 @@ from .common import (
     load_ckpt,
     load_tok,
     make_runtime,
+    resolve_ckpt,
 )
 from .ui import UI
 
@@ -57,6 +59,8 @@ def generate_command(
     seed: Annotated[int, typer.Option("--seed", rich_help_panel=_PANEL, help=_H("seed"))] = _D("seed"),
     stop: Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT", rich_help_panel=_PANEL, show_default=False,
                                                       help=_H("stop"))] = None,
+    revision: RevisionOpt = None,
+    model_type: ModelTypeOpt = None,
     json_out: JsonOpt = False,
     device: DeviceOpt = None,
     tokenizer: TokenizerOpt = None,
@@ -71,17 +75,17 @@ def generate_command(
     with guard(ui):
         opts = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                seed=seed, stop=tuple(stop or ()))
-        do_generate(ui, ckpt, prompt, opts, device, tokenizer, verbose)
+        do_generate(ui, resolve_ckpt(ckpt, revision, model_type), prompt, opts, device, tokenizer, verbose)
 
 
-def do_generate(ui: UI, ckpt_path: Path, prompt: str, opts: GenerateOptions, device: Optional[str],
+def do_generate(ui: UI, ckpt_path, prompt: str, opts: GenerateOptions, device: Optional[str],
                 tokenizer: Optional[str], verbose: bool, stream: bool = True):
     """Load, generate, render.  stream=False: nothing on stdout, no summary line (the demo)."""
     from memengine.engine.generate import generate_text, read_prompt
     from memengine.engine.model import MambaModel
 
     text = read_prompt(prompt)
-    c = load_ckpt(ckpt_path)
+    c = load_ckpt(ckpt_path, ui)
     tok = load_tok(ckpt_path, tokenizer, c)
     rt = make_runtime(device, verbose, ui)
     model = MambaModel.from_checkpoint(rt, c)
@@ -93,7 +97,7 @@ def do_generate(ui: UI, ckpt_path: Path, prompt: str, opts: GenerateOptions, dev
         out.flush()
 
     with deferred_interrupts():
-        res = generate_text(model, tok, text, opts, on_text=on_text if show else None,
+        res = generate_text(model, tok, text, opts, checkpoint_dir=c.directory, on_text=on_text if show else None,
                             on_token=lambda _tok: check_interrupt())
     if show:
         out.write("\n")

@@ -20,9 +20,11 @@ with each id); it never prints.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 
@@ -111,16 +113,24 @@ class GenerateResult:
                 "elapsed_s": self.elapsed_s}
 
 
-def eos_token_id(tokenizer, config) -> int | None:
-    """The id that ends a text: the checkpoint's `eos_token_id` (what transformers' generate
-    uses) with a tokenizer.json; none with the built-in byte-level tokenizer, whose 256 ids
-    are all text (the config's default eos id 0 is the NUL byte there)."""
+def eos_token_ids(tokenizer, config, checkpoint_dir=None) -> frozenset:
+    """The ids that end a text, as transformers' generate takes them: generation_config.json's
+    `eos_token_id` (an id or a list) beside the checkpoint, else config.json's; none with the
+    built-in byte-level tokenizer, whose 256 ids are all text (the config's default eos id 0
+    is the NUL byte there).  Ids outside the vocabulary are ignored."""
     if getattr(tokenizer, "name", "") == "bytes":
-        return None
+        return frozenset()
     eos = getattr(config, "eos_token_id", None)
-    if eos is None or not (0 <= int(eos) < config.vocab_size):
-        return None
-    return int(eos)
+    if checkpoint_dir is not None:
+        gc = Path(checkpoint_dir) / "generation_config.json"
+        if gc.is_file():
+            try:
+                eos = json.loads(gc.read_text(encoding="utf-8")).get("eos_token_id", eos)
+            except (OSError, ValueError, AttributeError):
+                pass  # an unreadable side file: the config's id stands
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    return frozenset(int(i) for i in ids
+                     if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size)
 
 
 # ---------------------------------------------------------------------------- GPU side
@@ -182,6 +192,13 @@ class Decoder:
             e((2 + self.capacity,), "i32", "dec.io")]
         (self.h, self.un, self.rstd, self.xz, self.xc, self.xdbl, self.y, self.hf, self.rstd_f, self.logits,
          self.io) = self._tensors
+        if c.is_falcon:  # falcon_mamba: dt_low, B, C each through a weightless RMS norm
+            self.xdbl_n = e((R + 2 * N,), name="dec.xdbl_n")
+            self.mixer_rstd = e((3,), name="dec.mixer_rstd")
+            self.ones = rt.upload(np.ones(max(R, N), np.float32), name="dec.ones")
+            self._tensors += [self.xdbl_n, self.mixer_rstd, self.ones]
+        else:
+            self.xdbl_n = self.xdbl
         nl = c.num_hidden_layers
         self.conv = [e((max(K - 1, 1), Di), name=f"dec.conv{i}") for i in range(nl)]
         self.ssm = [e((Di, N), name=f"dec.ssm{i}") for i in range(nl)]
@@ -217,7 +234,11 @@ class Decoder:
             matvec(rec, self.xz, lp.in_proj_weight, self.un, lp.in_proj_bias, rows=2 * Di, K=E)
             conv_step(rec, self.xc, self.conv[i], self.xz, lp.conv1d_weight, lp.conv1d_bias, Di=Di, K=K)
             matvec(rec, self.xdbl, lp.x_proj_weight, self.xc, rows=R + 2 * N, K=Di)
-            ssm_step(rec, self.y, self.ssm[i], self.xc, self.xdbl, self.xz, lp.dt_proj_weight, self.consts[i],
+            if c.is_falcon:
+                for j, (col, w) in enumerate(((0, R), (R, N), (R + N, N))):
+                    rmsnorm_forward(rec, self.xdbl_n, self.mixer_rstd.view((1,), j), self.xdbl,
+                                    self.ones.view((w,)), c.mixer_rms_eps, col=col, ld=R + 2 * N)
+            ssm_step(rec, self.y, self.ssm[i], self.xc, self.xdbl_n, self.xz, lp.dt_proj_weight, self.consts[i],
                      Di=Di, N=N, R=R)
             matvec(rec, self.h, lp.out_proj_weight, self.y, lp.out_proj_bias, rows=E, K=Di, acc=True)
         rmsnorm_forward(rec, self.hf, self.rstd_f, self.h, p.norm_f, eps)
@@ -240,7 +261,7 @@ class Decoder:
         for i, lp in enumerate(p.layers):
             pack_layer_constants(rec, self.consts[i], lp.A_log, lp.dt_proj_bias, lp.D, Di=Di, N=N)
             conv_prefill(rec, self.conv[i], ws.xz[i], L=L, Di=Di, K=K)
-            ssm_prefill(rec, self.ssm[i], ws.states[i], ws.xc[i], ws.delta[i], ws.xdbl[i], self.consts[i],
+            ssm_prefill(rec, self.ssm[i], ws.states[i], ws.xc[i], ws.delta[i], ws.xdbl_n[i], self.consts[i],
                         L=L, Di=Di, N=N, R=R)
         matvec(rec, self.logits, self._head(), ws.hf.view((E,), (L - 1) * E), rows=V, K=E)
         if sampling is not None:
@@ -389,7 +410,7 @@ def read_prompt(value: str, stdin=None) -> str:
     return text[1:] if text.startswith("\ufeff") else text
 
 
-def generate_text(model, tokenizer, text: str, opts: GenerateOptions, *, on_text=None,
+def generate_text(model, tokenizer, text: str, opts: GenerateOptions, *, checkpoint_dir=None, on_text=None,
                   on_token=None) -> GenerateResult:
     """What `memengine generate` does once the model is on the GPU: tokenize the prompt as
     eval tokenizes data (no special tokens), generate, stop at the tokenizer's EOS id."""
@@ -399,18 +420,20 @@ def generate_text(model, tokenizer, text: str, opts: GenerateOptions, *, on_text
     if ids.size == 0:
         raise MemengineError("--prompt: empty; at least one token is needed")
     check_vocab(ids, model.cfg.vocab_size, "--prompt")
-    return generate(model, ids, opts, decode=tokenizer.decode, eos_id=eos_token_id(tokenizer, model.cfg),
+    return generate(model, ids, opts, decode=tokenizer.decode,
+                    eos_id=eos_token_ids(tokenizer, model.cfg, checkpoint_dir),
                     on_text=on_text, on_token=on_token)
 
 
-def generate(model, prompt_ids, opts: GenerateOptions, *, decode, eos_id: int | None = None,
+def generate(model, prompt_ids, opts: GenerateOptions, *, decode, eos_id=None,
              on_text=None, on_token=None, decoder: Decoder | None = None) -> GenerateResult:
     """Continue `prompt_ids` (a 1-D sequence of ids) with up to opts.max_new_tokens tokens.
 
     `decode(ids) -> str` is the tokenizer's decode.  Stops at max_new_tokens ("length"), at
-    `eos_id` ("eos"), or when the text contains one of opts.stop ("stop").  `on_text(str)`
-    receives the text as it becomes final; `on_token(id)` every new id.  A `decoder` made for
-    this model (capacity >= max_new_tokens) may be passed to reuse its buffers."""
+    `eos_id` (an id or a collection of ids: "eos"), or when the text contains one of
+    opts.stop ("stop").  `on_text(str)` receives the text as it becomes final; `on_token(id)`
+    every new id.  A `decoder` made for this model (capacity >= max_new_tokens) may be passed
+    to reuse its buffers."""
     opts.validate()
     ids = np.asarray(prompt_ids).reshape(-1)
     own = decoder is None
@@ -419,6 +442,7 @@ def generate(model, prompt_ids, opts: GenerateOptions, *, decode, eos_id: int | 
         raise ValueError("decoder capacity is below max_new_tokens")
     sampling = dict(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
                     seed=int(opts.seed))
+    eos = frozenset() if eos_id is None else frozenset([eos_id] if isinstance(eos_id, (int, np.integer)) else eos_id)
     stream = _TextStream(decode, opts.stop)
     tokens: list = []
     reason = [STOP_LENGTH]
@@ -427,7 +451,7 @@ def generate(model, prompt_ids, opts: GenerateOptions, *, decode, eos_id: int | 
         tokens.append(tok)
         if on_token is not None:
             on_token(tok)
-        if eos_id is not None and tok == eos_id:
+        if tok in eos:
             reason[0] = STOP_EOS
             return True
         piece = stream.push(tok)

@@ -110,3 +110,24 @@ def test_process_exit_codes_and_stdout(tiny_ckpt_ro):
     assert "Traceback" not in r.stderr
     r = run_proc("generate", tiny_ckpt_ro)           # --prompt is required
     assert r.returncode == 2 and r.stdout == "" and "--prompt" in r.stderr
+
+
+def test_falcon_mamba_shards_saved_by_transformers(tmp_path):
+    """A FalconMamba checkpoint written by transformers' save_pretrained in shards goes through
+    the shared loader: greedy tokens equal transformers' generate on it."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.FalconMambaConfig(vocab_size=256, hidden_size=16, state_size=4, num_hidden_layers=2,
+                                         conv_kernel=3, mixer_rms_eps=0.02, tie_word_embeddings=False)
+    m = transformers.FalconMambaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.15 * torch.randn_like(p))
+    m.save_pretrained(tmp_path / "falcon", max_shard_size="20KB")
+    assert (tmp_path / "falcon" / "model.safetensors.index.json").is_file()
+    prompt = "It was the"
+    ids = torch.tensor([list(prompt.encode())])
+    want = m.double().generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:]
+    out = gen_json(tmp_path / "falcon", "-p", prompt, "-n", "12", "-t", "0")
+    assert out["tokens"] == want.tolist()

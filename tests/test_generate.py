@@ -29,7 +29,7 @@ from memengine.engine.generate import (  # noqa: E402
     Decoder,
     GenerateOptions,
     _TextStream,
-    eos_token_id,
+    eos_token_ids,
     generate,
 )
 from memengine.engine.model import MambaModel  # noqa: E402
@@ -45,15 +45,23 @@ CASES = [
                          time_step_rank=3)),
     ("untied-both-biases-k2", dict(vocab_size=131, hidden_size=24, state_size=16, num_hidden_layers=1, expand=3,
                                    conv_kernel=2, use_bias=True, use_conv_bias=True, tie_word_embeddings=False)),
+    ("falcon-untied-eps", dict(vocab_size=67, hidden_size=16, state_size=3, num_hidden_layers=2, expand=2,
+                               conv_kernel=4, use_bias=True, use_conv_bias=True, tie_word_embeddings=False,
+                               time_step_rank=3, mixer_rms_eps=0.05)),
 ]
+STEP_CASES = [CASES[0], CASES[1], CASES[3]]
 
 
 def hf_model(kwargs, seed=0):
-    """A transformers model whose weights are perturbed away from the symmetric init, so
-    that greedy text is varied (the plain init repeats one token)."""
+    """A transformers model (FalconMambaForCausalLM when the config has mixer_rms_eps) whose
+    weights are perturbed away from the symmetric init, so that greedy text is varied (the
+    plain init repeats one token)."""
     torch.manual_seed(seed)
-    cfg = transformers.MambaConfig(**kwargs)
-    m = transformers.MambaForCausalLM(cfg).double().eval()
+    if "mixer_rms_eps" in kwargs:
+        m = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**kwargs))
+    else:
+        m = transformers.MambaForCausalLM(transformers.MambaConfig(**kwargs))
+    m = m.double().eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
             p.add_(0.15 * torch.randn_like(p))
@@ -66,7 +74,9 @@ def ours_of(rt, m) -> MambaModel:
     sd = {k: v.detach().to(torch.float32).numpy().copy() for k, v in m.state_dict().items()}
     if m.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-    return MambaModel(rt, MambaConfig.from_dict(m.config.to_dict()), sd)
+    cfg = MambaConfig.from_dict(m.config.to_dict())
+    assert cfg.is_falcon == (m.config.model_type == "falcon_mamba")
+    return MambaModel(rt, cfg, sd)
 
 
 def rel(a, b) -> float:
@@ -76,7 +86,7 @@ def rel(a, b) -> float:
 
 # ----------------------------------------------------------------------------- step vs sequence
 @pytest.mark.parametrize("chunked", [False, True], ids=["serial-scan", "chunked-scan"])
-@pytest.mark.parametrize("name,kw", CASES[:2], ids=[c[0] for c in CASES[:2]])
+@pytest.mark.parametrize("name,kw", STEP_CASES, ids=[c[0] for c in STEP_CASES])
 def test_step_logits_equal_sequence_logits(rt, monkeypatch, name, kw, chunked):
     """Prompt of p tokens, then the rest fed one token at a time through the step kernels:
     the logits after every position equal the sequence pass over all of it (ours and
@@ -321,11 +331,25 @@ def test_prompt_beyond_the_buffer_limit_is_a_clear_error(rt, monkeypatch):
     assert "--seq-len" not in str(e.value)
 
 
-def test_eos_of_tokenizers():
+def test_eos_ids_of_tokenizers_and_generation_config(tmp_path):
     cfg = MambaConfig.from_dict(dict(CASES[0][1], eos_token_id=7))
-    assert eos_token_id(ByteTokenizer(), cfg) is None
+    assert eos_token_ids(ByteTokenizer(), cfg) == frozenset()
 
     class Named:
         name = "tokenizer.json"
 
-    assert eos_token_id(Named(), cfg) == 7
+    assert eos_token_ids(Named(), cfg) == {7}
+    assert eos_token_ids(Named(), cfg, tmp_path) == {7}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 9, 100000]}')
+    assert eos_token_ids(Named(), cfg, tmp_path) == {2, 9}     # beyond the vocabulary: ignored
+
+
+def test_any_of_several_eos_ids_stops(rt):
+    m = hf_model(CASES[1][1], seed=2)
+    ours = ours_of(rt, m)
+    greedy = GenerateOptions(max_new_tokens=12, temperature=0)
+    full = generate(ours, [5, 6, 7], greedy, decode=lambda x: "").tokens
+    k = next(i for i in range(2, 12) if full[i] not in full[:i])
+    other = next(i for i in range(67) if i not in full)
+    r = generate(ours, [5, 6, 7], greedy, decode=lambda x: "", eos_id={other, full[k]})
+    assert r.stop == "eos" and r.tokens == full[:k + 1]
