@@ -149,7 +149,7 @@ def _first_divergence(a, b):
 def test_greedy_equals_transformers_generate(rt, name, kw):
     m = hf_model(kw, seed=4)
     ours = ours_of(rt, m)
-    n_new = 40
+    n_new = 30
     rng = np.random.default_rng(7)
     for p in (1, 9, 70):
         prompt = rng.integers(0, kw["vocab_size"], p).astype(np.int32)
@@ -230,7 +230,7 @@ def test_sampler_draws_from_the_warped_distribution(rt, T, top_k, top_p):
     V = 41
     logits = rng.standard_normal(V) * 1.5
     logits[[3, 17]] = logits.max() + 0.5                  # a tie at the top
-    n = 3000
+    n = 2000
     draws = _draw(rt, logits, n, temperature=T, top_k=top_k, top_p=top_p, seed=11)
     p = _kept_reference(logits, T, top_k, top_p)
     freq = np.bincount(draws, minlength=V) / n
