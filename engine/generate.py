@@ -174,22 +174,21 @@ class _Program(Recorder):
 
 
 class Decoder:
-    """Recurrent decoding state and buffers for one model, batch 1, made once.
+    """Recurrent decoding state and buffers for one model, batch 1, made once."""
 
-    `capacity` bounds how many tokens one `run` may sample."""
+    RING = 4  # token slots the sampler writes in turn (the host reads one step behind)
 
-    def __init__(self, model, capacity: int):
+    def __init__(self, model):
         rt, c = model.rt, model.cfg
         self.model, self.rt, self.cfg = model, rt, c
         E, Di, N, R, K, V = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.conv_kernel, c.vocab_size
         self.dims = (E, Di, N, R, K, V)
-        self.capacity = int(capacity)
         e = rt.empty
         self._tensors = [
             e((E,), name="dec.h"), e((E,), name="dec.un"), e((1,), name="dec.rstd"), e((2 * Di,), name="dec.xz"),
             e((Di,), name="dec.xc"), e((R + 2 * N,), name="dec.xdbl"), e((Di,), name="dec.y"),
             e((E,), name="dec.hf"), e((1,), name="dec.rstd_f"), e((V,), name="dec.logits"),
-            e((2 + self.capacity,), "i32", "dec.io")]
+            e((2 + self.RING,), "i32", "dec.io")]
         (self.h, self.un, self.rstd, self.xz, self.xc, self.xdbl, self.y, self.hf, self.rstd_f, self.logits,
          self.io) = self._tensors
         if c.is_falcon:  # falcon_mamba: dt_low, B, C each through a weightless RMS norm
@@ -311,7 +310,8 @@ class Decoder:
         self.rt.device.queue.submit([enc.finish()])
 
     def _fetch(self, encoder, t: int) -> None:
-        encoder.copy_buffer_to_buffer(self.io.buffer, self.io.offset + 4 * (2 + t), self._readback[t % 2], 0, 4)
+        slot = 2 + t % self.RING
+        encoder.copy_buffer_to_buffer(self.io.buffer, self.io.offset + 4 * slot, self._readback[t % 2], 0, 4)
 
     def _read(self, t: int) -> int:
         buf = self._readback[t % 2]
@@ -325,7 +325,7 @@ class Decoder:
         """Prompt, then up to n_max tokens; `on_token(t, id)` gets each on the host in order
         and returns True to stop.  Returns (time to the first token, time after it)."""
         ids = self._check_ids(ids)
-        n_max = min(int(n_max), self.capacity)
+        n_max = int(n_max)
         prog = self._program(sampling)
         t0 = time.perf_counter()
         rec = self.rt.recorder()
@@ -432,14 +432,11 @@ def generate(model, prompt_ids, opts: GenerateOptions, *, decode, eos_id=None,
     `decode(ids) -> str` is the tokenizer's decode.  Stops at max_new_tokens ("length"), at
     `eos_id` (an id or a collection of ids: "eos"), or when the text contains one of
     opts.stop ("stop").  `on_text(str)` receives the text as it becomes final; `on_token(id)`
-    every new id.  A `decoder` made for this model (capacity >= max_new_tokens) may be passed
-    to reuse its buffers."""
+    every new id.  A `decoder` made for this model may be passed to reuse its buffers."""
     opts.validate()
     ids = np.asarray(prompt_ids).reshape(-1)
     own = decoder is None
-    dec = decoder if decoder is not None else Decoder(model, opts.max_new_tokens)
-    if dec.capacity < opts.max_new_tokens:
-        raise ValueError("decoder capacity is below max_new_tokens")
+    dec = decoder if decoder is not None else Decoder(model)
     sampling = dict(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
                     seed=int(opts.seed))
     eos = frozenset() if eos_id is None else frozenset([eos_id] if isinstance(eos_id, (int, np.integer)) else eos_id)

@@ -208,7 +208,7 @@ fn decode_matvec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 
 // ---------------------------------------------------------------- sampler
 // One workgroup. io (i32): io[0] = tokens sampled so far t, io[1] = the current token (what the
-// next step embeds), io[2 + t] = token t (the history the host reads back).  Greedy: the
+// next step embeds), io[2 + t % cap] = token t (a ring the host reads back from).  Greedy: the
 // lowest index of the largest logit (torch.argmax).  Sampling (HF's order: temperature, then
 // top-k, then top-p on what top-k kept): a token is kept when its logit is >= the k-th largest
 // (ties kept, as transformers' TopKLogitsWarper) and when the probability mass of the kept
@@ -367,7 +367,7 @@ fn decode_sample(@builtin(local_invocation_index) lid: u32) {
     }
     if (lid == 0u) {
         io[1] = i32(tok);
-        if (t < S.cap) { io[2u + t] = i32(tok); }
+        io[2u + t % S.cap] = i32(tok);
         io[0] = i32(t + 1u);
     }
 }

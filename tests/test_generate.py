@@ -100,7 +100,7 @@ def test_step_logits_equal_sequence_logits(rt, monkeypatch, name, kw, chunked):
     ref = m(input_ids=torch.tensor(ids[None], dtype=torch.long)).logits[0].detach().numpy()
     seq = ours.logits(ids[None])[0]
     assert rel(seq, ref) < 1e-5
-    dec = Decoder(ours, 1)
+    dec = Decoder(ours)
     prefixes = [1, 2, scan_mod.CHUNK - 1, scan_mod.CHUNK, scan_mod.CHUNK + 1] if not chunked else [1, scan_mod.CHUNK + 1]
     worst = 0.0
     for p in prefixes:
@@ -178,7 +178,7 @@ def test_generate_does_not_rerun_the_prompt(rt):
     """Each new token is one recorded step (same dispatch count whatever the prompt length)."""
     m = hf_model(CASES[1][1])
     ours = ours_of(rt, m)
-    dec = Decoder(ours, 4)
+    dec = Decoder(ours)
     counts = []
     for p in (3, 90):
         generate(ours, np.arange(p) % 60, GenerateOptions(max_new_tokens=4, temperature=0), decode=lambda x: "",

@@ -152,11 +152,11 @@ def sample(rec: Recorder, io: Tensor, logits: Tensor, *, V: int, temperature: fl
     """Pick the next token from logits [V] on the GPU (one workgroup).
 
     io (i32 [2 + cap]): io[0] = how many tokens were sampled so far (t, advanced here),
-    io[1] = the picked token (what the next step embeds), io[2 + t] = the picked token.
+    io[1] = the picked token (what the next step embeds), io[2 + t % cap] = the picked token.
     temperature 0 is greedy (lowest index of the largest logit); otherwise a draw from
     softmax(logits / temperature) restricted by top-k (0 = off) and top-p (1 = off), from
     a counter-based hash of (seed, t, token id)."""
-    assert logits.numel == V and io.dtype == "i32" and io.numel >= 2
+    assert logits.numel == V and io.dtype == "i32" and io.numel >= 3
     rt = rec.rt
     bl, ol = bound(rt, logits)
     assert io.offset % rt.storage_align == 0
