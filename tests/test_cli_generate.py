@@ -66,15 +66,16 @@ def test_seeded_sampling_and_stop(tiny_ckpt_ro):
     assert s["stop"] == "stop" and s["text"] == text[:text.find(stop)]
 
 
-def test_f16_and_bare_file_checkpoints(tiny_ckpt, tmp_path):
+def test_f16_bf16_and_bare_file_checkpoints(tiny_ckpt, tmp_path):
     from memengine.engine.quantize import quantize_checkpoint
 
     base = gen_json(tiny_ckpt, "-p", "It", "-n", "5", "-t", "0")
     bare = gen_json(tiny_ckpt / "model.safetensors", "-p", "It", "-n", "5", "-t", "0")
     assert bare["tokens"] == base["tokens"]
-    quantize_checkpoint(tiny_ckpt, tmp_path / "f16", dtype="f16", saturate=False, dry_run=False)
-    f16 = gen_json(tmp_path / "f16", "-p", "It", "-n", "5", "-t", "0")
-    assert len(f16["tokens"]) == 5
+    for dt in ("f16", "bf16"):
+        quantize_checkpoint(tiny_ckpt, tmp_path / dt, dtype=dt, saturate=False, dry_run=False)
+        out = gen_json(tmp_path / dt, "-p", "It", "-n", "5", "-t", "0")
+        assert len(out["tokens"]) == 5
 
 
 @pytest.mark.parametrize("args,needle", [
