@@ -129,6 +129,7 @@ def test_falcon_mamba_shards_saved_by_transformers(tmp_path):
     assert (tmp_path / "falcon" / "model.safetensors.index.json").is_file()
     prompt = "It was the"
     ids = torch.tensor([list(prompt.encode())])
-    want = m.double().generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:]
+    want = m.double().generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, ids.shape[1]:]
     out = gen_json(tmp_path / "falcon", "-p", prompt, "-n", "12", "-t", "0")
     assert out["tokens"] == want.tolist()

@@ -101,7 +101,8 @@ def test_step_logits_equal_sequence_logits(rt, monkeypatch, name, kw, chunked):
     seq = ours.logits(ids[None])[0]
     assert rel(seq, ref) < 1e-5
     dec = Decoder(ours)
-    prefixes = [1, 2, scan_mod.CHUNK - 1, scan_mod.CHUNK, scan_mod.CHUNK + 1] if not chunked else [1, scan_mod.CHUNK + 1]
+    C = scan_mod.CHUNK
+    prefixes = [1, 2, C - 1, C, C + 1] if not chunked else [1, C + 1]
     worst = 0.0
     for p in prefixes:
         got = [dec.prefill_logits(ids[:p])]
