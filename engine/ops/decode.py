@@ -73,7 +73,8 @@ def conv_step(rec: Recorder, xc: Tensor, conv_state: Tensor, xz: Tensor, weight:
     (bo, oo), (bs, os_), (bx, ox), (bw, ow) = (bound(rt, t) for t in (xc, conv_state, xz, weight))
     bb, ob = bound(rt, bias) if bias is not None else (bw, 0)
     u = rt.uniform(_dp(Di, 0, 0, K, 0, int(bias is not None), (oo, os_, ox, ow, ob)))
-    rec.dispatch(SHADER, "decode_conv_step", {0: bo, 1: bs, 4: bx, 5: bw, 10: bb, 7: u}, cdiv(Di, WG))
+    rec.dispatch(SHADER, "decode_conv_step", {0: bo, 1: bs, 4: bx, 5: bw, 10: bb, 7: u}, cdiv(Di, WG),
+                 {"CONV_K": K})
 
 
 def ssm_step(rec: Recorder, y: Tensor, ssm_state: Tensor, xc: Tensor, xdbl: Tensor, xz: Tensor,
