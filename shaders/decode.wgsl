@@ -233,6 +233,8 @@ struct SP { V: u32, mode: u32, top_k: u32, cap: u32, seed_lo: u32, seed_hi: u32,
 var<workgroup> rv: array<f32, 256>;
 var<workgroup> ri: array<u32, 256>;
 var<workgroup> hw: array<f32, 2304>;   // 9 rows x 256 threads: 8 radix bins and "above"
+var<workgroup> part: array<f32, 160>;
+var<workgroup> parti: array<u32, 16>;
 
 fn pcg(v: u32) -> u32 {
     let s = v * 747796405u + 2891336453u;
@@ -254,16 +256,36 @@ fn logit(i: u32) -> f32 {
     return max(v, -3.0e38);           // above the empty slots' -3.4e38 of the reductions
 }
 
-fn wg_sum_f(v: f32, lid: u32) -> f32 {
-    rv[lid] = v;
+// Sums of rows 0..nrows-1 (nrows <= 10) of hw ([row][256]) into hw[row * 256], in two
+// levels (16 partial sums of 16 per row, then the 16 partials): three barriers instead of a
+// tree's eight (barriers dominate a small vocabulary's sampling on a software adapter).
+fn wg_rows_sum(nrows: u32, lid: u32) {
     workgroupBarrier();
-    for (var s = 128u; s > 0u; s = s >> 1u) {
-        if (lid < s) { rv[lid] = rv[lid] + rv[lid + s]; }
-        workgroupBarrier();
+    if (lid < nrows * 16u) {
+        let base = (lid / 16u) * 256u + (lid % 16u) * 16u;
+        var s = 0.0;
+        for (var j = 0u; j < 16u; j++) { s += hw[base + j]; }
+        part[lid] = s;
     }
-    let r = rv[0];
+    workgroupBarrier();
+    if (lid < nrows) {
+        var s = 0.0;
+        for (var j = 0u; j < 16u; j++) { s += part[lid * 16u + j]; }
+        hw[lid * 256u] = s;
+    }
+    workgroupBarrier();
+}
+
+fn wg_sum_f(v: f32, lid: u32) -> f32 {
+    hw[lid] = v;
+    wg_rows_sum(1u, lid);
+    let r = hw[0];
     workgroupBarrier();
     return r;
+}
+
+fn better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
+    return v > bv || (v == bv && i < bi);
 }
 
 // argmax of (value, lowest index) across the workgroup; returns the index
@@ -271,14 +293,25 @@ fn wg_argmax(v: f32, i: u32, lid: u32) -> u32 {
     rv[lid] = v;
     ri[lid] = i;
     workgroupBarrier();
-    for (var s = 128u; s > 0u; s = s >> 1u) {
-        if (lid < s) {
-            let ov = rv[lid + s];
-            let oi = ri[lid + s];
-            if (ov > rv[lid] || (ov == rv[lid] && oi < ri[lid])) { rv[lid] = ov; ri[lid] = oi; }
+    if (lid < 16u) {
+        var bv = rv[lid * 16u];
+        var bi = ri[lid * 16u];
+        for (var j = 1u; j < 16u; j++) {
+            if (better(rv[lid * 16u + j], ri[lid * 16u + j], bv, bi)) { bv = rv[lid * 16u + j]; bi = ri[lid * 16u + j]; }
         }
-        workgroupBarrier();
+        part[lid] = bv;
+        parti[lid] = bi;
     }
+    workgroupBarrier();
+    if (lid == 0u) {
+        var bv = part[0];
+        var bi = parti[0];
+        for (var j = 1u; j < 16u; j++) {
+            if (better(part[j], parti[j], bv, bi)) { bv = part[j]; bi = parti[j]; }
+        }
+        ri[0] = bi;
+    }
+    workgroupBarrier();
     let r = ri[0];
     workgroupBarrier();
     return r;
@@ -309,13 +342,7 @@ fn select_key(goal: f32, mass: bool, floor: u32, m: f32, lid: u32) -> u32 {
         }
         for (var b = 0u; b < 8u; b++) { hw[b * 256u + lid] = hist[b]; }
         hw[2048u + lid] = above;
-        workgroupBarrier();
-        for (var s = 128u; s > 0u; s = s >> 1u) {
-            if (lid < s) {
-                for (var b = 0u; b < 9u; b++) { hw[b * 256u + lid] = hw[b * 256u + lid] + hw[b * 256u + lid + s]; }
-            }
-            workgroupBarrier();
-        }
+        wg_rows_sum(9u, lid);
         // the largest bin j whose suffix (bins >= j, plus everything above) reaches the goal
         var acc = hw[2048u];
         var pick = 0u;
