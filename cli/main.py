@@ -1,10 +1,10 @@
 """The `memengine` command line (Typer).
 
-Commands: init, info, eval, train, adapt, quantize, demo.  Human output goes to stderr
+Commands: init, info, eval, train, adapt, quantize, generate, demo.  Human output goes to stderr
 through `cli.ui.UI`; `--json` puts JSON lines (and nothing else) on stdout.  Exit status:
 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back, 130 interrupted.
 
-info, eval, train and adapt are built from the engine's option dataclasses (cli/params.py):
+info, eval, train, adapt and generate are built from the engine's option dataclasses (cli/params.py):
 each is a few lines that take the resolved options, call the engine and render.
 """
 
@@ -22,9 +22,10 @@ import typer
 
 from memengine.engine import staging
 from memengine.engine.errors import MemengineError
-from memengine.engine.options import AdaptOptions, EvalOptions, InfoOptions, TrainOptions
+from memengine.engine.options import AdaptOptions, EvalOptions, GenerateOptions, InfoOptions, TrainOptions
 from memengine.engine.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 
+from . import generate as gen
 from .common import EXIT_ROLLED_BACK, engine_version, guard
 from .params import JsonOpt, QuietOpt, VerboseOpt, param, run_command
 from .ui import UI
@@ -388,7 +389,12 @@ def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate:
     return summary
 
 
+# =========================================================================== generate
+run_command(app, GenerateOptions, gen.command, name="generate", help=gen.HELP, epilog=_examples(*gen.EXAMPLES))
+
+
 # =========================================================================== demo
+DEMO_PROMPT = "The lighthouse keeper"
 DEMO_SENTENCE = ("The lighthouse keeper of Mirrow Point counted seventeen ships at dawn, "
                  "and wrote each name in the blue ledger. ") * 4
 
@@ -413,7 +419,7 @@ def demo(
 ):
     """Run the whole pipeline on built-in defaults (about 1-3 minutes on a software GPU).
 
-    Initialises a tiny model, trains it on bundled public-domain text, adapts it to a new sentence (perplexity before and after), quantizes it to fp16 and evaluates the fp16 model.
+    Initialises a tiny model, trains it on bundled public-domain text, adapts it to a new sentence (perplexity before and after), quantizes it to fp16, evaluates the fp16 model, and generates a line from the trained and the adapted model side by side.
     """
     ui = UI(json_mode=False, quiet=quiet, verbose=verbose)
     with guard(ui):
@@ -450,14 +456,14 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         note = root / "new-sentence.txt"
         note.write_text(DEMO_SENTENCE, encoding="utf-8")
 
-        ui.step(f"1/5  init a '{config}' model -> {base}")
+        ui.step(f"1/6  init a '{config}' model -> {base}")
         do_init(ui, config, base, seed=0, force=True)
 
-        ui.step(f"2/5  train on {len(text):,} characters of the bundled text")
+        ui.step(f"2/6  train on {len(text):,} characters of the bundled text")
         _train(TrainOptions(ckpt=base, data=[str(sample)], output=trained, epochs=epochs, lr=lr,
                             batch_size=batch_size, seq_len=seq_len, device=device, force=True).validate(), ui)
 
-        ui.step("3/5  adapt (WSLA: x_proj only) on a new sentence")
+        ui.step("3/6  adapt (WSLA: x_proj only) on a new sentence")
         ui.note(f"  \"{DEMO_SENTENCE.split('. ')[0]}.\"")
         code = _adapt(AdaptOptions(ckpt=trained, data=[str(note)], output=adapted, lr=lr, batch_size=1,
                                    seq_len=seq_len, device=device, force=True).validate(), ui)
@@ -467,10 +473,10 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         final = trained
         if code == 0:
             final = adapted
-        ui.step(f"4/5  quantize the {final.name} model to fp16")
+        ui.step(f"4/6  quantize the {final.name} model to fp16")
         do_quantize(ui, final, f16, "f16", False, False, True)
 
-        ui.step("5/5  evaluate the fp16 model against the fp32 one")
+        ui.step("5/6  evaluate the fp16 model against the fp32 one")
         from memengine.engine.run import run_eval
 
         rows = []
@@ -482,6 +488,15 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
                 rows.append((label, what, float(r.loss), float(r.perplexity), int(r.tokens)))
         ui.table("fp32 vs fp16", ["model", "data", "loss", "perplexity", "tokens"], rows,
                  right=[False, False, True, True, True])
+
+        ui.step("6/6  generate a line from the trained and the adapted model (greedy, on the GPU)")
+        rows = []
+        for label, path in ((trained.name, trained), (adapted.name, adapted))[:2 if code == 0 else 1]:
+            res = gen.run(GenerateOptions(ckpt=path, prompt=DEMO_PROMPT, max_new_tokens=80, temperature=0,
+                                          stop=["\n"], device=device).validate(), ui, stream=False)
+            rows.append((label, DEMO_PROMPT + res.text, f"{res.tokens_per_s:,.0f}"))
+        ui.table(f"continuations of \"{DEMO_PROMPT}\"", ["model", "text", "tokens/s"], rows,
+                 right=[False, False, True])
         ui.note(f"demo finished in {time.perf_counter() - t0:.1f}s"
                 + ("" if cleanup else f"; checkpoints in {root}"))
     finally:

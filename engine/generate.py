@@ -21,9 +21,8 @@ with each id); it never prints.
 from __future__ import annotations
 
 import json
-import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,59 +32,9 @@ from .gpu import Recorder, Runtime, Tensor, grid
 from .ops.decode import conv_prefill, conv_step, matvec, pack_layer_constants, sample, ssm_prefill, ssm_step
 from .ops.embedding import embedding_forward
 from .ops.rmsnorm import rmsnorm_forward
+from .options import SamplingOptions
 
-STOP_LENGTH, STOP_EOS, STOP_TEXT = "length", "eos", "stop"
-
-
-def _opt(default, help_text: str):
-    return field(default=default, metadata={"help": help_text})
-
-
-@dataclass
-class GenerateOptions:
-    """What `memengine generate` does after the prompt (defaults and help live here only)."""
-
-    max_new_tokens: int = _opt(64, "Generate at most this many tokens.")
-    temperature: float = _opt(0.8, "Sampling temperature; 0 is greedy (always the most likely token).")
-    top_k: int = _opt(0, "Sample only among the K most likely tokens (0 = all).")
-    top_p: float = _opt(1.0, "Sample only among the most likely tokens whose probabilities add up to P (1 = all).")
-    seed: int = _opt(0, "Random seed of the sampler: the same seed gives the same text on the same adapter.")
-    stop: tuple = _opt((), "Stop when the text contains this string (not included in the output; repeatable).")
-
-    def __post_init__(self) -> None:
-        self.stop = tuple(self.stop or ())
-        self.validate()
-
-    @classmethod
-    def help(cls, name: str) -> str:
-        return next(f.metadata["help"] for f in fields(cls) if f.name == name)
-
-    @classmethod
-    def default(cls, name: str):
-        return next(f.default for f in fields(cls) if f.name == name)
-
-    def validate(self) -> None:
-        def bad(flag, why):
-            raise MemengineError(f"--{flag}: {why}")
-
-        if isinstance(self.max_new_tokens, bool) or int(self.max_new_tokens) != self.max_new_tokens \
-                or self.max_new_tokens < 1:
-            bad("max-new-tokens", f"must be a positive integer (got {self.max_new_tokens!r})")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            bad("temperature", f"must be >= 0 (got {self.temperature!r}); 0 is greedy")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            bad("top-k", f"must be an integer >= 0 (got {self.top_k!r}); 0 keeps every token")
-        if not (0 < self.top_p <= 1):
-            bad("top-p", f"must be in (0, 1] (got {self.top_p!r}); 1 keeps every token")
-        if int(self.seed) != self.seed or not (0 <= self.seed < 2 ** 64):
-            bad("seed", f"must be an integer in [0, 2^64) (got {self.seed!r})")
-        for s in self.stop:
-            if not isinstance(s, str) or s == "":
-                bad("stop", "must be a non-empty string")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+STOP_LENGTH, STOP_EOS, STOP_TEXT, STOP_INTERRUPTED = "length", "eos", "stop", "interrupted"
 
 
 @dataclass
@@ -93,7 +42,7 @@ class GenerateResult:
     prompt_tokens: int
     tokens: list           # new token ids (an EOS id that ended the text included)
     text: str              # their text (without the EOS token or the stop string and what follows it)
-    stop: str              # "length" | "eos" | "stop"
+    stop: str              # "length" | "eos" | "stop" | "interrupted" (Ctrl-C: the tokens so far)
     ttft_s: float          # prompt submitted -> first new token on the host
     decode_s: float        # first token -> last token on the host
     elapsed_s: float
@@ -410,7 +359,7 @@ def read_prompt(value: str, stdin=None) -> str:
     return text[1:] if text.startswith("\ufeff") else text
 
 
-def generate_text(model, tokenizer, text: str, opts: GenerateOptions, *, checkpoint_dir=None, on_text=None,
+def generate_text(model, tokenizer, text: str, opts: SamplingOptions, *, checkpoint_dir=None, on_text=None,
                   on_token=None) -> GenerateResult:
     """What `memengine generate` does once the model is on the GPU: tokenize the prompt as
     eval tokenizes data (no special tokens), generate, stop at the tokenizer's EOS id."""
@@ -425,14 +374,16 @@ def generate_text(model, tokenizer, text: str, opts: GenerateOptions, *, checkpo
                     on_text=on_text, on_token=on_token)
 
 
-def generate(model, prompt_ids, opts: GenerateOptions, *, decode, eos_id=None,
+def generate(model, prompt_ids, opts: SamplingOptions, *, decode, eos_id=None,
              on_text=None, on_token=None, decoder: Decoder | None = None) -> GenerateResult:
     """Continue `prompt_ids` (a 1-D sequence of ids) with up to opts.max_new_tokens tokens.
 
     `decode(ids) -> str` is the tokenizer's decode.  Stops at max_new_tokens ("length"), at
     `eos_id` (an id or a collection of ids: "eos"), or when the text contains one of
     opts.stop ("stop").  `on_text(str)` receives the text as it becomes final; `on_token(id)`
-    every new id.  A `decoder` made for this model may be passed to reuse its buffers."""
+    every new id, after its text went to `on_text`: a KeyboardInterrupt raised there (or
+    while the GPU works) ends the text there, "interrupted", with the tokens so far.  A
+    `decoder` made for this model may be passed to reuse its buffers."""
     opts.validate()
     ids = np.asarray(prompt_ids).reshape(-1)
     own = decoder is None
@@ -442,31 +393,37 @@ def generate(model, prompt_ids, opts: GenerateOptions, *, decode, eos_id=None,
     eos = frozenset() if eos_id is None else frozenset([eos_id] if isinstance(eos_id, (int, np.integer)) else eos_id)
     stream = _TextStream(decode, opts.stop)
     tokens: list = []
+    arrivals: list = []
     reason = [STOP_LENGTH]
 
     def on_tok(t: int, tok: int) -> bool:
         tokens.append(tok)
+        arrivals.append(time.perf_counter())
+        done = False
+        if tok in eos:
+            reason[0], done = STOP_EOS, True
+        else:
+            piece = stream.push(tok)
+            if piece and on_text is not None:
+                on_text(piece)
+            if stream.stopped:
+                reason[0], done = STOP_TEXT, True
         if on_token is not None:
             on_token(tok)
-        if tok in eos:
-            reason[0] = STOP_EOS
-            return True
-        piece = stream.push(tok)
-        if piece and on_text is not None:
-            on_text(piece)
-        if stream.stopped:
-            reason[0] = STOP_TEXT
-            return True
-        return False
+        return done
 
     t0 = time.perf_counter()
     try:
-        ttft, decode_s = dec.run(ids, opts.max_new_tokens, sampling, on_tok)
+        dec.run(ids, opts.max_new_tokens, sampling, on_tok)
+    except KeyboardInterrupt:
+        reason[0] = STOP_INTERRUPTED
     finally:
         if own:
             dec.close()
     rest = stream.finish()
     if rest and on_text is not None:
         on_text(rest)
+    ttft = arrivals[0] - t0 if arrivals else time.perf_counter() - t0
+    decode_s = arrivals[-1] - arrivals[0] if arrivals else 0.0
     return GenerateResult(prompt_tokens=int(ids.size), tokens=tokens, text=stream.text, stop=reason[0],
                           ttft_s=ttft, decode_s=decode_s, elapsed_s=time.perf_counter() - t0)

@@ -1,4 +1,4 @@
-"""The options of each run kind (info, eval, train, adapt): one dataclass each, the only place
+"""The options of each run kind (info, eval, train, adapt, generate): one dataclass each, the only place
 that says an option's default, help text, whether a --config file may set it, and what
 values it accepts.  The command line builds its flags from these fields (cli/params.py),
 so nothing here is repeated there.
@@ -30,6 +30,7 @@ EVALUATION = "Evaluation"
 CHECKPOINTS = "Checkpoints"
 RUNTIME = "Runtime"
 OUTPUT = "Output"
+GENERATION = "Generation"
 
 
 @dataclass(frozen=True)
@@ -393,6 +394,56 @@ class AdaptOptions(TrainOptions):
     rollback: bool = opt(True, flags=("--rollback/--no-rollback",),
                          help="Restore the input weights and write nothing when perplexity regressed "
                               "(--no-rollback keeps and writes the result anyway).")
+
+
+# ----------------------------------------------------------------------- generate
+@dataclass
+class SamplingOptions(Options):
+    """How a prompt is continued: the library's `generate` (engine/generate.py) takes these;
+    `memengine generate` adds its inputs (GenerateOptions)."""
+
+    KIND: ClassVar[str] = "sample"
+
+    max_new_tokens: int = opt(64, flags=("--max-new-tokens", "-n"), panel=GENERATION, check=at_least(1),
+                              help="Generate at most this many tokens.")
+    temperature: float = opt(0.8, flags=("--temperature", "-t"), panel=GENERATION, check=not_negative(),
+                             help="Sampling temperature; 0 is greedy (always the most likely token).")
+    top_k: int = opt(0, panel=GENERATION, check=at_least(0),
+                     help="Sample only among the K most likely tokens (0 = all).")
+    top_p: float = opt(1.0, panel=GENERATION, check=(lambda v: 0 < v <= 1, "must be in (0, 1]; 1 keeps every token"),
+                       help="Sample only among the most likely tokens whose probabilities add up to P (1 = all).")
+    seed: int = opt(0, panel=GENERATION, check=(lambda v: 0 <= v < 2 ** 64, "must be in [0, 2^64)"),
+                    help="Random seed of the sampler: the same seed gives the same text on the same adapter.")
+    stop: list = opt(factory=list, panel=GENERATION, metavar="TEXT", show_default=False,
+                     check=(lambda v: all(isinstance(s, str) and s for s in v), "must be a non-empty string"),
+                     help="Stop when the text contains this string (not included in the output; repeatable).")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerateOptions(SamplingOptions):
+    """`memengine generate`: a checkpoint, a prompt, and how to continue it."""
+
+    KIND: ClassVar[str] = "generate"
+
+    ckpt: Optional[str] = _ckpt()
+    prompt: Optional[str] = opt(None, flags=("--prompt", "-p"), panel=GENERATION, config=False, show_default=False,
+                                metavar="TEXT",
+                                help="The text to continue, or - to read it from stdin. It is tokenized as eval "
+                                     "tokenizes data (no special tokens added).")
+    revision: Optional[str] = _revision()
+    model_type: Optional[str] = _model_type()
+    device: Optional[str] = _device()
+    tokenizer: Optional[str] = _tokenizer()
+
+    def check_together(self) -> None:
+        if self.ckpt is None:
+            raise MemengineError("missing argument CKPT (a checkpoint directory or .safetensors file)")
+        if self.prompt is None:
+            raise MemengineError("--prompt is required (the text to continue, or - for stdin)")
 
 
 # ----------------------------------------------------------------------- --config

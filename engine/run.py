@@ -1,4 +1,4 @@
-"""Runs: `run_eval`, `run_train`, `run_adapt` take an options dataclass (engine/options.py)
+"""Runs: `run_eval`, `run_train`, `run_adapt`, `run_generate` take an options dataclass (engine/options.py)
 and a `Listener` (engine/listener.py), do the whole job and return a result; the command
 line only parses and renders.
 
@@ -24,7 +24,7 @@ from .data import make_batches, make_windows, read_sources, token_stream
 from .errors import Interrupted, MemengineError, NonFiniteError
 from .listener import Listener
 from .loop import LoopState, TrainingLoop, reads_apart
-from .options import AdaptOptions, EvalOptions, TrainOptions
+from .options import AdaptOptions, EvalOptions, GenerateOptions, TrainOptions
 from .resolve import public_path
 from .sampler import split_windows
 from .setup import open_checkpoint, open_model, open_runtime, open_tokenizer, resolve, tokenizer_file
@@ -88,6 +88,35 @@ def run_eval(o: EvalOptions, listener: Listener | None = None, *, verbose: bool 
         rep.compare, rep.other = str(o.compare), other
     rep.elapsed_s = time.perf_counter() - t0
     return rep
+
+
+# =========================================================================== generate
+def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbose: bool = False, on_text=None):
+    """Continue --prompt with the checkpoint (engine/generate.py); `on_text(str)` gets the
+    new text as it becomes final.  Ctrl-C ends the text where it is: the result says
+    "interrupted" and holds the tokens so far."""
+    from .generate import STOP_INTERRUPTED, generate_text, read_prompt
+    from .model import MambaModel
+
+    listener = listener or Listener()
+    o.validate()
+    ref = resolve(o.ckpt, o.revision, o.model_type)
+    text = read_prompt(o.prompt)
+    c = open_checkpoint(ref, listener.on_warning)
+    tok = open_tokenizer(c, o.tokenizer)
+    rt = open_runtime(o.device, verbose)
+    listener.on_adapter(rt.describe())
+    model = MambaModel.from_checkpoint(rt, c)
+    res = None
+    try:
+        with interrupts.deferred():
+            res = generate_text(model, tok, text, o, checkpoint_dir=c.directory, on_text=on_text,
+                                on_token=lambda _id: interrupts.check())
+    except KeyboardInterrupt:
+        if res is None:
+            raise
+        res.stop = STOP_INTERRUPTED  # the signal came after the last token
+    return res
 
 
 # =========================================================================== train / adapt

@@ -114,8 +114,9 @@ def test_process_exit_codes_and_stdout(tiny_ckpt_ro):
 
 
 def test_falcon_mamba_shards_saved_by_transformers(tmp_path):
-    """A FalconMamba checkpoint written by transformers' save_pretrained in shards goes through
-    the shared loader: greedy tokens equal transformers' generate on it."""
+    """A FalconMamba checkpoint written by transformers' save_pretrained in shards, or as a
+    bare file with --model-type, goes through the shared loader: greedy tokens equal
+    transformers' generate on it."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -133,3 +134,37 @@ def test_falcon_mamba_shards_saved_by_transformers(tmp_path):
                                pad_token_id=0)[0, ids.shape[1]:]
     out = gen_json(tmp_path / "falcon", "-p", prompt, "-n", "12", "-t", "0")
     assert out["tokens"] == want.tolist()
+    # the same weights as one bare file, whose model type only --model-type tells
+    m.save_pretrained(tmp_path / "one")
+    bare = tmp_path / "weights.safetensors"
+    (tmp_path / "one" / "model.safetensors").rename(bare)
+    out = gen_json(bare, "-p", prompt, "-n", "12", "-t", "0", "--model-type", "falcon_mamba")
+    assert out["tokens"] == want.tolist()
+
+
+def test_ctrl_c_stops_with_the_text_so_far(tiny_ckpt_ro):
+    """SIGINT while generating: exit 130, the JSON object holds the tokens generated so far
+    ("stop": "interrupted"), one error line says how many."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "MEMENGINE_DEBUG"}
+    p = subprocess.Popen([sys.executable, "-m", "memengine.cli.main", "generate", str(tiny_ckpt_ro), "-p", "It was",
+                          "-n", "100000000", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
+    try:
+        line = p.stderr.readline()          # "adapter: ...": the model is being put on the GPU
+        assert line.startswith("adapter:"), line
+        time.sleep(2.0)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    res = json.loads(out)
+    assert res["stop"] == "interrupted" and len(res["tokens"]) > 0
+    assert f"interrupted after {len(res['tokens'])} tokens" in err and "Traceback" not in err

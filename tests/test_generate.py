@@ -27,12 +27,12 @@ from memengine.engine.config import MambaConfig  # noqa: E402
 from memengine.engine.errors import MemengineError  # noqa: E402
 from memengine.engine.generate import (  # noqa: E402
     Decoder,
-    GenerateOptions,
     _TextStream,
     eos_token_ids,
     generate,
 )
 from memengine.engine.model import MambaModel  # noqa: E402
+from memengine.engine.options import GenerateOptions, SamplingOptions  # noqa: E402
 from memengine.engine.ops import scan as scan_mod  # noqa: E402
 from memengine.engine.ops.decode import matvec, sample  # noqa: E402
 from memengine.engine.tokenizer import ByteTokenizer  # noqa: E402
@@ -158,7 +158,7 @@ def test_greedy_equals_transformers_generate(rt, name, kw):
                          output_scores=True, return_dict_in_generate=True)
         want = out.sequences[0, p:].tolist()
         scores = torch.stack(out.scores)[:, 0].numpy()           # float64 logits of each step
-        res = generate(ours, prompt, GenerateOptions(max_new_tokens=n_new, temperature=0), decode=lambda x: "")
+        res = generate(ours, prompt, SamplingOptions(max_new_tokens=n_new, temperature=0), decode=lambda x: "")
         got = res.tokens
         assert len(got) == n_new and res.stop == "length"
         j = _first_divergence(got, want)
@@ -182,7 +182,7 @@ def test_generate_does_not_rerun_the_prompt(rt):
     dec = Decoder(ours)
     counts = []
     for p in (3, 90):
-        generate(ours, np.arange(p) % 60, GenerateOptions(max_new_tokens=4, temperature=0), decode=lambda x: "",
+        generate(ours, np.arange(p) % 60, SamplingOptions(max_new_tokens=4, temperature=0), decode=lambda x: "",
                  decoder=dec)
         counts.append(dec._step.dispatches)
     assert counts[0] == counts[1] == 1 + 6 * ours.cfg.num_hidden_layers + 3
@@ -255,7 +255,7 @@ def test_sampling_reproducible_with_seed(rt):
     prompt = np.arange(1, 12)
 
     def run(seed, **kw):
-        o = GenerateOptions(max_new_tokens=30, temperature=1.0, seed=seed, **kw)
+        o = SamplingOptions(max_new_tokens=30, temperature=1.0, seed=seed, **kw)
         return generate(ours, prompt, o, decode=lambda x: "").tokens
 
     a, b, c = run(5), run(5), run(6)
@@ -269,7 +269,7 @@ def test_stop_at_eos_length_and_string(rt):
     m = hf_model(CASES[0][1], seed=2)
     ours = ours_of(rt, m)
     prompt = np.array([72, 101, 108, 108, 111])
-    greedy = GenerateOptions(max_new_tokens=24, temperature=0)
+    greedy = SamplingOptions(max_new_tokens=24, temperature=0)
     full = generate(ours, prompt, greedy, decode=lambda x: "")
     assert full.stop == "length" and len(full.tokens) == 24
     # EOS: the first id that occurs for the first time at position >= 3
@@ -283,7 +283,7 @@ def test_stop_at_eos_length_and_string(rt):
     stop = tok.decode(full.tokens[k:k + 2])
     cut = text.find(stop)
     pieces = []
-    r = generate(ours, prompt, GenerateOptions(max_new_tokens=24, temperature=0, stop=("\x00never", stop)),
+    r = generate(ours, prompt, SamplingOptions(max_new_tokens=24, temperature=0, stop=["\x00never", stop]),
                  decode=tok.decode, on_text=pieces.append)
     assert r.stop == "stop"
     assert r.text == text[:cut] == "".join(pieces)
@@ -309,26 +309,33 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
 
 
 def test_options_are_validated():
-    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_k=-2), dict(top_p=0),
-                dict(top_p=1.5), dict(seed=-1), dict(stop=("",))):
-        with pytest.raises(MemengineError):
-            GenerateOptions(**bad)
+    for bad, flag in ((dict(max_new_tokens=0), "--max-new-tokens"), (dict(temperature=-1), "--temperature"),
+                      (dict(top_k=-2), "--top-k"), (dict(top_p=0), "--top-p"), (dict(top_p=1.5), "--top-p"),
+                      (dict(seed=-1), "--seed"), (dict(seed=2 ** 64), "--seed"), (dict(stop=[""]), "--stop"),
+                      (dict(temperature=float("nan")), "--temperature")):
+        with pytest.raises(MemengineError, match=flag):
+            SamplingOptions(**bad).validate()
+    SamplingOptions(temperature=0, top_k=5, top_p=1.0, seed=2 ** 64 - 1, stop=["x"]).validate()
+    with pytest.raises(MemengineError, match="CKPT"):
+        GenerateOptions(prompt="x").validate()
+    with pytest.raises(MemengineError, match="--prompt"):
+        GenerateOptions(ckpt="m").validate()
 
 
 def test_prompt_errors(rt):
     m = hf_model(CASES[1][1])
     ours = ours_of(rt, m)
     with pytest.raises(MemengineError, match="empty"):
-        generate(ours, [], GenerateOptions(), decode=lambda x: "")
+        generate(ours, [], SamplingOptions(), decode=lambda x: "")
     with pytest.raises(MemengineError, match="vocabulary"):
-        generate(ours, [1, 67], GenerateOptions(), decode=lambda x: "")
+        generate(ours, [1, 67], SamplingOptions(), decode=lambda x: "")
 
 
 def test_prompt_beyond_the_buffer_limit_is_a_clear_error(rt, monkeypatch):
     ours = ours_of(rt, hf_model(CASES[1][1]))
     monkeypatch.setattr(rt, "max_binding", 20000)     # the prompt's activations [L, 2Di] exceed it
     with pytest.raises(MemengineError, match=r"prompt \(300 tokens\) is too long") as e:
-        generate(ours, np.arange(300) % 60, GenerateOptions(), decode=lambda x: "")
+        generate(ours, np.arange(300) % 60, SamplingOptions(), decode=lambda x: "")
     assert "--seq-len" not in str(e.value)
 
 
@@ -348,9 +355,34 @@ def test_eos_ids_of_tokenizers_and_generation_config(tmp_path):
 def test_any_of_several_eos_ids_stops(rt):
     m = hf_model(CASES[1][1], seed=2)
     ours = ours_of(rt, m)
-    greedy = GenerateOptions(max_new_tokens=12, temperature=0)
+    greedy = SamplingOptions(max_new_tokens=12, temperature=0)
     full = generate(ours, [5, 6, 7], greedy, decode=lambda x: "").tokens
     k = next(i for i in range(2, 12) if full[i] not in full[:i])
     other = next(i for i in range(67) if i not in full)
     r = generate(ours, [5, 6, 7], greedy, decode=lambda x: "", eos_id={other, full[k]})
     assert r.stop == "eos" and r.tokens == full[:k + 1]
+
+
+def test_interrupt_keeps_the_tokens_so_far_and_the_decoder_usable(rt):
+    """A KeyboardInterrupt from on_token (what Ctrl-C raises at a token boundary) ends the
+    text there: "interrupted", the tokens and text so far; the decoder runs the next text
+    as a fresh one would."""
+    m = hf_model(CASES[1][1], seed=2)
+    ours = ours_of(rt, m)
+    greedy = SamplingOptions(max_new_tokens=12, temperature=0)
+    decode = ByteTokenizer().decode
+    full = generate(ours, [5, 6, 7], greedy, decode=decode)
+    dec = Decoder(ours)
+    seen, shown = [], []
+
+    def on_token(tok):
+        seen.append(tok)
+        if len(seen) == 5:
+            raise KeyboardInterrupt
+
+    r = generate(ours, [5, 6, 7], greedy, decode=decode, on_text=shown.append, on_token=on_token, decoder=dec)
+    assert r.stop == "interrupted" and r.tokens == full.tokens[:5] == seen
+    assert "".join(shown) == r.text == decode(full.tokens[:5])
+    again = generate(ours, [5, 6, 7], greedy, decode=decode, decoder=dec)
+    assert again.tokens == full.tokens and again.stop == "length"
+    dec.close()
