@@ -168,3 +168,16 @@ def test_ctrl_c_stops_with_the_text_so_far(tiny_ckpt_ro):
     res = json.loads(out)
     assert res["stop"] == "interrupted" and len(res["tokens"]) > 0
     assert f"interrupted after {len(res['tokens'])} tokens" in err and "Traceback" not in err
+
+
+def test_config_file_sets_options_and_flags_win(tiny_ckpt_ro, tmp_path):
+    cfg = tmp_path / "gen.yaml"
+    cfg.write_text("max-new-tokens: 3\ntemperature: 0\nstop: [\"\\u2603\"]\n")
+    a = gen_json(tiny_ckpt_ro, "-p", "It was", "--config", cfg)
+    b = gen_json(tiny_ckpt_ro, "-p", "It was", "--config", cfg, "-n", "5")
+    greedy = gen_json(tiny_ckpt_ro, "-p", "It was", "-n", "5", "-t", "0")
+    assert len(a["tokens"]) == 3 and b["tokens"] == greedy["tokens"]
+    cfg.write_text("prompt: It was\n")   # the prompt is an input, like CKPT
+    r = run("generate", tiny_ckpt_ro, "-p", "x", "--config", cfg)
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "unknown option 'prompt'")

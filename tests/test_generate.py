@@ -146,14 +146,12 @@ def _first_divergence(a, b):
     return None
 
 
-@pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
-def test_greedy_equals_transformers_generate(rt, name, kw):
-    m = hf_model(kw, seed=4)
-    ours = ours_of(rt, m)
-    n_new = 30
+def assert_greedy_matches(ours, m, name, vocab_size, prompt_lens=(1, 9, 70), n_new=30):
+    """Our greedy tokens equal transformers' `generate(do_sample=False)` on `m`, or first
+    differ where transformers' own top logits make our pick a near tie."""
     rng = np.random.default_rng(7)
-    for p in (1, 9, 70):
-        prompt = rng.integers(0, kw["vocab_size"], p).astype(np.int32)
+    for p in prompt_lens:
+        prompt = rng.integers(0, vocab_size, p).astype(np.int32)
         out = m.generate(torch.tensor(prompt[None], dtype=torch.long), max_new_tokens=n_new, do_sample=False,
                          output_scores=True, return_dict_in_generate=True)
         want = out.sequences[0, p:].tolist()
@@ -173,6 +171,27 @@ def test_greedy_equals_transformers_generate(rt, name, kw):
               f"logit gap {gap:.2e} (scale {scale:.2e})")
         assert gap <= 1e-5 * scale, f"not a near tie: {gap} at token {j}"
         assert j > 0 or p == 1
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
+def test_greedy_equals_transformers_generate(rt, name, kw):
+    m = hf_model(kw, seed=4)
+    assert_greedy_matches(ours_of(rt, m), m, name, kw["vocab_size"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_greedy_from_a_half_precision_checkpoint(rt, tmp_path, dtype):
+    """A checkpoint that transformers saved in f16 or bf16, read by the shared loader:
+    greedy tokens equal transformers' generate on the same (rounded) weights."""
+    from memengine.engine.checkpoint import load_checkpoint
+
+    name, kw = CASES[1]
+    m = hf_model(kw, seed=4).to(getattr(torch, dtype))
+    m.save_pretrained(tmp_path / dtype)
+    c = load_checkpoint(tmp_path / dtype)
+    assert {str(d) for d in c.dtypes.values()} == {"F16" if dtype == "float16" else "BF16"}
+    assert_greedy_matches(MambaModel.from_checkpoint(rt, c), m.double(), f"{name} {dtype}", kw["vocab_size"],
+                          prompt_lens=(9,))
 
 
 def test_generate_does_not_rerun_the_prompt(rt):
