@@ -85,14 +85,12 @@ def rel(a, b) -> float:
 
 
 # ----------------------------------------------------------------------------- step vs sequence
-@pytest.mark.parametrize("chunked", [False, True], ids=["serial-scan", "chunked-scan"])
 @pytest.mark.parametrize("name,kw", STEP_CASES, ids=[c[0] for c in STEP_CASES])
-def test_step_logits_equal_sequence_logits(rt, monkeypatch, name, kw, chunked):
+def test_step_logits_equal_sequence_logits(rt, name, kw):
     """Prompt of p tokens, then the rest fed one token at a time through the step kernels:
     the logits after every position equal the sequence pass over all of it (ours and
     transformers'), with the state handed over inside, at the end of and after the scan's
     first chunk of saved states, and before the conv window is full."""
-    monkeypatch.setattr(scan_mod, "_SERIAL", not chunked)
     m = hf_model(kw)
     ours = ours_of(rt, m)
     L = scan_mod.CHUNK + 12
@@ -102,7 +100,7 @@ def test_step_logits_equal_sequence_logits(rt, monkeypatch, name, kw, chunked):
     assert rel(seq, ref) < 1e-5
     dec = Decoder(ours)
     C = scan_mod.CHUNK
-    prefixes = [1, 2, C - 1, C, C + 1] if not chunked else [1, C + 1]
+    prefixes = [1, 2, C - 1, C, C + 1]
     worst = 0.0
     for p in prefixes:
         got = [dec.prefill_logits(ids[:p])]
@@ -115,7 +113,7 @@ def test_step_logits_equal_sequence_logits(rt, monkeypatch, name, kw, chunked):
         assert e_ref < 1e-5, (p, e_ref)
         assert e_seq < 1e-5, (p, e_seq)
     dec.close()
-    print(f"\n[{name}{' chunked' if chunked else ''}] step logits vs transformers: max rel err {worst:.2e}")
+    print(f"\n[{name}] step logits vs transformers: max rel err {worst:.2e}")
 
 
 @pytest.mark.parametrize("lanes", ["1", "4", "32"])
