@@ -17,6 +17,10 @@ Suites:
   train   tokens/s and peak memory of a training step (forward, backward, clip, AdamW) vs
           mamba-ssm's MambaLMHeadModel + torch.optim.AdamW in fp32 (TF32 off) and bf16
           autocast; --slow-path adds transformers' MambaForCausalLM (fp32)
+  decode  generation: time to the first token after a --prompt-len prompt and decode
+          tokens/s over --new-tokens, greedy and sampling (T 0.8, top-k 50, top-p 0.95), per
+          --shapes, vs transformers' generate (greedy, fp32, same weights' shape and prompt)
+          and, on CUDA, mamba-ssm's MambaLMHeadModel.generate with CUDA graphs (cg=True)
 
 --variants also times the kernel configurations that are not the default; --profile times
 one training step kernel by kernel.  Prints a table last and writes every number to --out.
@@ -43,6 +47,9 @@ SHAPES = {
     "small": dict(vocab_size=256, hidden_size=256, state_size=16, num_hidden_layers=4),
     "mamba-130m": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24),
     "mamba-1.4b": dict(vocab_size=50280, hidden_size=2048, state_size=16, num_hidden_layers=48),
+    # the 130m layer stack with a byte vocabulary: the per-token cost of the layers
+    # without the 50280-row LM head
+    "mamba-130m-bytes": dict(vocab_size=256, hidden_size=768, state_size=16, num_hidden_layers=24),
 }
 
 # configurations compared by --variants (benchmarks/README.md has what earlier ones gave)
@@ -558,6 +565,124 @@ def _cpu_rounds(rt, torch, row, shape, B, L, steps, rounds, threads):
                           pscan_calls=pp.get("pscan_calls"))
 
 
+# ---------------------------------------------------------------------------- decode
+def _decode_stats(runs):
+    """runs: [(ttft_s, [host arrival time of each new token])] -> medians over the runs.
+    tokens_per_s is 1 / the median gap between consecutive tokens (robust to a machine shared
+    with other work); tokens_per_s_mean is (n-1) / (last - first) of the median run."""
+    ttft = _median([r[0] for r in runs])
+    gaps = np.concatenate([np.diff(r[1]) for r in runs if len(r[1]) > 1])
+    means = [(len(r[1]) - 1) / max(r[1][-1] - r[1][0], 1e-9) for r in runs if len(r[1]) > 1]
+    return dict(ttft_s=ttft, tokens_per_s=1.0 / max(float(np.median(gaps)), 1e-12),
+                tokens_per_s_mean=_median(means), tokens=len(runs[0][1]), runs=len(runs))
+
+
+class _Clock:
+    """A streamer for transformers' and mamba-ssm's generate: put() gets the prompt, then
+    each new token; it records when each arrives on the host (after a CUDA sync)."""
+
+    def __init__(self, torch):
+        self.torch, self.times = torch, []
+
+    def put(self, value):
+        if self.torch.cuda.is_available():
+            self.torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _decode_ids(shape, prompt_len):
+    return np.random.default_rng(0).integers(0, SHAPES[shape]["vocab_size"], prompt_len)
+
+
+def bench_decode(rt, shape, prompt_len, new_tokens, reps=3):
+    """memengine's generation at one shape (random weights, random prompt, no EOS), greedy
+    and sampling (T 0.8, top-k 50, top-p 0.95): one run to warm up, then `reps`; the host's
+    arrival time of every token from the on_token callback."""
+    from memengine.engine.config import MambaConfig
+    from memengine.engine.generate import Decoder, generate
+    from memengine.engine.init import init_weights
+    from memengine.engine.model import MambaModel
+    from memengine.engine.options import SamplingOptions
+
+    cfg = MambaConfig(**SHAPES[shape])
+    ids = _decode_ids(shape, prompt_len)
+    out = {}
+    rt.trim()
+    model = MambaModel(rt, cfg, init_weights(cfg, 0))
+    dec = Decoder(model)
+    for name, kw in (("greedy", dict(temperature=0)), ("sample", dict(temperature=0.8, top_k=50, top_p=0.95))):
+        o = SamplingOptions(max_new_tokens=new_tokens, **kw)
+        runs = []
+        for rep in range(reps + 1):
+            times = []
+            r = generate(model, ids, o, decode=lambda x: "", decoder=dec,
+                         on_token=lambda _t: times.append(time.perf_counter()))
+            if rep:                                        # run 0 warms up (pipelines)
+                runs.append((r.ttft_s, times))
+        out[name] = _decode_stats(runs)
+    dec.close()
+    del model, dec
+    gc.collect()
+    rt.trim()
+    return out
+
+
+def bench_decode_transformers(torch, device, shape, prompt_len, new_tokens, reps=3):
+    """transformers' MambaForCausalLM.generate (greedy, fp32) as installed: on the CPU its
+    PyTorch path; on CUDA the mamba-ssm kernels where they import, else the slow path."""
+    import transformers
+
+    torch.manual_seed(0)
+    m = transformers.MambaForCausalLM(transformers.MambaConfig(**SHAPES[shape])).to(device).eval()
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    ids = torch.tensor(_decode_ids(shape, prompt_len)[None], dtype=torch.long, device=device)
+    runs = []
+    for rep in range(reps + 1):
+        clock = _Clock(torch)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock)
+        if rep:
+            runs.append((clock.times[1] - t0, clock.times[1:]))   # times[0]: the prompt
+    del m
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return _decode_stats(runs)
+
+
+def bench_decode_peer(torch, shape, prompt_len, new_tokens, reps=3):
+    """mamba-ssm's MambaLMHeadModel.generate with CUDA graphs (cg=True), greedy (top_k 1),
+    fp32; per-token times from its streamer."""
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    c = SHAPES[shape]
+    cfg = MambaConfig(d_model=c["hidden_size"], n_layer=c["num_hidden_layers"], vocab_size=c["vocab_size"],
+                      ssm_cfg={"layer": "Mamba1", "d_state": c["state_size"]}, rms_norm=True,
+                      residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8)
+    torch.manual_seed(0)
+    m = MambaLMHeadModel(cfg, device="cuda", dtype=torch.float32).eval()
+    ids = torch.tensor(_decode_ids(shape, prompt_len)[None], dtype=torch.long, device="cuda")
+    runs = []
+    for rep in range(reps + 1):
+        clock = _Clock(torch)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m.generate(ids, max_length=prompt_len + new_tokens, cg=True, top_k=1, streamer=clock)
+        if rep:
+            runs.append((clock.times[1] - t0, clock.times[1:]))
+    out = _decode_stats(runs)
+    del m
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 # ---------------------------------------------------------------------------- report
 def _fmt_ratio(x):
     return f"{x:.2f}x" if x is not None else "-"
@@ -614,6 +739,17 @@ def summary(res) -> list:
         if "error" in me:
             line += f" | memengine error: {me['error'][:80]}"
         lines.append(line)
+    for row in res.get("decode", []):
+        head = f"decode {row['shape']} prompt {row['prompt_len']} + {row['new_tokens']} new:"
+        base = (row.get("memengine") or {}).get("greedy", {}).get("tokens_per_s")
+        for key, v in [(f"memengine {k}", x) for k, x in (row.get("memengine") or {}).items()] + \
+                [(k, row[k]) for k in ("transformers", "mamba_ssm") if k in row]:
+            if "error" in v:
+                lines.append(f"{head} {key:18s} error: {v['error'][:100]}")
+                continue
+            ratio = f"  ours/peer {base / v['tokens_per_s']:.2f}x" if base and not key.startswith("memengine") else ""
+            lines.append(f"{head} {key:18s} {v['tokens_per_s']:9.1f} tok/s (mean {v['tokens_per_s_mean']:.1f}), "
+                         f"first token {1e3 * v['ttft_s']:8.1f} ms{ratio}")
     prof = res.get("profile")
     if prof:
         total = sum(r[2] for r in prof)
@@ -625,8 +761,8 @@ def summary(res) -> list:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", default="scan,matmul,train", help="scan, matmul, train (comma list) or all")
-    ap.add_argument("--shapes", default="mamba-130m", help="model shapes for train and matmul")
+    ap.add_argument("--suite", default="scan,matmul,train", help="scan, matmul, train, decode (comma list) or all")
+    ap.add_argument("--shapes", default="mamba-130m", help="model shapes for train, matmul and decode")
     ap.add_argument("--seq", default="2048")
     ap.add_argument("--batch", default="8,1")
     ap.add_argument("--steps", type=int, default=3)
@@ -643,6 +779,8 @@ def main(argv=None):
     ap.add_argument("--torch-threads", default="",
                     help="CPU: torch thread counts tried for the mambapy peer, fastest kept (default: 1 and all cores)")
     ap.add_argument("--no-slow-path", action="store_true", help="CPU: skip transformers' loop over time steps")
+    ap.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=128, help="decode: tokens generated")
     ap.add_argument("--out", default="bench-results.json")
     ap.add_argument("--variants", action="store_true", help="also time the kernel configurations that are not the default")
     ap.add_argument("--profile", action="store_true", help="time the first train row's step kernel by kernel")
@@ -655,7 +793,7 @@ def main(argv=None):
     cuda = tdev == "cuda"
     if tdev == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
-    suites = {"scan", "matmul", "train"} if a.suite == "all" else set(a.suite.split(","))
+    suites = {"scan", "matmul", "train", "decode"} if a.suite == "all" else set(a.suite.split(","))
     res = dict(adapter=rt.describe(), host=platform.node(), cpus=os.cpu_count(), features=rt.capabilities()["features"],
                torch_device=torch.cuda.get_device_name() if cuda else tdev, train=[], matmul=[], scan={})
     print(f"adapter: {rt.describe()}  features: {res['features']}  torch: {res['torch_device']}", flush=True)
@@ -719,8 +857,25 @@ def main(argv=None):
             row["slow_path"] = bench_torch_train(torch, shape, B, L, 1, "cuda")
             res["train"].append(row)
 
+    if "decode" in suites:
+        res["decode"] = []
+        for sh in shapes:
+            row = dict(shape=sh, prompt_len=a.prompt_len, new_tokens=a.new_tokens)
+            try:
+                row["memengine"] = bench_decode(rt, sh, a.prompt_len, a.new_tokens)
+            except Exception as e:
+                row["memengine"] = dict(greedy=dict(error=str(e)[:300]))
+            if torch is not None:
+                try:
+                    row["transformers"] = bench_decode_transformers(torch, tdev, sh, a.prompt_len, a.new_tokens)
+                except Exception as e:
+                    row["transformers"] = dict(error=str(e)[:300])
+            res["decode"].append(row)
+            print("\n".join(summary(dict(decode=[row]))), flush=True)
+            save()
+
     # the peer last: it may still be building in the background
-    if cuda and ("train" in suites or "scan" in suites):
+    if cuda and suites & {"train", "scan", "decode"}:
         rt.trim()
         gc.collect()
         if peer_mamba_ssm(a.peer_wait, a.peer_ready) is not None:
@@ -733,6 +888,13 @@ def main(argv=None):
                 row["mamba_ssm_fp32"] = bench_peer_train(torch, row["shape"], row["B"], row["L"], "fp32", a.peer_steps)
                 if str(row["B"]) in a.bf16_batches.split(","):
                     row["mamba_ssm_bf16"] = bench_peer_train(torch, row["shape"], row["B"], row["L"], "bf16", a.peer_steps)
+            for row in res.get("decode", []):
+                try:
+                    row["mamba_ssm"] = bench_decode_peer(torch, row["shape"], row["prompt_len"], row["new_tokens"])
+                except Exception as e:
+                    row["mamba_ssm"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        elif "decode" in suites:
+            print("decode: no mamba-ssm row (it does not import; see above)", flush=True)
 
     save()
     print("\n".join(summary(res)))
