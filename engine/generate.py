@@ -205,12 +205,15 @@ class Decoder:
                                  f"{str(e).split('; use')[0]}") from None
         m.write_batch(ws, ids.reshape(1, L))
         rec.clear(self.io)
-        m.record_forward(rec, ws)
-        for i, lp in enumerate(p.layers):
+
+        def handover(rec, i):  # layer i's recurrent state, from its activations in the workspace
+            lp = p.layers[i]
             pack_layer_constants(rec, self.consts[i], lp.A_log, lp.dt_proj_bias, lp.D, Di=Di, N=N)
             conv_prefill(rec, self.conv[i], ws.xz[i], L=L, Di=Di, K=K)
             ssm_prefill(rec, self.ssm[i], ws.states[i], ws.xc[i], ws.delta[i], ws.xdbl_n[i], self.consts[i],
                         L=L, Di=Di, N=N, R=R)
+
+        m.record_forward(rec, ws, after_layer=handover)
         matvec(rec, self.logits, self._head(), ws.hf.view((E,), (L - 1) * E), rows=V, K=E)
         if sampling is not None:
             sample(rec, self.io, self.logits, V=V, **sampling)

@@ -326,8 +326,10 @@ class MambaModel:
         return n
 
     # ------------------------------------------------------------------ forward
-    def record_forward(self, rec: Recorder, ws: Workspace) -> None:
-        """Residual stream through every layer and the final norm (activations kept)."""
+    def record_forward(self, rec: Recorder, ws: Workspace, after_layer=None) -> None:
+        """Residual stream through every layer and the final norm (activations kept).
+        `after_layer(rec, i)` is called once layer i's activations are recorded, before the
+        next layer's (the decoder takes each layer's recurrent state from them there)."""
         c, p = self.cfg, self.params
         E, Di, N, R, K = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.conv_kernel
         M, B, L = ws.M, ws.B, ws.L
@@ -350,6 +352,8 @@ class MambaModel:
             # residual add fused into out_proj: h_next = h, then h_next += y @ out_proj^T (+ b)
             rec.copy(h, hn)
             linear_forward(rec, hn, ws.y[i], lp.out_proj_weight, lp.out_proj_bias, M=M, N=E, K=Di, acc=True)
+            if after_layer is not None:
+                after_layer(rec, i)
         rmsnorm_forward(rec, ws.hf, ws.rstd_f, ws.h[-1], p.norm_f, c.layer_norm_epsilon)
 
     def _mixer_norms(self, ws: Workspace, i: int) -> list:

@@ -13,9 +13,9 @@
 //
 // After the prompt's sequence pass (the sequence kernels, rows t = 0..L-1 of batch row 0):
 //   decode_conv_prefill   conv[k, d] = x[L-(K-1)+k, d]   (0 before the sequence start)
-//   decode_ssm_prefill    s = the state after position L-1, from the scan's saved state at the
-//                         start of the last chunk (see engine/ops/decode.py for that contract)
-//                         and the remaining positions stepped with the same math as the scan.
+//   decode_ssm_prefill    s stepped through rows of the prompt with the same math as the scan:
+//                         from the scan's saved state at the start of the last chunk (see
+//                         engine/ops/decode.py for that contract) to the state after L-1.
 //
 // Per-layer constants (A_log [Di*N], dt_proj.bias [Di], D [Di]) are packed once into one
 // buffer `pk` (offsets 0, Di*N, Di*N+Di) so the step kernel stays within 8 storage buffers.
@@ -38,7 +38,6 @@ struct DP {
 @group(0) @binding(5) var<storage, read> wt: array<f32>;
 @group(0) @binding(6) var<storage, read> pk: array<f32>;
 @group(0) @binding(7) var<uniform> P: DP;
-@group(0) @binding(8) var<storage, read> saved: array<f32>;
 @group(0) @binding(9) var<storage, read> delta: array<f32>;
 @group(0) @binding(10) var<storage, read> bias: array<f32>;
 
@@ -109,7 +108,8 @@ fn decode_ssm_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
 }
 
 // ---------------------------------------------------------------- state after a prompt
-// st = conv state [K-1, Di] (o_b); xz = the prompt's xz [L, 2Di] (o_c).
+// st = conv state [K-1, Di] (o_b); xz = the last P.L rows of the prompt's xz [., 2Di] (o_c):
+// all of it, or its last K-1 rows.
 @compute @workgroup_size(256)
 fn decode_conv_prefill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_index) lid: u32) {
@@ -123,9 +123,11 @@ fn decode_conv_prefill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     st[P.o_b + i] = v;
 }
 
-// st = SSM state [Di, N] (o_b); xin = the prompt's xc [L, Di] (o_c); xdbl [L, ldx] (o_d);
-// pk (o_g); saved = the scan's saved states [nchk, Di, N] (o_h); delta [L, Di] (o_e).
-// One thread per (d, n): start from the last saved chunk-start state, step to the end.
+// st = SSM state [Di, N] (o_b), read and written; xin = P.L rows of the prompt's xc [., Di]
+// (o_c); xdbl [., ldx] (o_d) and delta [., Di] (o_e), the same rows; pk (o_g).  One thread
+// per (d, n) steps the state through those rows.  The host first copies the scan's saved
+// state at the start of the last chunk into st, then calls this over the chunk's remaining
+// rows (in several ranges when they exceed one storage binding).
 @compute @workgroup_size(256)
 fn decode_ssm_prefill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) lid: u32) {
@@ -133,11 +135,10 @@ fn decode_ssm_prefill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     if (i >= P.Di * P.N) { return; }
     let d = i / P.N;
     let n = i % P.N;
-    let last = (P.L - 1u) / P.T;        // the chunk holding position L-1
-    var s = saved[P.o_h + last * P.Di * P.N + i];
+    var s = st[P.o_b + i];
     let a = -exp(pk[P.o_g + i]);
     let b = pk[P.o_g + P.Di * P.N + d];
-    for (var t = last * P.T; t < P.L; t++) {
+    for (var t = 0u; t < P.L; t++) {
         let dt = softplus(delta[P.o_e + t * P.Di + d] + b);
         s = exp(dt * a) * s + dt * xdbl[P.o_d + t * P.ldx + P.R + n] * xin[P.o_c + t * P.Di + d];
     }

@@ -15,7 +15,7 @@ and after a prompt's sequence pass (`MambaModel.record_forward` on B = 1):
 Dependency on the sequence scan (engine/ops/scan.py), and only on its documented contract:
 `selective_scan_forward` writes `states` of shape `scan_state_shape(B, L, Di, N)` =
 [B, ceil(L / CHUNK), Di, N], entry [b, c] being the state *before* step c*CHUNK of batch row
-b.  `ssm_prefill` starts from the saved state of the chunk that holds position L-1 and steps
+b.  `ssm_prefill` copies the saved state of the chunk that holds position L-1 and steps it
 through that chunk's remaining positions (at most CHUNK) with the scan's own update,
 reading dt from `delta` (dt_proj's output without bias), Bm from `xdbl` and u from `xc`.
 If the scan's saving interval or layout changes, `CHUNK`/`scan_state_shape` change with it
@@ -92,30 +92,37 @@ def ssm_step(rec: Recorder, y: Tensor, ssm_state: Tensor, xc: Tensor, xdbl: Tens
 
 
 def conv_prefill(rec: Recorder, conv_state: Tensor, xz: Tensor, *, L: int, Di: int, K: int) -> None:
-    """conv_state [K-1, Di] = x rows L-K+1 .. L-1 of the prompt's xz [L, 2Di] (0 before row 0)."""
+    """conv_state [K-1, Di] = x rows L-K+1 .. L-1 of the prompt's xz [L, 2Di] (0 before row 0);
+    only those rows are bound."""
     if K <= 1:
         return
     assert conv_state.numel >= (K - 1) * Di and xz.numel >= L * 2 * Di
     rt = rec.rt
-    (bs, os_), (bx, ox) = bound(rt, conv_state), bound(rt, xz)
-    u = rt.uniform(_dp(Di, 0, 0, K, L, 0, (0, os_, ox)))
+    r0 = max(0, L - (K - 1))
+    (bs, os_), (bx, ox) = bound(rt, conv_state), bound(rt, xz.view(((L - r0) * 2 * Di,), r0 * 2 * Di))
+    u = rt.uniform(_dp(Di, 0, 0, K, L - r0, 0, (0, os_, ox)))
     rec.dispatch(SHADER, "decode_conv_prefill", {1: bs, 4: bx, 7: u}, cdiv((K - 1) * Di, WG))
 
 
 def ssm_prefill(rec: Recorder, ssm_state: Tensor, states: Tensor, xc: Tensor, delta: Tensor, xdbl: Tensor,
                 consts: Tensor, *, L: int, Di: int, N: int, R: int) -> None:
-    """ssm_state [Di, N] = the SSM state after position L-1 of a B = 1 sequence pass, from the
-    scan's saved chunk-start `states` (see the module docstring) and the pass's xc [L, Di],
-    delta [L, Di] (without bias) and xdbl [L, R+2N]."""
+    """ssm_state [Di, N] = the SSM state after position L-1 of a B = 1 sequence pass: the
+    scan's saved state at the start of the chunk holding L-1 (see the module docstring),
+    stepped through that chunk's rows of the pass's xc [L, Di], delta [L, Di] (without
+    bias) and xdbl [L, R+2N]; only those rows are bound."""
     assert L >= 1 and ssm_state.numel == Di * N
     assert states.numel == 1 * scan_state_shape(1, L, Di, N)[1] * Di * N, (states.shape, L)
     assert xc.numel == L * Di and delta.numel == L * Di and xdbl.numel == L * (R + 2 * N)
     rt = rec.rt
-    (bs, os_), (bu, ou), (bx, ox), (bk, ok), (bv, ov), (bd, od) = (
-        bound(rt, t) for t in (ssm_state, xc, xdbl, consts, states, delta))
-    u = rt.uniform(_dp(Di, N, R, 0, L, 0, (0, os_, ou, ox, od, 0, ok, ov)))
-    rec.dispatch(SHADER, "decode_ssm_prefill", {1: bs, 2: bu, 3: bx, 6: bk, 8: bv, 9: bd, 7: u},
-                 cdiv(Di * N, WG))
+    last = (L - 1) // CHUNK
+    rec.copy(states.view((Di * N,), last * Di * N), ssm_state)
+    t0, n = last * CHUNK, L - last * CHUNK
+    ld = R + 2 * N
+    (bs, os_), (bk, ok) = bound(rt, ssm_state), bound(rt, consts)
+    (bu, ou), (bx, ox), (bd, od) = (bound(rt, xc.view((n * Di,), t0 * Di)), bound(rt, xdbl.view((n * ld,), t0 * ld)),
+                                    bound(rt, delta.view((n * Di,), t0 * Di)))
+    u = rt.uniform(_dp(Di, N, R, 0, n, 0, (0, os_, ou, ox, od, 0, ok)))
+    rec.dispatch(SHADER, "decode_ssm_prefill", {1: bs, 2: bu, 3: bx, 6: bk, 9: bd, 7: u}, cdiv(Di * N, WG))
 
 
 def matvec(rec: Recorder, out: Tensor, weight: Tensor, x: Tensor, bias: Tensor | None = None, *,
