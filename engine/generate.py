@@ -21,6 +21,7 @@ with each id); it never prints.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import MemengineError
-from .gpu import Recorder, Runtime, Tensor, grid
+from .gpu import BindingError, Recorder, Runtime, Tensor, grid
 from .ops.decode import conv_prefill, conv_step, matvec, pack_layer_constants, sample, ssm_prefill, ssm_step
 from .ops.embedding import embedding_forward
 from .ops.rmsnorm import rmsnorm_forward
@@ -198,11 +199,10 @@ class Decoder:
         E, Di, N, R, K, V = self.dims
         m, p = self.model, self.model.params
         L = int(ids.size)
-        try:
-            ws = m.workspace(1, L)
-        except MemengineError as e:  # its advice (--seq-len, --batch-size) is train's
-            raise MemengineError(f"the prompt ({L} tokens) is too long for this adapter: "
-                                 f"{str(e).split('; use')[0]}") from None
+        try:  # without gradients: the layers share one set of activations (handed over per layer)
+            ws = m.workspace(1, L, grad=False)
+        except MemengineError as e:
+            raise MemengineError(f"the prompt ({L} tokens) is too long for this adapter: {e}") from None
         m.write_batch(ws, ids.reshape(1, L))
         rec.clear(self.io)
 
@@ -213,7 +213,11 @@ class Decoder:
             ssm_prefill(rec, self.ssm[i], ws.states[i], ws.xc[i], ws.delta[i], ws.xdbl_n[i], self.consts[i],
                         L=L, Di=Di, N=N, R=R)
 
-        m.record_forward(rec, ws, after_layer=handover)
+        try:
+            m.record_forward(rec, ws, after_layer=handover)
+        except BindingError as e:  # one sequence must fit a binding (conv1d, scan); their advice is train's
+            why = str(e).replace("; a smaller --seq-len helps", "")
+            raise MemengineError(f"the prompt ({L} tokens) is too long for this adapter: {why}") from None
         matvec(rec, self.logits, self._head(), ws.hf.view((E,), (L - 1) * E), rows=V, K=E)
         if sampling is not None:
             sample(rec, self.io, self.logits, V=V, **sampling)
@@ -362,19 +366,40 @@ def read_prompt(value: str, stdin=None) -> str:
     return text[1:] if text.startswith("\ufeff") else text
 
 
-def generate_text(model, tokenizer, text: str, opts: SamplingOptions, *, checkpoint_dir=None, on_text=None,
-                  on_token=None) -> GenerateResult:
-    """What `memengine generate` does once the model is on the GPU: tokenize the prompt as
-    eval tokenizes data (no special tokens), generate, stop at the tokenizer's EOS id."""
+def prompt_ids(tokenizer, text: str, vocab_size: int) -> np.ndarray:
+    """The prompt's token ids, tokenized as eval tokenizes data (no special tokens)."""
     from .data import check_vocab
 
     ids = np.asarray(tokenizer.encode(text)).reshape(-1)
     if ids.size == 0:
         raise MemengineError("--prompt: empty; at least one token is needed")
-    check_vocab(ids, model.cfg.vocab_size, "--prompt")
-    return generate(model, ids, opts, decode=tokenizer.decode,
-                    eos_id=eos_token_ids(tokenizer, model.cfg, checkpoint_dir),
-                    on_text=on_text, on_token=on_token)
+    check_vocab(ids, vocab_size, "--prompt")
+    return ids
+
+
+def check_prompt_fits(rt, cfg, n_tokens: int) -> None:
+    """The memory plan of the prompt's pass (an evaluation of one sequence, engine/plan.py),
+    before anything is uploaded: one MemengineError line when it cannot work, saying how
+    long a prompt can be (the plan's own advice names eval's flags)."""
+    from .plan import Limits, estimate
+
+    lim = Limits.of(rt)
+
+    def plan(n):
+        return estimate(cfg, 1, n, "eval", lim, eval_passes=())
+
+    p = plan(n_tokens)
+    if p.ok:
+        return
+    what = re.sub(r"at --seq-len (\d+)", r"of \1 tokens", p.problems[0][0])  # the plan speaks of eval's flags
+    if any(not grows for _, grows in p.problems):
+        raise MemengineError(f"{what}; no prompt length can help on this adapter")
+    lo, hi = 0, n_tokens - 1                     # the longest prompt that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if plan(mid).ok else (lo, mid - 1)
+    raise MemengineError(f"the prompt ({n_tokens} tokens) is too long for this adapter: {what}; "
+                         + (f"at most {lo} tokens fit" if lo else "no prompt length can help"))
 
 
 def generate(model, prompt_ids, opts: SamplingOptions, *, decode, eos_id=None,

@@ -95,7 +95,7 @@ def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbos
     """Continue --prompt with the checkpoint (engine/generate.py); `on_text(str)` gets the
     new text as it becomes final.  Ctrl-C ends the text where it is: the result says
     "interrupted" and holds the tokens so far."""
-    from .generate import STOP_INTERRUPTED, generate_text, read_prompt
+    from .generate import STOP_INTERRUPTED, check_prompt_fits, eos_token_ids, generate, prompt_ids, read_prompt
     from .model import MambaModel
 
     listener = listener or Listener()
@@ -104,14 +104,16 @@ def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbos
     text = read_prompt(o.prompt)
     c = open_checkpoint(ref, listener.on_warning)
     tok = open_tokenizer(c, o.tokenizer)
+    ids = prompt_ids(tok, text, c.config.vocab_size)
     rt = open_runtime(o.device, verbose)
     listener.on_adapter(rt.describe())
+    check_prompt_fits(rt, c.config, ids.size)
     model = MambaModel.from_checkpoint(rt, c)
     res = None
     try:
         with interrupts.deferred():
-            res = generate_text(model, tok, text, o, checkpoint_dir=c.directory, on_text=on_text,
-                                on_token=lambda _id: interrupts.check())
+            res = generate(model, ids, o, decode=tok.decode, eos_id=eos_token_ids(tok, c.config, c.directory),
+                           on_text=on_text, on_token=lambda _id: interrupts.check())
     except KeyboardInterrupt:
         if res is None:
             raise

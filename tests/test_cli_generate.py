@@ -181,3 +181,18 @@ def test_config_file_sets_options_and_flags_win(tiny_ckpt_ro, tmp_path):
     r = run("generate", tiny_ckpt_ro, "-p", "x", "--config", cfg)
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, "unknown option 'prompt'")
+
+
+def test_forced_binding_limit_splits_or_refuses_with_the_longest_prompt(tiny_ckpt_ro):
+    """MEMENGINE_MAX_BINDING_BYTES lowers the binding limit: a short prompt generates what it
+    generates without it; a prompt whose one sequence cannot fit one binding is refused
+    before anything is uploaded, with one line saying how long a prompt may be."""
+    want = gen_json(tiny_ckpt_ro, "-p", "It was", "-n", "6", "-t", "0")
+    env = {"MEMENGINE_MAX_BINDING_BYTES": "8K"}
+    r = run_proc("generate", tiny_ckpt_ro, "-p", "It was", "-n", "6", "-t", "0", "--json", env_extra=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == want["tokens"]
+    r = run_proc("generate", tiny_ckpt_ro, "-p", "x" * 400, "-n", "2", env_extra=env)
+    assert r.returncode == 2 and r.stdout == ""
+    assert_one_line_error(r.stderr, "prompt (400 tokens) is too long")
+    assert "tokens fit" in r.stderr and "--seq-len" not in r.stderr

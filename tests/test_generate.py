@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,8 +24,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from memengine.engine import plan  # noqa: E402
 from memengine.engine.config import MambaConfig  # noqa: E402
 from memengine.engine.errors import MemengineError  # noqa: E402
+from memengine.engine.gpu import Tensor  # noqa: E402
 from memengine.engine.generate import (  # noqa: E402
     Decoder,
     _TextStream,
@@ -36,6 +39,8 @@ from memengine.engine.options import GenerateOptions, SamplingOptions  # noqa: E
 from memengine.engine.ops import scan as scan_mod  # noqa: E402
 from memengine.engine.ops.decode import matvec, sample  # noqa: E402
 from memengine.engine.tokenizer import ByteTokenizer  # noqa: E402
+
+from conftest import checked_limits  # noqa: E402
 
 CASES = [
     ("tied-odd", dict(vocab_size=259, hidden_size=37, state_size=5, num_hidden_layers=2, expand=2,
@@ -116,21 +121,44 @@ def test_step_logits_equal_sequence_logits(rt, name, kw):
     print(f"\n[{name}] step logits vs transformers: max rel err {worst:.2e}")
 
 
+@contextlib.contextmanager
+def forced_binding(rt, monkeypatch, binding):
+    """conftest's checked_limits (every dispatch's bindings checked against the forced limit),
+    the decoder's recorded step program included (it resolves its dispatches itself)."""
+    from memengine.engine.generate import _Program
+
+    seen = {"step_dispatches": 0}
+    orig = _Program.dispatch
+
+    def checked(self, shader, entry, bindings, groups, constants=None):
+        for i, r in bindings.items():
+            if isinstance(r, Tensor):
+                assert r.nbytes <= rt.max_binding, f"{shader}.{entry} binding {i} is {r.nbytes} bytes"
+        seen["step_dispatches"] += 1
+        return orig(self, shader, entry, bindings, groups, constants)
+
+    with checked_limits(rt, monkeypatch, binding) as s:
+        monkeypatch.setattr(_Program, "dispatch", checked)
+        seen["recorded"] = s
+        yield seen
+
+
 @pytest.mark.parametrize("lanes", ["1", "4", "32"])
 def test_matvec_against_numpy(rt, monkeypatch, lanes):
     """Scalar and vec4 paths, bias and accumulate, and a weight split into row ranges when it
-    exceeds a (here artificially small) storage binding."""
+    exceeds a (here forced small) storage binding."""
     monkeypatch.setenv("MEMENGINE_MATVEC_LANES", lanes)
     rng = np.random.default_rng(int(lanes))
     for rows, K, small in ((37, 13, False), (40, 16, False), (300, 20, True)):
         W, x, b, o = (rng.standard_normal(s) for s in ((rows, K), K, rows, rows))
         tw, tx, tb, to = (rt.upload(a.astype(np.float32)) for a in (W, x, b, o))
+        limits = checked_limits(rt, monkeypatch, 4 * K * 64 + rt.storage_align) if small else contextlib.nullcontext()
+        with limits as seen:
+            rec = rt.recorder()
+            matvec(rec, to, tw, tx, tb, rows=rows, K=K, acc=True)
+            rec.submit()
         if small:
-            monkeypatch.setattr(rt, "max_binding", 4 * K * 64 + rt.storage_align)
-        rec = rt.recorder()
-        matvec(rec, to, tw, tx, tb, rows=rows, K=K, acc=True)
-        rec.submit()
-        monkeypatch.setattr(rt, "max_binding", rt.limits["max-storage-buffer-binding-size"])
+            assert seen["dispatches"] >= 2   # the weight went in row ranges
         np.testing.assert_allclose(rt.read(to), o + W @ x + b, rtol=1e-5, atol=1e-5)
         for t in (tw, tx, tb, to):
             rt.free(t)
@@ -175,6 +203,33 @@ def assert_greedy_matches(ours, m, name, vocab_size, prompt_lens=(1, 9, 70), n_n
 def test_greedy_equals_transformers_generate(rt, name, kw):
     m = hf_model(kw, seed=4)
     assert_greedy_matches(ours_of(rt, m), m, name, kw["vocab_size"])
+
+
+def test_generate_under_a_forced_small_binding_limit(rt, monkeypatch):
+    """The binding limit forced down to what one prompt sequence needs (6 KiB here): the
+    embedding, in_proj, out_proj and the LM head are bound in row ranges by the prompt pass
+    and by every step, every binding is checked against the limit, and the step logits and
+    greedy tokens still equal transformers'."""
+    name, kw = CASES[0]                                   # V 259 x E 37: a 38 KB LM head
+    m = hf_model(kw, seed=4)
+    cfg = MambaConfig.from_dict(m.config.to_dict())
+    L = 9
+    binding = max(4096, -(-plan.min_binding(cfg, 1, L, "eval") // 1024) * 1024)
+    assert 4 * cfg.vocab_size * cfg.hidden_size > 4 * binding
+    ids = np.random.default_rng(3).integers(0, kw["vocab_size"], L + 6).astype(np.int32)
+    ref = m(input_ids=torch.tensor(ids[None], dtype=torch.long)).logits[0].detach().numpy()
+    with forced_binding(rt, monkeypatch, binding) as seen:
+        ours = ours_of(rt, m)
+        dec = Decoder(ours)
+        got = [dec.prefill_logits(ids[:L])] + [dec.push_logits(int(t)) for t in ids[L:]]
+        assert rel(np.array(got), ref[L - 1:]) < 1e-5
+        dec.close()
+        assert_greedy_matches(ours, m, f"{name} forced binding {binding}", kw["vocab_size"], prompt_lens=(L,),
+                              n_new=12)
+    unforced = Decoder(ours_of(rt, m))
+    unforced._program(dict(temperature=0.0, top_k=0, top_p=1.0, seed=0))
+    assert seen["step_dispatches"] > unforced._step.dispatches    # the step itself went in ranges
+    unforced.close()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -348,11 +403,11 @@ def test_prompt_errors(rt):
         generate(ours, [1, 67], SamplingOptions(), decode=lambda x: "")
 
 
-def test_prompt_beyond_the_buffer_limit_is_a_clear_error(rt, monkeypatch):
+def test_prompt_beyond_the_binding_limit_is_a_clear_error(rt):
     ours = ours_of(rt, hf_model(CASES[1][1]))
-    monkeypatch.setattr(rt, "max_binding", 20000)     # the prompt's activations [L, 2Di] exceed it
-    with pytest.raises(MemengineError, match=r"prompt \(300 tokens\) is too long") as e:
-        generate(ours, np.arange(300) % 60, SamplingOptions(), decode=lambda x: "")
+    with rt.forced_limits(20000):      # one prompt sequence [L, 2Di] must fit a binding; 300 x 64 do not
+        with pytest.raises(MemengineError, match=r"prompt \(300 tokens\) is too long") as e:
+            generate(ours, np.arange(300) % 60, SamplingOptions(), decode=lambda x: "")
     assert "--seq-len" not in str(e.value)
 
 

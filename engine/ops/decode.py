@@ -22,7 +22,11 @@ If the scan's saving interval or layout changes, `CHUNK`/`scan_state_shape` chan
 and this stays right; if the scan stopped saving states, this would have to change.
 
 All tensors may be views at any 4-byte offset (bound through `gpu.bound`); nothing is
-allocated and nothing is read back.
+allocated and nothing is read back.  Bindings respect `rt.max_binding` (gpu.split): the
+matvec binds its weight in row ranges (an LM head of 50280 x 768 is 147 MiB), the prompt
+handover steps the SSM state through the last chunk in row ranges; what cannot be split
+(one layer's recurrent state, one token's logits) must fit one binding, else BindingError
+names it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from __future__ import annotations
 import os
 import struct
 
-from ..gpu import Recorder, Tensor, bound, cdiv, pack
+from ..gpu import Recorder, Tensor, bound, cdiv, pack, split
+from ..gpu import rows as row_view
 from .scan import CHUNK, scan_state_shape
 
 SHADER = "decode"
@@ -58,6 +63,11 @@ def pack_layer_constants(rec: Recorder, dst: Tensor, A_log: Tensor, dt_bias: Ten
     rec.copy(D, dst.view((Di,), Di * N + Di))
 
 
+def _fits(rt, what: str, *nbytes: int) -> None:
+    """Tensors a kernel binds whole: BindingError naming `what` when one exceeds a binding."""
+    split(rt, 1, lambda _: nbytes, unit=what)
+
+
 def _dp(Di, N, R, K, L=0, has_bias=0, offs=()):
     offs = tuple(offs) + (0,) * (8 - len(offs))
     return pack("16I", Di, N, R, K, L, R + 2 * N, CHUNK, has_bias, *offs)
@@ -70,6 +80,7 @@ def conv_step(rec: Recorder, xc: Tensor, conv_state: Tensor, xz: Tensor, weight:
     assert xc.numel == Di and xz.numel >= 2 * Di and weight.numel == Di * K
     assert conv_state.numel >= max(K - 1, 1) * Di
     rt = rec.rt
+    _fits(rt, f"one layer's conv state and conv1d weight ({K} x {Di} values)", 4 * K * Di, 4 * 2 * Di)
     (bo, oo), (bs, os_), (bx, ox), (bw, ow) = (bound(rt, t) for t in (xc, conv_state, xz, weight))
     bb, ob = bound(rt, bias) if bias is not None else (bw, 0)
     u = rt.uniform(_dp(Di, 0, 0, K, 0, int(bias is not None), (oo, os_, ox, ow, ob)))
@@ -84,6 +95,7 @@ def ssm_step(rec: Recorder, y: Tensor, ssm_state: Tensor, xc: Tensor, xdbl: Tens
     assert y.numel == Di and ssm_state.numel == Di * N and xc.numel == Di and xdbl.numel == R + 2 * N
     assert xz.numel >= 2 * Di and dt_weight.numel == Di * R and consts.numel == Di * N + 2 * Di
     rt = rec.rt
+    _fits(rt, f"one layer's SSM state and constants ({Di} x {N} values)", 4 * (Di * N + 2 * Di), 4 * Di * R)
     b = [bound(rt, t) for t in (y, ssm_state, xc, xdbl, xz, dt_weight, consts)]
     u = rt.uniform(_dp(Di, N, R, 0, 0, 0, (b[0][1], b[1][1], b[2][1], b[3][1], b[4][1], b[5][1], b[6][1])))
     rec.dispatch(SHADER, "decode_ssm_step",
@@ -99,6 +111,7 @@ def conv_prefill(rec: Recorder, conv_state: Tensor, xz: Tensor, *, L: int, Di: i
     assert conv_state.numel >= (K - 1) * Di and xz.numel >= L * 2 * Di
     rt = rec.rt
     r0 = max(0, L - (K - 1))
+    _fits(rt, f"one layer's conv state ({K - 1} x {Di} values)", 4 * (K - 1) * 2 * Di)
     (bs, os_), (bx, ox) = bound(rt, conv_state), bound(rt, xz.view(((L - r0) * 2 * Di,), r0 * 2 * Di))
     u = rt.uniform(_dp(Di, 0, 0, K, L - r0, 0, (0, os_, ox)))
     rec.dispatch(SHADER, "decode_conv_prefill", {1: bs, 4: bx, 7: u}, cdiv((K - 1) * Di, WG))
@@ -116,13 +129,14 @@ def ssm_prefill(rec: Recorder, ssm_state: Tensor, states: Tensor, xc: Tensor, de
     rt = rec.rt
     last = (L - 1) // CHUNK
     rec.copy(states.view((Di * N,), last * Di * N), ssm_state)
-    t0, n = last * CHUNK, L - last * CHUNK
-    ld = R + 2 * N
+    t0, ld = last * CHUNK, R + 2 * N
+    _fits(rt, f"one layer's SSM state and constants ({Di} x {N} values)", 4 * (Di * N + 2 * Di))
     (bs, os_), (bk, ok) = bound(rt, ssm_state), bound(rt, consts)
-    (bu, ou), (bx, ox), (bd, od) = (bound(rt, xc.view((n * Di,), t0 * Di)), bound(rt, xdbl.view((n * ld,), t0 * ld)),
-                                    bound(rt, delta.view((n * Di,), t0 * Di)))
-    u = rt.uniform(_dp(Di, N, R, 0, n, 0, (0, os_, ou, ox, od, 0, ok)))
-    rec.dispatch(SHADER, "decode_ssm_prefill", {1: bs, 2: bu, 3: bx, 6: bk, 9: bd, 7: u}, cdiv(Di * N, WG))
+    for r0, n in split(rt, L - t0, lambda n: (4 * n * Di, 4 * n * ld),
+                       unit=f"one row of a prompt's activations ({Di} values)"):
+        (bu, ou), (bx, ox), (bd, od) = (bound(rt, row_view(t, t0 + r0, n, w)) for t, w in ((xc, Di), (xdbl, ld), (delta, Di)))
+        u = rt.uniform(_dp(Di, N, R, 0, n, 0, (0, os_, ou, ox, od, 0, ok)))
+        rec.dispatch(SHADER, "decode_ssm_prefill", {1: bs, 2: bu, 3: bx, 6: bk, 9: bd, 7: u}, cdiv(Di * N, WG))
 
 
 def matvec(rec: Recorder, out: Tensor, weight: Tensor, x: Tensor, bias: Tensor | None = None, *,
@@ -135,21 +149,14 @@ def matvec(rec: Recorder, out: Tensor, weight: Tensor, x: Tensor, bias: Tensor |
         return
     rt = rec.rt
     lanes = matvec_lanes(rt)
-    per = 256 // lanes
-    budget = max(rt.max_binding - rt.storage_align, 4 * K)
-    step = max(1, budget // (4 * K))
-    if step >= per:
-        step = step // per * per            # whole workgroups per range
+    per = 256 // lanes                      # rows per workgroup: ranges of whole workgroups
     bx, ox = bound(rt, x, K)
-    for r0 in range(0, rows, step):
-        n = min(step, rows - r0)
-        bo, oo = bound(rt, out.view((n,), r0))
-        bw, ow = bound(rt, weight.view((n * K,), r0 * K))
-        if bias is not None:
-            bb, ob = bound(rt, bias.view((n,), r0))
-        else:
-            bb, ob = bx, 0
-        flags = (1 if acc else 0) | (2 if bias is not None else 0)
+    flags = (1 if acc else 0) | (2 if bias is not None else 0)
+    for r0, n in split(rt, rows, lambda n: (4 * n * K, 4 * n, 4 * K), step=per,
+                       unit=f"one row of {weight.name or 'a weight'} ({K} values)"):
+        bo, oo = bound(rt, row_view(out, r0, n, 1))
+        bw, ow = bound(rt, row_view(weight, r0, n, K))
+        bb, ob = bound(rt, row_view(bias, r0, n, 1)) if bias is not None else (bx, 0)
         u = rt.uniform(pack("8I", n, K, flags, oo, ow, ox, ob, 0))
         entry = "decode_matvec4" if K % 4 == 0 and ow % 4 == 0 and ox % 4 == 0 else "decode_matvec"
         rec.dispatch(SHADER, entry, {0: bo, 1: bw, 2: bx, 3: bb, 4: u}, cdiv(n, per), {"LANES": lanes})
@@ -166,6 +173,7 @@ def sample(rec: Recorder, io: Tensor, logits: Tensor, *, V: int, temperature: fl
     a counter-based hash of (seed, t, token id)."""
     assert logits.numel == V and io.dtype == "i32" and io.numel >= 3
     rt = rec.rt
+    _fits(rt, f"one token's logits ({V} values)", 4 * V)
     bl, ol = bound(rt, logits)
     assert io.offset % rt.storage_align == 0
     greedy = temperature <= 0
