@@ -11,7 +11,8 @@ The weights are transformers' initialisation with the residual projections resca
 drifts 2e-4 from its float64 one.  The data is one 16-token window (one training step).
 
 `info`, `eval` and `quantize` run in the default suite (about 40 s on a 2-core machine with
-lavapipe); `train` and `adapt` are marked `slow` (a 130m-shape training step takes about 40 s
+lavapipe); `train`, `adapt` and `generate` (greedy tokens against transformers' generate,
+whose float64 run takes most of its minute or two) are marked `slow` (a 130m-shape training step takes about 40 s
 on lavapipe, most of it in matmuls whose 128-row tiles hold 16 rows): `make test-slow`, or
 `pytest -m slow`, runs them (about 3 minutes)."""
 
@@ -114,3 +115,30 @@ def test_mamba_130m_shape_sharded_by_transformers_train_and_adapt(rt, m130, tmp_
     assert abs(np.log(ad["perplexity_before"]) - ref) <= 1e-4 * ref
     assert ad["changed_tensors"] and all(".mixer.x_proj." in n for n in ad["changed_tensors"])
     print("\n" + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
+
+
+@pytest.mark.slow
+def test_mamba_130m_shape_generate_reads_the_lm_head_in_ranges(rt, m130):
+    """generate on the 130m shape with 128 MiB bindings: the LM head (tied to the 147 MiB
+    embedding table) is read in row ranges by every step; greedy tokens equal transformers'
+    generate on the same shards (float64), or first differ at a near tie of its logits."""
+    src, _, _, _ = m130
+    n_new = 4
+    t = time.perf_counter()
+    out = _json(run("generate", src, "-p", TEXT, "-n", n_new, "-t", 0, "--json", env=ENV))
+    took = time.perf_counter() - t
+    hf = transformers.MambaForCausalLM.from_pretrained(src).double().eval()
+    ids = torch.tensor([list(TEXT.encode())])
+    with torch.no_grad():
+        g = hf.generate(ids, max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                        output_scores=True, return_dict_in_generate=True)
+    want = g.sequences[0, ids.shape[1]:].tolist()
+    got = out["tokens"]
+    assert len(got) == n_new and out["stop"] == "length"
+    j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if j is not None:  # allowed only where transformers' own top logits are a near tie
+        s = g.scores[j][0].numpy()
+        gap = float(s[want[j]] - s[got[j]])
+        assert gap <= 1e-4 * float(np.abs(s).max()), (j, got, want, gap)
+    print(f"\n130m generate: {got} vs transformers {want}, {took:.1f}s "
+          f"({out['tokens_per_s']:.2f} tokens/s after a first token at {out['ttft_s']:.1f}s)")
