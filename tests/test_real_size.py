@@ -11,10 +11,10 @@ The weights are transformers' initialisation with the residual projections resca
 drifts 2e-4 from its float64 one.  The data is one 16-token window (one training step).
 
 `info`, `eval` and `quantize` run in the default suite (about 40 s on a 2-core machine with
-lavapipe); `train`, `adapt` and `generate` (greedy tokens against transformers' generate,
-whose float64 run takes most of its minute or two) are marked `slow` (a 130m-shape training step takes about 40 s
-on lavapipe, most of it in matmuls whose 128-row tiles hold 16 rows): `make test-slow`, or
-`pytest -m slow`, runs them (about 3 minutes)."""
+lavapipe); `train`, `adapt` and `generate` are marked `slow` (a 130m-shape training step
+takes about 40 s on lavapipe, most of it in matmuls whose 128-row tiles hold 16 rows;
+generate's oracle, transformers' float64 generate, about a minute): `make test-slow`, or
+`pytest -m slow`, runs them (about 5 minutes)."""
 
 from __future__ import annotations
 
