@@ -20,6 +20,7 @@ import traceback
 from typing import Iterator
 
 import typer
+from typer.core import TyperGroup, TyperOption
 
 from memengine.engine import interrupts
 from memengine.engine.errors import MemengineError
@@ -40,6 +41,59 @@ def _is_input_oserror(e: BaseException) -> bool:
     return isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError))
 
 
+_REPORTED = {"interrupt": False}
+
+
+class CommandGroup(TyperGroup):
+    """The `memengine` group: usage errors (an unknown flag, a missing argument, a value of
+    the wrong type) are one `error:` line and exit 2 like every other error, not Typer's
+    panel; an interrupt outside a command's guard (while parsing) is one line too."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        _REPORTED["interrupt"] = False
+        ClickException = typer._click.exceptions.ClickException
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False,
+                              **extra)
+        except ClickException as e:
+            if not standalone_mode:
+                raise
+            sys.stderr.write(f"error: {usage_message(e)}\n")
+            sys.exit(2 if isinstance(e, typer._click.exceptions.UsageError) else (e.exit_code or 2))
+        except (KeyboardInterrupt, typer.Abort):
+            if not standalone_mode:
+                raise
+            sys.stderr.write(f"error: {interrupts.signal_name()}; nothing was written\n")
+            sys.exit(interrupts.signal_exit_code())
+        if not standalone_mode:
+            return rv
+        if rv in (130, 143) and not _REPORTED["interrupt"]:  # Typer's own KeyboardInterrupt handling
+            sys.stderr.write(f"error: {interrupts.signal_name()}; nothing was written\n")
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def usage_message(e) -> str:
+    """One line for a Click usage error, with where to look."""
+    msg = " ".join(e.format_message().split())
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None and isinstance(e, typer._click.exceptions.UsageError):
+        msg += f" (see '{ctx.command_path} --help')"
+    return msg
+
+
+_display_type_rich = TyperOption.display_type_rich
+
+
+def _no_bool_type(self, ctx):
+    """--help shows no '<bool>' after an on/off flag (--json, --force, --help, ...)."""
+    if getattr(self, "is_flag", False) and self.metavar is None:
+        return None
+    return _display_type_rich(self, ctx)
+
+
+TyperOption.display_type_rich = _no_bool_type
+
+
 @contextlib.contextmanager
 def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
     """Run a command body: map exceptions to one line and an exit status.
@@ -49,13 +103,14 @@ def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
     """
     redirect = contextlib.redirect_stdout(sys.stderr) if stdout_pure else contextlib.nullcontext()
     try:
-        with interrupts.handling(), redirect:
+        with interrupts.handling(report=ui.error), redirect:
             yield
     except (typer.Exit, typer.Abort, SystemExit):
         raise
     except KeyboardInterrupt as e:
-        ui.error(getattr(e, "message", None) or "interrupted; nothing was written")
-        raise typer.Exit(EXIT_INTERRUPTED)
+        ui.error(getattr(e, "message", None) or f"{interrupts.signal_name()}; {interrupts.outcome()}")
+        _REPORTED["interrupt"] = True
+        raise typer.Exit(interrupts.signal_exit_code())
     except BrokenPipeError:
         # The reader of stdout went away (`... --json | head -1`): stop quietly, like
         # any Unix filter killed by SIGPIPE, and keep Python's exit-time flush silent.

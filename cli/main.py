@@ -26,12 +26,13 @@ from memengine.engine.options import AdaptOptions, EvalOptions, GenerateOptions,
 from memengine.engine.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 from . import generate as gen
-from .common import EXIT_ROLLED_BACK, engine_version, guard
+from .common import EXIT_ROLLED_BACK, CommandGroup, engine_version, guard
 from .params import JsonOpt, QuietOpt, VerboseOpt, param, run_command
 from .ui import UI
 
 app = typer.Typer(
     name="memengine",
+    cls=CommandGroup,
     help="Fine-tune (train) and narrowly adapt (adapt, WSLA) Mamba-1 models with WGSL compute "
          "shaders on any WebGPU adapter; convert checkpoints to fp16/bf16 (quantize).",
     epilog="Run 'memengine demo' for a two-minute tour on built-in defaults. "
@@ -105,7 +106,8 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
     from memengine.engine.config import expected_shapes, load_config
     from memengine.engine.init import init_weights
 
-    staging.check_output(output, force)
+    inputs = [("the config file", config)] if Path(config).exists() else []
+    staging.check_output(output, force, inputs=inputs, on_note=ui.note)
     cfg = load_config(config)
     tensors = init_weights(cfg, seed)
     n_params = int(sum(int(a.size) for a in tensors.values()))
@@ -326,7 +328,7 @@ Perplexity on the adapt text is measured before and after. If a loss is non-fini
 def quantize(
     ckpt: CkptArg,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory (not needed with --dry-run).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Target dtype: f16 or bf16.")] = "f16",
+    dtype: Annotated[str, typer.Option("--dtype", help="Target dtype: f16 (also fp16, float16, half) or bf16 (also bfloat16).")] = "f16",
     saturate: Annotated[bool, typer.Option("--saturate", help="Clamp values beyond the target's finite range instead of failing.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be written; write nothing.")] = False,
     revision: RevisionOpt = None,
@@ -340,9 +342,9 @@ def quantize(
     """Convert every floating tensor to fp16 or bf16 (IEEE round-to-nearest-even, bit-exact)."""
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
-        d = dtype.lower()
-        if d not in ("f16", "bf16"):
-            raise MemengineError(f"--dtype {dtype}: must be f16 or bf16")
+        from memengine.engine.codec import quantize_target
+
+        d = quantize_target(dtype)
         parse_size(max_shard_size)
         from memengine.engine.setup import resolve
 
@@ -361,7 +363,7 @@ def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate:
     if output is None and not dry_run:
         raise MemengineError("--output is required (or use --dry-run)")
     if not dry_run:
-        staging.check_output(output, force, inputs=(ref.path,))
+        staging.check_output(output, force, inputs=[("the input checkpoint", ref.path)], on_note=ui.note)
     c = open_checkpoint(ref, ui.warn)
     if dry_run:
         report = quantize_checkpoint(c, None if output is None else Path(output), dtype=dtype,
@@ -504,9 +506,7 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
             shutil.rmtree(cleanup, ignore_errors=True)
 
 
-def main() -> None:  # pragma: no cover - `python -m memengine.cli.main`
-    app(prog_name="memengine")
+if __name__ == "__main__":  # pragma: no cover - `python -m memengine.cli.main`
+    from memengine.cli import main
 
-
-if __name__ == "__main__":  # pragma: no cover
     main()

@@ -24,7 +24,8 @@ from .config import MODEL_TYPES, MambaConfig, expected_shapes, iter_expected_sha
 from .errors import MemengineError
 from .hostmem import check_fits
 from .inputs import check_regular, loads_json, read_json
-from .safetensors_io import (BF16Bits, F16Bits, SafetensorsHeader, atomic_write_bytes, read_header, read_safetensors,
+from .staging import atomic_write_bytes
+from .safetensors_io import (BF16Bits, F16Bits, SafetensorsHeader, read_header, read_safetensors,
                              write_safetensors)
 from .shards import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SHARD_NAME, parse_size, read_index, shard_file, split_shards
 

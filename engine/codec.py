@@ -96,15 +96,27 @@ ENCODERS = {"F16": (f32_to_f16_bits, f16_bits_to_f32, F16_MAX_BITS, F16_MAX),
              "BF16": (f32_to_bf16_bits, bf16_bits_to_f32, BF16_MAX_BITS, BF16_MAX)}
 
 
+# the one table of dtype names a user may give (--dtype and the library calls)
+DTYPE_ALIASES = {"f16": "F16", "fp16": "F16", "float16": "F16", "half": "F16",
+                 "bf16": "BF16", "bfloat16": "BF16",
+                 "f32": "F32", "fp32": "F32", "float32": "F32", "float": "F32"}
+
+
 def normalize_dtype(dtype: str, flag: str = "--dtype") -> str:
-    """'f16'/'fp16'/'float16'/'half' -> 'F16', 'bf16'/'bfloat16' -> 'BF16', 'f32'/'float32' -> 'F32'."""
+    """'f16'/'fp16'/'float16'/'half' -> 'F16', 'bf16'/'bfloat16' -> 'BF16', 'f32'/'fp32'/'float32'/'float' -> 'F32'."""
     d = str(dtype).strip().lower()
-    table = {"f16": "F16", "fp16": "F16", "float16": "F16", "half": "F16",
-             "bf16": "BF16", "bfloat16": "BF16",
-             "f32": "F32", "fp32": "F32", "float32": "F32", "float": "F32"}
-    if d not in table:
-        raise MemengineError(f"{flag}: unknown dtype {dtype!r} (use f32, f16 or bf16)")
-    return table[d]
+    if d not in DTYPE_ALIASES:
+        names = ", ".join(DTYPE_ALIASES)
+        raise MemengineError(f"{flag} {dtype}: unknown dtype (one of {names})")
+    return DTYPE_ALIASES[d]
+
+
+def quantize_target(dtype: str, flag: str = "--dtype") -> str:
+    """The 16-bit target of `quantize` ('f16' or 'bf16') for any alias of it."""
+    dt = normalize_dtype(dtype, flag)
+    if dt not in ("F16", "BF16"):
+        raise MemengineError(f"{flag} {dtype}: quantize writes f16 (fp16, float16, half) or bf16 (bfloat16)")
+    return dt.lower()
 
 
 def encode(x: np.ndarray, dtype: str, *, name: str = "tensor", saturate: bool = False) -> np.ndarray:

@@ -1,34 +1,58 @@
 """Ctrl-C and SIGTERM: the one place that decides when they take effect.
 
 `handling()` (entered once per command) routes SIGINT and SIGTERM to a KeyboardInterrupt.
-Inside GPU loops (`deferred()`) the signal is only noted and raised at the next step
-boundary (`check()`, called by the loops once per step): raised at an arbitrary point it
-can land inside a wgpu object's finalizer, where Python prints and swallows it and the
-loop runs on.  A second signal while one is pending is raised at once.
+Inside GPU loops (`deferred()`) the first signal is only noted and raised at the next
+`check()`: the loops call it between steps, and the GPU code between submissions
+(`gpu.Recorder` submits a step in bounded pieces, and waits for the GPU in short slices),
+so the run stops within a piece of a step, at any model size.  Raised at an arbitrary
+point instead, a KeyboardInterrupt can land inside a wgpu object's finalizer, where Python
+prints and swallows it and the loop runs on.
+
+A second signal ends the process at once, still cleanly, even while the main thread is
+stuck in a long native call (Python runs signal handlers only between bytecodes of the
+main thread): a watcher thread reads the signals from a wakeup pipe, waits for an output
+swap in progress to finish (`critical()`), removes the staging directories registered
+with `staging_dir()`, prints one line and exits with 128 + the signal number.
+
+`signal_exit_code()` and `outcome()` let the front end say truthfully what happened: which
+signal, and whether an output was completed before it arrived (`completed()`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import signal
+import sys
 import threading
+from pathlib import Path
 from typing import Iterator
 
-_STATE = {"deferred": 0, "pending": False}
+_STATE = {"deferred": 0, "pending": False, "signum": 0, "count": 0}
+_COMPLETED: list = []            # outputs written completely during this command
+_STAGING: dict = {}              # staging directories in progress -> True
+_CRITICAL = threading.RLock()    # held while an output is swapped into place
+_WATCH: dict = {"thread": None, "r": -1, "w": -1, "old_fd": None, "report": None}
 
 
 def _on_signal(signum, frame):
+    _STATE["signum"] = signum
     if _STATE["deferred"] and not _STATE["pending"]:
-        _STATE["pending"] = True  # raised at the next step boundary; a second one at once
+        _STATE["pending"] = True  # raised at the next check(); a second one ends the process
         return
     raise KeyboardInterrupt
 
 
 def check() -> None:
-    """Raise the KeyboardInterrupt a signal deferred (the loops call it once per step)."""
+    """Raise the KeyboardInterrupt a signal deferred (loops and GPU waits call it)."""
     if _STATE["pending"]:
         _STATE["pending"] = False
         raise KeyboardInterrupt
+
+
+def pending() -> bool:
+    return bool(_STATE["pending"])
 
 
 @contextlib.contextmanager
@@ -42,17 +66,145 @@ def deferred() -> Iterator[None]:
     check()
 
 
+def signal_exit_code() -> int:
+    """128 + the last signal (130 for Ctrl-C, 143 for SIGTERM); 130 when none was seen."""
+    return 128 + (_STATE["signum"] or signal.SIGINT)
+
+
+def signal_name() -> str:
+    return "terminated (SIGTERM)" if _STATE["signum"] == signal.SIGTERM else "interrupted"
+
+
+# ----------------------------------------------------------------------------- outputs
+def completed(path) -> None:
+    """Note that the output `path` was written completely (an interrupt after this says so)."""
+    _COMPLETED.append(str(path))
+
+
+def was_completed(path) -> bool:
+    return os.path.abspath(str(path)) in {os.path.abspath(p) for p in _COMPLETED}
+
+
+def outcome() -> str:
+    """What an interrupted command leaves behind, from what it completed."""
+    if not _COMPLETED:
+        return "nothing was written"
+    return f"{_COMPLETED[-1]} had been written completely and is kept"
+
+
 @contextlib.contextmanager
-def handling() -> Iterator[None]:
-    """Route SIGINT and SIGTERM to KeyboardInterrupt while inside (main thread only)."""
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(Exception):
-                old[sig] = signal.signal(sig, _on_signal)
+def staging_dir(path: Path) -> Iterator[None]:
+    """Register a staging directory that an emergency exit (second signal) removes."""
+    key = str(path)
+    _STAGING[key] = True
     try:
         yield
     finally:
+        _STAGING.pop(key, None)
+
+
+@contextlib.contextmanager
+def critical() -> Iterator[None]:
+    """An output swap: a first signal takes effect after it, an emergency exit waits for
+    it to finish (a few renames)."""
+    with deferred():
+        with _CRITICAL:
+            yield
+
+
+def _emergency_exit(signum: int) -> None:
+    """Second signal: wait for a swap in progress, remove staging directories, exit."""
+    got = _CRITICAL.acquire(timeout=10)
+    try:
+        for key in list(_STAGING):
+            with contextlib.suppress(Exception):
+                shutil.rmtree(key, ignore_errors=True)
+        what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+        msg = f"{what} again: stopped at once; {outcome()}"
+        with contextlib.suppress(Exception):
+            (_WATCH["report"] or _write_stderr)(msg)
+    finally:
+        os._exit(128 + signum)
+        if got:  # pragma: no cover
+            _CRITICAL.release()
+
+
+def _write_stderr(msg: str) -> None:
+    os.write(2, f"error: {msg}\n".encode())
+
+
+def _watch(rfd: int) -> None:
+    while True:
+        try:
+            data = os.read(rfd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for b in data:
+            if b in (signal.SIGINT, signal.SIGTERM):
+                _STATE["count"] += 1
+                if _STATE["count"] >= 2:
+                    _emergency_exit(int(b))
+
+
+def _start_watcher() -> None:
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        os.close(r)
+        os.close(w)
+        return
+    t = threading.Thread(target=_watch, args=(r,), name="memengine-signals", daemon=True)
+    t.start()
+    _WATCH.update(thread=t, r=r, w=w, old_fd=old)
+
+
+def _stop_watcher() -> None:
+    if _WATCH["thread"] is None:
+        return
+    with contextlib.suppress(Exception):
+        signal.set_wakeup_fd(_WATCH["old_fd"] if _WATCH["old_fd"] is not None else -1)
+    with contextlib.suppress(OSError):
+        os.close(_WATCH["w"])  # the watcher reads EOF and ends
+    _WATCH["thread"].join(timeout=1)
+    with contextlib.suppress(OSError):
+        os.close(_WATCH["r"])
+    _WATCH.update(thread=None, r=-1, w=-1, old_fd=None)
+
+
+def install() -> None:
+    """Route SIGINT and SIGTERM to KeyboardInterrupt for good (a program's first line, so
+    an interrupt while modules load is one clean exception too)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                signal.signal(sig, _on_signal)
+
+
+@contextlib.contextmanager
+def handling(report=None) -> Iterator[None]:
+    """Route SIGINT and SIGTERM to KeyboardInterrupt while inside (main thread only); a
+    second signal ends the process at once (see the module doc), saying so through
+    `report(message)` (default: an `error:` line on stderr)."""
+    old = {}
+    _STATE.update(pending=False, count=0)
+    _COMPLETED.clear()
+    _WATCH["report"] = report
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                old[sig] = signal.signal(sig, _on_signal)
+        if sys.platform != "win32":
+            _start_watcher()
+    try:
+        yield
+    finally:
+        if main:
+            _stop_watcher()
         for sig, handler in old.items():
             with contextlib.suppress(Exception):
                 signal.signal(sig, handler)

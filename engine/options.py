@@ -121,6 +121,7 @@ class Options:
 
     KIND: ClassVar[str] = ""
     CONFIG_FILE: ClassVar[bool] = True  # the command takes --config
+    config_file: ClassVar[Optional[Path]] = None  # the --config file read (set by `resolve`), an input
 
     @classmethod
     def option_fields(cls) -> list:
@@ -532,4 +533,7 @@ def resolve(cls, explicit: dict, config_file: Optional[Path] = None):
         from .snapshots import recorded_options
 
         resumed = restored_values(cls, recorded_options(Path(values["resume"]), cls.KIND))
-    return cls(**{**resumed, **values}).validate()
+    opts = cls(**{**resumed, **values}).validate()
+    if config_file is not None:
+        opts.config_file = Path(config_file)
+    return opts

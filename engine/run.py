@@ -178,7 +178,11 @@ class _Run:
         ref = resolve(snap.dir if snap is not None else o.ckpt, None if snap else o.revision,
                       None if snap else o.model_type)
         source = ref.path
-        staging.check_output(self.out, o.force, inputs=() if self.in_place else (source,), owned=self.in_place)
+        staging.check_output(self.out, o.force, inputs=self._inputs(source), owned=self.in_place,
+                             on_note=lis.on_note)
+        if self.in_place:
+            for note in staging.clean_leftovers(self.out / snapshots.CHECKPOINTS_DIR):
+                lis.on_note(note)
         if self.in_place:
             later = snapshots.later_steps(self.out, snap.step)
             if later and not o.force:
@@ -191,6 +195,12 @@ class _Run:
             self._check_same_run(snap.state.get("options") or {})
 
         self.ckpt = open_checkpoint(ref, lis.on_warning)
+        from .config import expected_shapes
+
+        opt_file = self.ckpt.directory / optim_state.OPTIMIZER_FILE
+        opt_state = optim_state.load(opt_file, dict(expected_shapes(self.ckpt.config)))  # before any upload
+        if snap is not None and opt_state is None:
+            raise MemengineError(f"--resume {snap.dir}: no {optim_state.OPTIMIZER_FILE}; cannot continue exactly")
         self.tok = open_tokenizer(self.ckpt, o.tokenizer)
         vocab = self.ckpt.config.vocab_size
         docs, desc = read_sources(o.data)
@@ -223,10 +233,6 @@ class _Run:
         evals = (math.ceil(len(self.all_windows) / o.batch_size),) + val if o.WSLA else val
         self.model = open_model(self.rt, self.ckpt, o.KIND, o.batch_size, o.seq_len, eval_passes=evals,
                                 trace_steps=reads_apart(o, len(self.windows)))
-        opt_file = self.ckpt.directory / optim_state.OPTIMIZER_FILE
-        opt_state = optim_state.load(opt_file, self.model)
-        if snap is not None and opt_state is None:
-            raise MemengineError(f"--resume {snap.dir}: no {optim_state.OPTIMIZER_FILE}; cannot continue exactly")
         if snap is None and opt_state is not None:
             n = sum(1 for k in opt_state if k.endswith(".exp_avg"))
             lis.on_note(f"resuming optimizer state from {opt_file} ({n} moments)")
@@ -253,6 +259,18 @@ class _Run:
         lis.on_note(f"{what} on {self.stream.ids.size:,} tokens ({len(self.windows)} windows{val}; "
                     f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
                     + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else ""))
+
+    def _inputs(self, source: Path) -> list:
+        """(what, path) of every file the run reads: OUT may not be, contain or lie in one."""
+        o = self.o
+        items = [("the input checkpoint", source)]
+        items += [("the --data file", d) for d in o.data]
+        items += [("the --val-data file", d) for d in o.val_data]
+        if o.tokenizer not in (None, "bytes"):
+            items.append(("the --tokenizer file", o.tokenizer))
+        if getattr(o, "config_file", None) is not None:
+            items.append(("the --config file", o.config_file))
+        return items
 
     # options that fix which windows each step sees: a resumed run keeps them
     SAME_RUN = ("seq_len", "batch_size", "grad_accum", "seed", "shuffle", "val_fraction")
@@ -309,7 +327,7 @@ class _Run:
             staging.claim_dir(self.out, self.o.force)
             self.claimed = True
         d = snapshots.step_dir(self.out, self.state.step)
-        with staging.staged_output(d, force=True) as tmp:
+        with staging.staged_output(d, force=True, record=False) as tmp:
             self.write_checkpoint(tmp)
         best = self.state.best["step"] if (self.o.keep_best and self.state.best) else None
         snapshots.prune(self.out, self.o.keep_last, keep=best)
@@ -346,6 +364,8 @@ class _Run:
 
     def left(self) -> str:
         """What an interrupted or failed run leaves behind, for its one-line message."""
+        if interrupts.was_completed(self.out):
+            return f"{self.out} had been written completely and is kept"
         last = self.last_checkpoint()
         if last is None:
             return "nothing was written"
@@ -359,7 +379,7 @@ class _Run:
         except Interrupted:
             raise
         except KeyboardInterrupt:
-            raise Interrupted(f"interrupted; {self.left()}") from None
+            raise Interrupted(f"{interrupts.signal_name()}; {self.left()}") from None
 
     def train(self) -> None:
         try:

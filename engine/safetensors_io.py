@@ -19,7 +19,6 @@ import json
 import math
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .errors import MemengineError
+from .staging import atomic_write_bytes
 from .codec import bf16_bits_to_f32, f16_bits_to_f32
 from .inputs import loads_json, open_regular
 
@@ -269,27 +269,6 @@ def _as_storage(name: str, value: Any) -> tuple[str, np.ndarray]:
     if st is None:
         raise MemengineError(f"tensor '{name}': cannot store numpy dtype {a.dtype} in safetensors")
     return st, a
-
-
-def atomic_write_bytes(path: str | Path, chunks) -> None:
-    """Write `chunks` (bytes or an iterable of buffers) to `path` via a temp file + os.replace."""
-    path = Path(path)
-    if isinstance(chunks, (bytes, bytearray, memoryview)):
-        chunks = [chunks]
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> Path:

@@ -1,0 +1,5 @@
+"""`python -m memengine.cli`: the console script (see `memengine.cli.main`)."""
+
+from memengine.cli import main
+
+main()
