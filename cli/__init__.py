@@ -16,4 +16,7 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.write(f"error: {interrupts.signal_name()} while starting; nothing was written\n")
         sys.exit(interrupts.signal_exit_code())
-    app(prog_name="memengine")
+    try:
+        app(prog_name="memengine")
+    finally:
+        interrupts.exiting()

@@ -108,6 +108,8 @@ def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
     except (typer.Exit, typer.Abort, SystemExit):
         raise
     except KeyboardInterrupt as e:
+        if debug_enabled():
+            traceback.print_exc(file=sys.stderr)
         ui.error(getattr(e, "message", None) or f"{interrupts.signal_name()}; {interrupts.outcome()}")
         _REPORTED["interrupt"] = True
         raise typer.Exit(interrupts.signal_exit_code())

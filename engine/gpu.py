@@ -34,6 +34,7 @@ from importlib import resources
 
 import numpy as np
 
+from . import interrupts
 from .errors import MemengineError, NoAdapterError
 from .hostmem import fmt_bytes  # noqa: F401  (the ops and the plan format sizes with it)
 
@@ -354,6 +355,8 @@ class Runtime:
         self._scratch: dict = {}
         self.bytes_allocated = 0
         self.peak_bytes = 0
+        self.bounded = True  # submit steps in pieces (Recorder.boundary); the trainer clears it for fast steps
+        self._piece_fence = None
 
     # ------------------------------------------------------------------ limits
     def set_limits(self, binding: int | None = None, buffer: int | None = None) -> None:
@@ -524,6 +527,7 @@ class Runtime:
             self.device.queue.write_buffer(t.buffer, t.offset, a.tobytes())
 
     def read(self, t: Tensor) -> np.ndarray:
+        self.sync()  # the queued work first, interruptibly; then the copy back is short
         raw = self.device.queue.read_buffer(t.buffer, t.offset, t.nbytes)
         return np.frombuffer(raw, dtype=_DTYPES[t.dtype]).copy().reshape(t.shape)
 
@@ -588,12 +592,22 @@ class Runtime:
         prof.totals.clear()
         return rows
 
+    def piece_fence(self) -> "StepFence":
+        if self._piece_fence is None:
+            self._piece_fence = StepFence(self, depth=2)
+        return self._piece_fence
+
     def sync(self) -> None:
-        """Wait until all submitted work is done."""
-        # (on_submitted_work_done_sync is unreliable across drivers; a tiny readback is not)
+        """Wait until all submitted work is done (in slices, an interrupt acts at once)."""
+        # (on_submitted_work_done_sync is unreliable across drivers; a mapped copy is not)
         if getattr(self, "_sync_buf", None) is None:
-            self._sync_buf = self.empty((4,), "u32", "sync")
-        self.device.queue.read_buffer(self._sync_buf.buffer, 0, 16)
+            u = self.wgpu.BufferUsage
+            self._sync_src = self.empty((4,), "u32", "sync.src")
+            self._sync_buf = self.device.create_buffer(label="sync", size=16, usage=u.MAP_READ | u.COPY_DST)
+        enc = self.device.create_command_encoder()
+        enc.copy_buffer_to_buffer(self._sync_src.buffer, 0, self._sync_buf, 0, 16)
+        self.device.queue.submit([enc.finish()])
+        wait_mapped(self._sync_buf, self.wgpu.MapMode.READ)
 
 
 def grid(n_groups: int) -> tuple[int, int, int]:
@@ -657,6 +671,25 @@ class _Profiler:
         self.pending = []
 
 
+def wait_mapped(buf, mode) -> None:
+    """Map `buf` (waiting for the GPU work before it), then unmap it.  The wait is cut in
+    short slices with an interrupt check between them: a Ctrl-C acts within a slice, not
+    after the queued work (a long native wait would keep Python from running its handler)."""
+    promise = buf.map_async(mode)
+    done = getattr(promise, "_thread_event", None)
+    if done is not None:
+        while not done.wait(WAIT_SLICE_S):
+            interrupts.check()
+    promise.sync_wait()
+    buf.unmap()
+
+
+WAIT_SLICE_S = 0.05
+# a step is submitted in pieces (a layer's forward or backward each) while steps are slow,
+# so the GPU queue never holds more than a few pieces and an interrupt acts within one
+BOUNDED_STEP_S = 0.25
+
+
 class StepFence:
     """Bounds how many submitted steps may be queued on the GPU, without stalling it.
 
@@ -679,9 +712,7 @@ class StepFence:
     def wait(self) -> None:
         """Call before recording a step: waits for the step `depth` back to finish."""
         if self.steps >= self.depth:
-            buf = self.bufs[self.steps % self.depth]
-            buf.map_sync(self.rt.wgpu.MapMode.READ)
-            buf.unmap()
+            wait_mapped(self.bufs[self.steps % self.depth], self.rt.wgpu.MapMode.READ)
 
     def mark(self, rec: "Recorder") -> None:
         """Call after recording a step, before its submit."""
@@ -751,6 +782,19 @@ class Recorder:
         assert src.nbytes == dst.nbytes
         if src.nbytes:
             self.encoder.copy_buffer_to_buffer(src.buffer, src.offset, dst.buffer, dst.offset, src.nbytes)
+
+    def boundary(self):
+        """A point where the recorded work may be submitted (between layers): while the
+        runtime bounds its submissions (`Runtime.bounded`), submit it here and keep at most
+        two pieces queued, checking for an interrupt while waiting."""
+        rt = self.rt
+        if not rt.bounded or not self.dispatches:
+            return
+        fence = rt.piece_fence()
+        fence.wait()
+        fence.mark(self)
+        self.submit()
+        interrupts.check()
 
     def submit(self):
         self._end_pass()

@@ -41,6 +41,8 @@ def _on_signal(signum, frame):
     if _STATE["deferred"] and not _STATE["pending"]:
         _STATE["pending"] = True  # raised at the next check(); a second one ends the process
         return
+    if _STATE["pending"] and _WATCH["thread"] is not None:
+        return  # the second: the watcher thread ends the process (it also sees it)
     raise KeyboardInterrupt
 
 
@@ -182,6 +184,20 @@ def install() -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(Exception):
                 signal.signal(sig, _on_signal)
+
+
+def exiting() -> None:
+    """The command is over (its outputs complete or removed): a signal while the process
+    exits ends it at once with 128 + the signal, with no traceback."""
+    def _now(signum, frame):
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                signal.signal(sig, _now)
 
 
 @contextlib.contextmanager

@@ -354,6 +354,7 @@ class MambaModel:
             linear_forward(rec, hn, ws.y[i], lp.out_proj_weight, lp.out_proj_bias, M=M, N=E, K=Di, acc=True)
             if after_layer is not None:
                 after_layer(rec, i)
+            rec.boundary()  # a submission per layer while steps are slow (an interrupt acts within one)
         rmsnorm_forward(rec, ws.hf, ws.rstd_f, ws.h[-1], p.norm_f, c.layer_norm_epsilon)
 
     def _mixer_norms(self, ws: Workspace, i: int) -> list:
@@ -386,6 +387,7 @@ class MambaModel:
             if want_grad:
                 linear_backward(rec, ws.dhf.view((mc, E), r0 * E), dW if train_head else None, None,
                                 logits, hf, W, M=mc, N=V, K=E)
+            rec.boundary()
 
     def record_backward(self, rec: Recorder, ws: Workspace, trainable: set) -> None:
         """Gradients of the mean loss for every parameter (dW skipped for frozen ones)."""
@@ -420,6 +422,7 @@ class MambaModel:
                             lg.in_proj_bias if want(pre + "mixer.in_proj.bias") else None,
                             ws.dxz, ws.un[i], lp.in_proj_weight, ws.ones, M=M, N=2 * Di, K=E)
             rmsnorm_backward(rec, ws.dh, lg.norm_weight, ws.dun, ws.h[i], lp.norm_weight, ws.rstd[i])
+            rec.boundary()
         if want("backbone.embeddings.weight"):
             ws.emb_back.record(rec, g.embeddings, ws.dh)
 

@@ -13,13 +13,14 @@ a few submissions queued, so progress follows the GPU and Ctrl-C stops promptly.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from .errors import MemengineError
-from .gpu import StepFence
+from .gpu import BOUNDED_STEP_S, StepFence
 from .model import MambaModel, perplexity
 from .ops.reduce import sum_into
 from .optim import AdamW, GradClipper
@@ -77,6 +78,7 @@ class Trainer:
         self.step_loss = rt.zeros((1,), name="step_loss")
         self.pending = 0
         self.fence = StepFence(rt)
+        self._last_step = None
 
     def optimizer_state(self) -> dict:
         return self.opt.state_dict()
@@ -109,7 +111,20 @@ class Trainer:
             rec.submit()
             tokens += int(b.n_tokens)
         self.pending += 1
+        self._pace(rt)
         return tokens
+
+    def _pace(self, rt) -> None:
+        """Submit steps whole while they are fast, in pieces (a layer each) while they are
+        slow, so that an interrupt acts within a piece at any model size (gpu.Recorder.boundary)."""
+        now = time.perf_counter()
+        if self._last_step is not None:
+            dt = now - self._last_step
+            if dt < BOUNDED_STEP_S:
+                rt.bounded = False
+            elif dt > 4 * BOUNDED_STEP_S:
+                rt.bounded = True
+        self._last_step = now
 
     def read_trace(self) -> tuple[np.ndarray, np.ndarray]:
         """(losses, grad norms) of the steps since the last read (a GPU sync point)."""
