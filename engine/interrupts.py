@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-_STATE = {"deferred": 0, "pending": False, "signum": 0, "count": 0}
+_STATE = {"deferred": 0, "pending": False, "signum": 0, "count": 0, "delivered": False}
 _COMPLETED: list = []            # outputs written completely during this command
 _STAGING: dict = {}              # staging directories in progress -> True
 _CRITICAL = threading.RLock()    # held while an output is swapped into place
@@ -38,11 +38,13 @@ _WATCH: dict = {"thread": None, "r": -1, "w": -1, "old_fd": None, "report": None
 
 def _on_signal(signum, frame):
     _STATE["signum"] = signum
-    if _STATE["deferred"] and not _STATE["pending"]:
-        _STATE["pending"] = True  # raised at the next check(); a second one ends the process
+    first = not _STATE["delivered"]
+    _STATE["delivered"] = True
+    if not first and _WATCH["thread"] is not None:
+        return  # a second one: the watcher thread (it sees it too) ends the process at once
+    if first and _STATE["deferred"]:
+        _STATE["pending"] = True  # raised at the next check()
         return
-    if _STATE["pending"] and _WATCH["thread"] is not None:
-        return  # the second: the watcher thread ends the process (it also sees it)
     raise KeyboardInterrupt
 
 
@@ -186,18 +188,19 @@ def install() -> None:
                 signal.signal(sig, _on_signal)
 
 
+def _exit_now(signum, frame):
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(128 + signum)
+
+
 def exiting() -> None:
     """The command is over (its outputs complete or removed): a signal while the process
     exits ends it at once with 128 + the signal, with no traceback."""
-    def _now(signum, frame):
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-        os._exit(128 + signum)
-
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(Exception):
-                signal.signal(sig, _now)
+                signal.signal(sig, _exit_now)
 
 
 @contextlib.contextmanager
@@ -206,7 +209,7 @@ def handling(report=None) -> Iterator[None]:
     second signal ends the process at once (see the module doc), saying so through
     `report(message)` (default: an `error:` line on stderr)."""
     old = {}
-    _STATE.update(pending=False, count=0)
+    _STATE.update(pending=False, count=0, delivered=False)
     _COMPLETED.clear()
     _WATCH["report"] = report
     main = threading.current_thread() is threading.main_thread()
@@ -223,5 +226,6 @@ def handling(report=None) -> Iterator[None]:
             _stop_watcher()
         for sig, handler in old.items():
             with contextlib.suppress(Exception):
-                signal.signal(sig, handler)
+                # a program that called install(): the command is over, a signal now ends it at once
+                signal.signal(sig, _exit_now if handler is _on_signal else handler)
         _STATE["pending"] = False

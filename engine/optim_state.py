@@ -108,8 +108,11 @@ def check_header(entries: dict, model, where: str) -> None:
 def check(state: dict, model, where: str) -> None:
     """`check_header` on the arrays, then the values: '__step__' a finite integer >= 0,
     moments finite, second moments >= 0."""
-    check_header({k: (np.shape(a), "F32" if np.asarray(a).dtype == np.float32 else str(np.asarray(a).dtype))
-                  for k, a in state.items()}, model, where)
+    def st_dtype(a) -> str:  # numpy's dtype under its safetensors name (F32, I64, ...)
+        d = np.asarray(a).dtype
+        return f"{'F' if d.kind == 'f' else 'I' if d.kind == 'i' else 'U' if d.kind == 'u' else d.name}{8 * d.itemsize}"
+
+    check_header({k: (np.shape(a), st_dtype(a)) for k, a in state.items()}, model, where)
     for key in sorted(state):
         arr = np.asarray(state[key])
         if key == "__step__":

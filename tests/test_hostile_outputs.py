@@ -555,3 +555,20 @@ def test_interrupt_after_out_is_complete_says_so(tiny_ckpt_ro, sample_text, tmp_
     import transformers
 
     transformers.MambaForCausalLM.from_pretrained(str(out))
+
+
+# ============================================================================ a FIFO as --data
+def test_fifo_as_data_is_read_like_stdin(tiny_ckpt_ro, tmp_path):
+    """A FIFO is what a shell's <(command) gives: read to its end, like stdin (a device or a
+    FIFO where a model file belongs is refused: tests/test_hostile_inputs.py)."""
+    fifo = tmp_path / "data.txt"
+    os.mkfifo(fifo)
+
+    def writer():
+        with open(fifo, "w") as f:
+            f.write(SAMPLE_TEXT)
+
+    threading.Thread(target=writer, daemon=True).start()
+    r = run("eval", tiny_ckpt_ro, "--data", fifo, "--seq-len", "32", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1])["tokens"] > 100
