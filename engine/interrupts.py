@@ -188,19 +188,15 @@ def install() -> None:
                 signal.signal(sig, _on_signal)
 
 
-def _exit_now(signum, frame):
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-    os._exit(128 + signum)
-
-
 def exiting() -> None:
-    """The command is over (its outputs complete or removed): a signal while the process
-    exits ends it at once with 128 + the signal, with no traceback."""
+    """The command is over (its outputs complete or removed, its message printed): a signal
+    while the process exits is ignored, so the exit status stays the command's (Python
+    restores the default action, death by the signal, during its own finalization unless
+    the signal is ignored)."""
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(Exception):
-                signal.signal(sig, _exit_now)
+                signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
@@ -226,6 +222,7 @@ def handling(report=None) -> Iterator[None]:
             _stop_watcher()
         for sig, handler in old.items():
             with contextlib.suppress(Exception):
-                # a program that called install(): the command is over, a signal now ends it at once
-                signal.signal(sig, _exit_now if handler is _on_signal else handler)
+                # a program that called install(): the command is over (its outputs complete or
+                # removed, its message printed), a signal now changes nothing
+                signal.signal(sig, signal.SIG_IGN if handler is _on_signal else handler)
         _STATE["pending"] = False
