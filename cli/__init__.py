@@ -12,11 +12,20 @@ def main() -> None:
 
     interrupts.install()
     try:
-        from .main import app
-    except KeyboardInterrupt:
-        sys.stderr.write(f"error: {interrupts.signal_name()} while starting; nothing was written\n")
-        sys.exit(interrupts.signal_exit_code())
-    try:
-        app(prog_name="memengine")
+        when = " while starting"
+        try:
+            from .main import app
+
+            when = ""
+            app(prog_name="memengine")  # exits through SystemExit with the command's status
+        except KeyboardInterrupt:  # outside a command's guard: while loading or building the commands
+            interrupts.exiting()
+            sys.stderr.write(f"error: {interrupts.signal_name()}{when}; {interrupts.outcome()}\n")
+            sys.exit(interrupts.signal_exit_code())
     finally:
         interrupts.exiting()
+        # A KeyboardInterrupt that once left code run by exec/compile (dataclasses, typing)
+        # leaves CPython's "unhandled KeyboardInterrupt" flag set even when it was caught, and
+        # the interpreter would then end by killing itself with SIGINT; running code this way
+        # clears the flag, so the exit status is the command's.
+        exec("pass", {})

@@ -461,11 +461,13 @@ SIGNAL_CHILD = textwrap.dedent("""
     def hit():
         os.kill(os.getpid(), sig)
         time.sleep(0.5)  # the handler runs here
-    if when == "imports":  # while the command line's modules load
+    if when in ("imports", "exec"):  # while the command line's modules load
         class Hook(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path, target=None):
                 if name == "typer":
                     sys.meta_path.remove(self)
+                    if when == "exec":  # inside code run by exec, as dataclasses and typing do
+                        exec("hit()", {"hit": hit})
                     hit()
                 return None
         sys.meta_path.insert(0, Hook())
@@ -514,14 +516,27 @@ SIGNAL_CHILD = textwrap.dedent("""
 """)
 
 
-def run_signal_child(when, sig, *args, timeout=120):
+def run_signal_child(when, sig, *args, timeout=120, tmp=None):
+    """SIGNAL_CHILD run as `python -m` (how CPython ends depends on how its code was run)."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="sigchild-"))
+    (root / "sigchild").mkdir()
+    (root / "sigchild" / "__main__.py").write_text(SIGNAL_CHILD)
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", SIGNAL_CHILD, when, sig, *[str(a) for a in args]],
-                       capture_output=True, text=True, env=child_env(), timeout=timeout)
+    try:
+        p = subprocess.run([sys.executable, "-m", "sigchild", when, sig, *[str(a) for a in args]],
+                           capture_output=True, text=True, env=env, timeout=timeout)
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
     return p, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("when", ["imports", "loading", "upload"])
+@pytest.mark.parametrize("when", ["imports", "exec", "loading", "upload"])
 @pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_signal_during_startup_one_line(tiny_ckpt_ro, sample_text, tmp_path, when, sig, code):
     out = tmp_path / "o"
