@@ -106,7 +106,8 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
     from memengine.engine.config import expected_shapes, load_config
     from memengine.engine.init import init_weights
 
-    inputs = [("the config file", config)] if Path(config).exists() else []
+    cfg_path = Path(config) / "config.json" if Path(config).is_dir() else Path(config)  # as load_config reads it
+    inputs = [("the config file", cfg_path)] if cfg_path.exists() else []
     staging.check_output(output, force, inputs=inputs, on_note=ui.note)
     cfg = load_config(config)
     tensors = init_weights(cfg, seed)
