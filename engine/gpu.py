@@ -38,7 +38,9 @@ from . import interrupts
 from .errors import MemengineError, NoAdapterError
 from .hostmem import fmt_bytes  # noqa: F401  (the ops and the plan format sizes with it)
 
-_DTYPES = {"f32": np.float32, "u32": np.uint32, "i32": np.int32}
+_DTYPES = {"f32": np.float32, "u32": np.uint32, "i32": np.int32, "f16": np.float16}
+# bytes per element: 4, except f16 (mixed precision: the matmul operands' copies)
+_ITEMSIZE = {"f16": 2}
 MAX_GROUPS = 65535
 # environment variables that lower the adapter's limits (bytes; K/M/G suffixes = KiB/MiB/GiB)
 ENV_MAX_BINDING = "MEMENGINE_MAX_BINDING_BYTES"
@@ -105,7 +107,7 @@ def _silence_fd2(enabled: bool):
 
 @dataclass(eq=False)
 class Tensor:
-    """A typed, shaped view of a GPU buffer (4-byte elements, row-major)."""
+    """A typed, shaped view of a GPU buffer (4-byte elements, 2 for f16; row-major)."""
 
     buffer: object
     shape: tuple
@@ -121,11 +123,15 @@ class Tensor:
         return n
 
     @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE.get(self.dtype, 4)
+
+    @property
     def nbytes(self) -> int:
-        return 4 * self.numel
+        return self.itemsize * self.numel
 
     def view(self, shape: tuple, offset_elems: int = 0) -> "Tensor":
-        t = Tensor(self.buffer, tuple(shape), self.dtype, self.offset + 4 * offset_elems)
+        t = Tensor(self.buffer, tuple(shape), self.dtype, self.offset + self.itemsize * offset_elems)
         assert t.offset + t.nbytes <= self.offset + self.nbytes, "view past the end of its tensor"
         return t
 
@@ -136,12 +142,13 @@ def bound(rt: "Runtime", t: Tensor, n: int | None = None) -> tuple[Tensor, int]:
     Returns the Tensor to bind, covering t's first `n` elements (all by default), and the
     element index of t[0] inside that binding, which the kernel adds to its indices.
     """
-    if t.offset % 4:
-        raise ValueError("tensor offset must be a multiple of 4 bytes")
+    isz = t.itemsize
+    if t.offset % isz:
+        raise ValueError(f"tensor offset must be a multiple of {isz} bytes")
     n = t.numel if n is None else n
     al = rt.storage_align
     start = (t.offset // al) * al
-    extra = (t.offset - start) // 4
+    extra = (t.offset - start) // isz
     return Tensor(t.buffer, (extra + max(n, 1),), t.dtype, start), extra
 
 
@@ -292,14 +299,14 @@ def rows(t: Tensor, r0: int, n: int, width: int | None = None) -> Tensor:
     per = int(width) if width is not None else (t.numel // int(t.shape[0]) if t.shape and t.shape[0] else 1)
     if r0 == 0 and n * per == t.numel:
         return t
-    out = Tensor(t.buffer, (int(n), per) if per > 1 else (int(n),), t.dtype, t.offset + 4 * int(r0) * per, t.name)
+    out = Tensor(t.buffer, (int(n), per) if per > 1 else (int(n),), t.dtype, t.offset + t.itemsize * int(r0) * per, t.name)
     assert out.offset + out.nbytes <= t.offset + t.nbytes, "rows past the end of its tensor"
     return out
 
 
 def span(t: Tensor, start: int, n: int) -> Tensor:
     """Elements [start, start+n) of t, flat."""
-    out = Tensor(t.buffer, (int(n),), t.dtype, t.offset + 4 * int(start), t.name)
+    out = Tensor(t.buffer, (int(n),), t.dtype, t.offset + t.itemsize * int(start), t.name)
     assert out.offset + out.nbytes <= t.offset + t.nbytes, "span past the end of its tensor"
     return out
 
@@ -334,6 +341,10 @@ class Runtime:
         self.has_subgroups = "subgroup" in self.adapter.features
         if self.has_subgroups:
             feats.append("subgroup")
+        # f16 arithmetic and storage in shaders (--precision mixed: the f16 matmul path)
+        self.has_f16 = "shader-f16" in self.adapter.features
+        if self.has_f16:
+            feats.append("shader-f16")
         self.features = set(self.adapter.features)
         with _silence_fd2(not verbose):
             self.device = self.adapter.request_device_sync(required_features=feats, required_limits=want)
@@ -474,7 +485,7 @@ class Runtime:
         n = 1
         for s in shape:
             n *= s
-        nbytes = max(16, ((4 * n + 15) // 16) * 16)
+        nbytes = max(16, ((_ITEMSIZE.get(dtype, 4) * n + 15) // 16) * 16)
         self.check_size(nbytes, name or "tensor", scratch)
         key = (nbytes,)
         free = self._pool.get(key)
@@ -514,7 +525,8 @@ class Runtime:
     def upload(self, array, dtype: str | None = None, name: str = "") -> Tensor:
         a = np.asarray(array)
         if dtype is None:
-            dtype = {np.dtype(np.float32): "f32", np.dtype(np.uint32): "u32", np.dtype(np.int32): "i32"}.get(a.dtype, "f32")
+            dtype = {np.dtype(np.float32): "f32", np.dtype(np.uint32): "u32", np.dtype(np.int32): "i32",
+                     np.dtype(np.float16): "f16"}.get(a.dtype, "f32")
         a = np.ascontiguousarray(a, dtype=_DTYPES[dtype])
         t = self.empty(a.shape, dtype, name)
         self.write(t, a)
@@ -524,12 +536,15 @@ class Runtime:
         a = np.ascontiguousarray(array, dtype=_DTYPES[t.dtype])
         assert a.size == t.numel, (a.shape, t.shape)
         if a.size:
-            self.device.queue.write_buffer(t.buffer, t.offset, a.tobytes())
+            data = a.tobytes()
+            if len(data) % 4:  # an odd number of f16 (writes are whole 4-byte words)
+                data += bytes(2)
+            self.device.queue.write_buffer(t.buffer, t.offset, data)
 
     def read(self, t: Tensor) -> np.ndarray:
         self.sync()  # the queued work first, interruptibly; then the copy back is short
-        raw = self.device.queue.read_buffer(t.buffer, t.offset, t.nbytes)
-        return np.frombuffer(raw, dtype=_DTYPES[t.dtype]).copy().reshape(t.shape)
+        raw = self.device.queue.read_buffer(t.buffer, t.offset, (t.nbytes + 3) // 4 * 4)
+        return np.frombuffer(raw, dtype=_DTYPES[t.dtype])[:t.numel].copy().reshape(t.shape)
 
     def uniform(self, data: bytes) -> Uniform:
         """A uniform buffer holding `data`, cached by content (created once per shape)."""
@@ -560,7 +575,7 @@ class Runtime:
             for i, r in sorted(bindings.items()):
                 size = r.nbytes if isinstance(r, Tensor) else r.size
                 if isinstance(r, Tensor):
-                    size = max(4, size)
+                    size = min(max(4, (size + 3) // 4 * 4), r.buffer.size - r.offset)
                 entries.append({"binding": i, "resource": {"buffer": r.buffer, "offset": r.offset, "size": size}})
             bg = self.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
             self._bind_groups[key] = (bg, pipeline, bindings)  # keep referents alive

@@ -35,7 +35,7 @@ from .trainer import Trainer, evaluate
 
 
 def _sums() -> dict:
-    return {"loss": 0.0, "grad_norm": 0.0, "steps": 0, "tokens": 0, "elapsed_s": 0.0}
+    return {"loss": 0.0, "grad_norm": 0.0, "steps": 0, "tokens": 0, "elapsed_s": 0.0, "skipped": 0}
 
 
 @dataclass
@@ -162,9 +162,12 @@ class TrainingLoop:
             if not math.isfinite(v):
                 raise NonFiniteError(f"loss became non-finite ({v}) at step {first + i} (epoch {epoch}); "
                                      "try a smaller --lr or --max-grad-norm")
+        skipped = self.trainer.last_skipped
         for sums in (st.epoch_sums, st.window_sums):
             sums["loss"] += float(np.sum(losses))
-            sums["grad_norm"] += float(np.sum(norms))
+            # a step skipped by loss scaling has no finite norm: the mean is over the others
+            sums["grad_norm"] += float(np.sum(norms[~skipped])) if len(skipped) else float(np.sum(norms))
+            sums["skipped"] = sums.get("skipped", 0) + int(np.sum(skipped))
             sums["steps"] += len(losses)
             sums["tokens"] += int(sum(tokens))
             sums["elapsed_s"] += dt
@@ -175,8 +178,10 @@ class TrainingLoop:
         w = self.state.window_sums
         n = max(w["steps"], 1)
         ev = {"event": "step", "step": self.state.step, "epoch": epoch, "loss": w["loss"] / n,
-              "grad_norm": w["grad_norm"] / n, "lr": lr, "tokens": w["tokens"],
+              "grad_norm": w["grad_norm"] / max(n - w.get("skipped", 0), 1), "lr": lr, "tokens": w["tokens"],
               "tokens_per_s": w["tokens"] / w["elapsed_s"] if w["elapsed_s"] > 0 else 0.0}
+        if self.trainer.scaler is not None:  # --precision mixed: steps skipped by loss scaling
+            ev["skipped_steps"] = w.get("skipped", 0)
         self.state.window_sums = _sums()
         self.listener.on_step(self._record(ev))
 
@@ -184,9 +189,11 @@ class TrainingLoop:
         e = self.state.epoch_sums
         n = max(e["steps"], 1)
         ev = {"event": "epoch", "epoch": epoch, "step": self.state.step, "loss": e["loss"] / n,
-              "grad_norm": e["grad_norm"] / n, "tokens": e["tokens"],
+              "grad_norm": e["grad_norm"] / max(n - e.get("skipped", 0), 1), "tokens": e["tokens"],
               "tokens_per_s": e["tokens"] / e["elapsed_s"] if e["elapsed_s"] > 0 else 0.0,
               "elapsed_s": e["elapsed_s"]}
+        if self.trainer.scaler is not None:
+            ev["skipped_steps"] = e.get("skipped", 0)
         self.listener.on_epoch(self._record(ev))
 
     def _evaluate(self) -> None:

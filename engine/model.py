@@ -18,6 +18,17 @@ All parameters live in flat f32 buffers (`FlatStore`: one, or several when the m
 larger than the adapter's largest buffer), all gradients in a store of the same layout (the
 same dataclass of views, made on first use), so the gradients are cleared with one command
 per buffer and the optimizer addresses both by name.
+
+--precision mixed (`set_precision("mixed")`): every matmul whose shape suits the fast
+kernel multiplies f16 operands with f32 accumulation (shaders/matmul_f16.wgsl).  The
+operands are f16 copies: of the parameters (`P16`, segments of the same layout as `P`,
+cast from the f32 master weights at the start of each forward, so after every optimizer
+step), of the activations that feed a matmul (un, xc, xdbl_n, y, hf: cast after their
+producer and kept for the weight gradients) and of each output gradient (cast into one
+scratch buffer just before its two products).  Everything else stays f32: the embedding,
+norms, conv, scan, cross-entropy, the gradients and their reductions, AdamW and its
+moments.  The loss gradient is multiplied by `loss_scale` (GPU, set by the trainer's
+LossScaler) so that small gradients survive f16.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from .gpu import Recorder, Runtime, Tensor, fmt_bytes
 from .ops.conv1d import conv1d_backward, conv1d_forward
 from .ops.cross_entropy import cross_entropy
 from .ops.embedding import EmbeddingBackward, embedding_forward
-from .ops.matmul import linear_backward, linear_forward
+from .ops.matmul import cast_f16, linear_backward, linear_forward
 from .ops.reduce import sum_into
 from .ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .ops.scan import scan_state_shape, selective_scan_backward, selective_scan_forward
@@ -112,7 +123,8 @@ class FlatStore:
         self.rt = rt
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.where, sizes = store_layout(self.shapes, rt.storage_align // 4, rt.max_buffer)
-        self.segments = [Tensor(rt.create_buffer(4 * n, f"{label}{i}"), (n,), "f32", 0, f"{label}{i}")
+        # whole vec4s per segment (the f16 copy of --precision mixed is cast by vec4)
+        self.segments = [Tensor(rt.create_buffer(4 * ((n + 3) // 4 * 4), f"{label}{i}"), (n,), "f32", 0, f"{label}{i}")
                          for i, n in enumerate(sizes)]
         self.views = {name: Tensor(self.segments[seg].buffer, shape, "f32", 4 * off, name)
                       for name, shape in self.shapes.items() for seg, off in [self.where[name]]}
@@ -167,9 +179,10 @@ def logits_chunk_rows(max_binding: int, M: int, V: int) -> int:
 # Activations of one (B, L): name -> (features per row or a shape function, dtype, per layer).
 # Per-layer tensors have one copy per layer when kept for a backward, else one shared by
 # all layers (evaluation); h has layers + 1 (else 2, alternating).
-def workspace_shapes(cfg: MambaConfig, B: int, L: int, grad: bool, max_binding: int) -> dict:
+def workspace_shapes(cfg: MambaConfig, B: int, L: int, grad: bool, max_binding: int,
+                     mixed: bool = False) -> dict:
     """name -> (shape, dtype, copies) of every buffer a Workspace allocates (the memory plan
-    sums the same table)."""
+    sums the same table).  `mixed`: the f16 copies of --precision mixed too."""
     E, Di, N, R, V = cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank, cfg.vocab_size
     M, nl = B * L, cfg.num_hidden_layers
     per = nl if grad else 1
@@ -194,6 +207,13 @@ def workspace_shapes(cfg: MambaConfig, B: int, L: int, grad: bool, max_binding: 
                   "embedding_csr": ((EmbeddingBackward.csr_size(M),), "i32", 1)})
         if cfg.is_falcon:
             t["dxdbl_raw"] = ((M, R + 2 * N), "f32", 1)
+    if mixed:  # f16 copies of the matmul inputs; one f16 scratch for an output gradient
+        t.update({"un16": ((M, E), "f16", per), "xc16": ((M, Di), "f16", per),
+                  "xdbl16": ((M, R + 2 * N), "f16", per), "y16": ((M, Di), "f16", per),
+                  "hf16": ((M, E), "f16", 1)})
+        if grad:
+            chunk = t["logits"][0][0]
+            t["d16"] = ((max(M * 2 * Di, M * (R + 2 * N), M * E, chunk * V),), "f16", 1)
     return t
 
 
@@ -207,7 +227,8 @@ class Workspace:
         rt, c = model.rt, model.cfg
         M, nl = B * L, c.num_hidden_layers
         self.B, self.L, self.M, self.grad = B, L, M, grad
-        shapes = workspace_shapes(c, B, L, grad, rt.max_binding)
+        self.mixed = model.mixed
+        shapes = workspace_shapes(c, B, L, grad, rt.max_binding, self.mixed)
         made = {name: [rt.empty(shape, dtype, name=f"{name}{i}") for i in range(copies)]
                 for name, (shape, dtype, copies) in shapes.items() if name != "embedding_csr"}
         self.ids, self.targets, self.scale, self.loss_rows = (
@@ -225,6 +246,11 @@ class Workspace:
             self.dxdbl_raw = made["dxdbl_raw"][0] if c.is_falcon else self.dxdbl
             rt.write(self.ones, np.ones(M, np.float32))
             self.emb_back = EmbeddingBackward(rt, M)
+        if self.mixed:
+            for name in ("un16", "xc16", "xdbl16", "y16"):
+                setattr(self, name, [made[name][i % len(made[name])] for i in range(nl)])
+            self.hf16 = made["hf16"][0]
+            self.d16 = made["d16"][0] if grad else None
 
 
 class MambaModel:
@@ -246,8 +272,12 @@ class MambaModel:
         self.params = _structured(config, self.P.views)
         self._G: FlatStore | None = None
         self._grads: Params | None = None
-        self.load_state_dict(tensors)
         self._ws: dict = {}
+        self.mixed = False
+        self.P16 = None          # f16 copies of the parameter segments (mixed)
+        self.params16 = None
+        self.loss_scale = None   # [1] GPU tensor multiplied into the loss gradient (mixed)
+        self.load_state_dict(tensors)
         self._acc = rt.empty((4,), name="accumulators")
         R, N = config.dt_rank, config.state_size
         self._mixer_ones = rt.upload(np.ones(max(R, N), np.float32), name="mixer_norm_ones") if config.is_falcon else None
@@ -265,6 +295,29 @@ class MambaModel:
     def grads(self) -> Params:
         self.G  # noqa: B018 (made on first use)
         return self._grads
+
+    def set_precision(self, precision: str) -> None:
+        """'fp32' or 'mixed' (f16 matmul operands, f32 accumulation; needs shader-f16)."""
+        if precision not in ("fp32", "mixed"):
+            raise MemengineError(f"unknown precision {precision!r} (fp32 or mixed)")
+        mixed = precision == "mixed"
+        if mixed and not self.rt.has_f16:
+            raise MemengineError(f"--precision mixed needs the shader-f16 feature, which the adapter "
+                                 f"{self.rt.describe()} lacks; use --precision fp32")
+        if mixed == self.mixed:
+            return
+        self.mixed = mixed
+        self._ws.clear()
+        if mixed:
+            P = self.P
+            self.P16 = [Tensor(self.rt.create_buffer(2 * ((seg.numel + 3) // 4 * 4), f"params16_{i}"),
+                               (seg.numel,), "f16", 0, f"params16_{i}") for i, seg in enumerate(P.segments)]
+            self.params16 = _structured(self.cfg, {
+                n: Tensor(self.P16[si].buffer, shape, "f16", 2 * off, n)
+                for n, shape in P.shapes.items() for si, off in [P.where[n]]})
+            self.loss_scale = self.rt.upload(np.ones(1, np.float32), name="loss_scale.one")
+        else:
+            self.P16 = self.params16 = self.loss_scale = None
 
     @classmethod
     def from_checkpoint(cls, rt: Runtime, ckpt) -> "MambaModel":
@@ -333,29 +386,46 @@ class MambaModel:
         c, p = self.cfg, self.params
         E, Di, N, R, K = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.conv_kernel
         M, B, L = ws.M, ws.B, ws.L
+        mixed = ws.mixed
+        p16 = self.params16.layers if mixed else [None] * len(p.layers)
+        if mixed:  # the f16 weights from the f32 master weights (after every optimizer step)
+            for seg, seg16 in zip(self.P.segments, self.P16):
+                cast_f16(rec, seg16, seg)
+
+        def f16(dst, src):
+            if mixed:
+                cast_f16(rec, dst, src)
+            return dst if mixed else None
+
         embedding_forward(rec, ws.h[0], ws.ids, p.embeddings)
-        for i, lp in enumerate(p.layers):
+        for i, (lp, lp16) in enumerate(zip(p.layers, p16)):
             h, hn = ws.h[i], ws.h[i + 1]
+            w16 = (lambda name: getattr(lp16, name) if mixed else None)
             rmsnorm_forward(rec, ws.un[i], ws.rstd[i], h, lp.norm_weight, c.layer_norm_epsilon)
-            linear_forward(rec, ws.xz[i], ws.un[i], lp.in_proj_weight, lp.in_proj_bias, M=M, N=2 * Di, K=E)
+            linear_forward(rec, ws.xz[i], ws.un[i], lp.in_proj_weight, lp.in_proj_bias, M=M, N=2 * Di, K=E,
+                           x16=f16(ws.un16[i] if mixed else None, ws.un[i]), w16=w16("in_proj_weight"))
             conv1d_forward(rec, ws.xc[i], ws.pre[i], ws.xz[i], lp.conv1d_weight, lp.conv1d_bias,
                            B=B, L=L, Di=Di, K=K)
-            linear_forward(rec, ws.xdbl[i], ws.xc[i], lp.x_proj_weight, None, M=M, N=R + 2 * N, K=Di)
+            linear_forward(rec, ws.xdbl[i], ws.xc[i], lp.x_proj_weight, None, M=M, N=R + 2 * N, K=Di,
+                           x16=f16(ws.xc16[i] if mixed else None, ws.xc[i]), w16=w16("x_proj_weight"))
             if c.is_falcon:
                 for col, w, rstd in self._mixer_norms(ws, i):
                     rmsnorm_forward(rec, ws.xdbl_n[i], rstd, ws.xdbl[i], self._mixer_ones.view((w,)),
                                     c.mixer_rms_eps, col=col, ld=R + 2 * N)
             linear_forward(rec, ws.delta[i], ws.xdbl_n[i], lp.dt_proj_weight, None, M=M, N=Di, K=R,
-                           ldx=R + 2 * N)
+                           ldx=R + 2 * N, x16=f16(ws.xdbl16[i] if mixed else None, ws.xdbl_n[i]),
+                           w16=w16("dt_proj_weight"))
             selective_scan_forward(rec, ws.y[i], ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias,
                                    lp.A_log, lp.D, ws.xdbl_n[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
             # residual add fused into out_proj: h_next = h, then h_next += y @ out_proj^T (+ b)
             rec.copy(h, hn)
-            linear_forward(rec, hn, ws.y[i], lp.out_proj_weight, lp.out_proj_bias, M=M, N=E, K=Di, acc=True)
+            linear_forward(rec, hn, ws.y[i], lp.out_proj_weight, lp.out_proj_bias, M=M, N=E, K=Di, acc=True,
+                           x16=f16(ws.y16[i] if mixed else None, ws.y[i]), w16=w16("out_proj_weight"))
             if after_layer is not None:
                 after_layer(rec, i)
             rec.boundary()  # a submission per layer while steps are slow (an interrupt acts within one)
         rmsnorm_forward(rec, ws.hf, ws.rstd_f, ws.h[-1], p.norm_f, c.layer_norm_epsilon)
+        f16(ws.hf16 if mixed else None, ws.hf)
 
     def _mixer_norms(self, ws: Workspace, i: int) -> list:
         """falcon_mamba's weightless norms of layer i: (first column, width, rstd view) for
@@ -367,6 +437,11 @@ class MambaModel:
     def _head(self) -> Tensor:
         return self.params.lm_head if self.params.lm_head is not None else self.params.embeddings
 
+    def _head16(self) -> Tensor | None:
+        if self.params16 is None:
+            return None
+        return self.params16.lm_head if self.params16.lm_head is not None else self.params16.embeddings
+
     def _dhead(self) -> Tensor:
         return self.grads.lm_head if self.grads.lm_head is not None else self.grads.embeddings
 
@@ -376,17 +451,20 @@ class MambaModel:
         `hits` [2M] (evaluation): top-1 hits in [0, M), top-5 hits in [M, 2M)."""
         E, V, M = self.cfg.hidden_size, self.cfg.vocab_size, ws.M
         W, dW = self._head(), (self._dhead() if want_grad and train_head else None)
+        W16 = self._head16() if ws.mixed else None
         for r0 in range(0, M, ws.chunk):
             mc = min(ws.chunk, M - r0)
             logits = ws.logits.view((mc, V))
             hf = ws.hf.view((mc, E), r0 * E)
-            linear_forward(rec, logits, hf, W, None, M=mc, N=V, K=E)
+            hf16 = ws.hf16.view((mc, E), r0 * E) if ws.mixed else None
+            linear_forward(rec, logits, hf, W, None, M=mc, N=V, K=E, x16=hf16, w16=W16)
             h = None if hits is None else (hits.view((mc,), r0), hits.view((mc,), M + r0))
             cross_entropy(rec, ws.loss_rows.view((mc,), r0), logits, ws.targets.view((mc,), r0),
-                          ws.scale, want_grad=want_grad, hits=h)
+                          ws.scale, want_grad=want_grad, hits=h, loss_scale=self.loss_scale if ws.mixed else None)
             if want_grad:
                 linear_backward(rec, ws.dhf.view((mc, E), r0 * E), dW if train_head else None, None,
-                                logits, hf, W, M=mc, N=V, K=E)
+                                logits, hf, W, M=mc, N=V, K=E, x16=hf16, w16=W16,
+                                dout16=ws.d16 if ws.mixed else None)
             rec.boundary()
 
     def record_backward(self, rec: Recorder, ws: Workspace, trainable: set) -> None:
@@ -395,32 +473,38 @@ class MambaModel:
         E, Di, N, R, K = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.conv_kernel
         M, B, L = ws.M, ws.B, ws.L
         want = (lambda name: name in trainable)
+        mixed = ws.mixed
         rec.clear(ws.dh)
         rmsnorm_backward(rec, ws.dh, g.norm_f, ws.dhf, ws.h[-1], p.norm_f, ws.rstd_f)
         for i in reversed(range(c.num_hidden_layers)):
             lp, lg = p.layers[i], g.layers[i]
+            lp16 = self.params16.layers[i] if mixed else None
+            mx = (lambda act, w: dict(x16=act[i], w16=getattr(lp16, w), dout16=ws.d16) if mixed else {})
             pre = f"backbone.layers.{i}."
             linear_backward(rec, ws.dy, lg.out_proj_weight if want(pre + "mixer.out_proj.weight") else None,
                             lg.out_proj_bias if want(pre + "mixer.out_proj.bias") else None,
-                            ws.dh, ws.y[i], lp.out_proj_weight, ws.ones, M=M, N=E, K=Di)
+                            ws.dh, ws.y[i], lp.out_proj_weight, ws.ones, M=M, N=E, K=Di,
+                            **mx(ws.y16 if mixed else None, "out_proj_weight"))
             selective_scan_backward(rec, ws.du, ws.ddelta, lg.dt_proj_bias, lg.A_log, lg.D, ws.dxdbl, ws.dxz,
                                     ws.dy, ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias, lp.A_log,
                                     lp.D, ws.xdbl_n[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
             linear_backward(rec, ws.dxdbl, lg.dt_proj_weight if want(pre + "mixer.dt_proj.weight") else None,
                             None, ws.ddelta, ws.xdbl_n[i], lp.dt_proj_weight, M=M, N=Di, K=R,
-                            ldx=R + 2 * N, lddx=R + 2 * N)
+                            ldx=R + 2 * N, lddx=R + 2 * N, **mx(ws.xdbl16 if mixed else None, "dt_proj_weight"))
             if c.is_falcon:  # back through the dt/B/C norms: dxdbl (normalised) -> dxdbl_raw
                 rec.clear(ws.dxdbl_raw)
                 for col, w, rstd in self._mixer_norms(ws, i):
                     rmsnorm_backward(rec, ws.dxdbl_raw, None, ws.dxdbl, ws.xdbl[i], self._mixer_ones.view((w,)),
                                      rstd, col=col, ld=R + 2 * N)
             linear_backward(rec, ws.du, lg.x_proj_weight if want(pre + "mixer.x_proj.weight") else None,
-                            None, ws.dxdbl_raw, ws.xc[i], lp.x_proj_weight, M=M, N=R + 2 * N, K=Di, dx_acc=True)
+                            None, ws.dxdbl_raw, ws.xc[i], lp.x_proj_weight, M=M, N=R + 2 * N, K=Di, dx_acc=True,
+                            **mx(ws.xc16 if mixed else None, "x_proj_weight"))
             conv1d_backward(rec, ws.dxz, lg.conv1d_weight, lg.conv1d_bias, ws.du, ws.pre[i], ws.xz[i],
                             lp.conv1d_weight, B=B, L=L, Di=Di, K=K)
             linear_backward(rec, ws.dun, lg.in_proj_weight if want(pre + "mixer.in_proj.weight") else None,
                             lg.in_proj_bias if want(pre + "mixer.in_proj.bias") else None,
-                            ws.dxz, ws.un[i], lp.in_proj_weight, ws.ones, M=M, N=2 * Di, K=E)
+                            ws.dxz, ws.un[i], lp.in_proj_weight, ws.ones, M=M, N=2 * Di, K=E,
+                            **mx(ws.un16 if mixed else None, "in_proj_weight"))
             rmsnorm_backward(rec, ws.dh, lg.norm_weight, ws.dun, ws.h[i], lp.norm_weight, ws.rstd[i])
             rec.boundary()
         if want("backbone.embeddings.weight"):
@@ -442,7 +526,8 @@ class MambaModel:
             mc = min(ws.chunk, M - r0)
             logits = ws.logits.view((mc, V))
             rec = self.rt.recorder()
-            linear_forward(rec, logits, ws.hf.view((mc, E), r0 * E), self._head(), None, M=mc, N=V, K=E)
+            linear_forward(rec, logits, ws.hf.view((mc, E), r0 * E), self._head(), None, M=mc, N=V, K=E,
+                           x16=ws.hf16.view((mc, E), r0 * E) if ws.mixed else None, w16=self._head16())
             rec.submit()
             out[r0:r0 + mc] = self.rt.read(logits)
         return out.reshape(B, L, V)

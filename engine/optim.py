@@ -2,6 +2,8 @@
 
 * `GradClipper` – global L2 norm over every trainable gradient (a deterministic two-stage
   reduction, shaders/reduce.wgsl) and the clip factor.
+* `LossScaler` – dynamic loss scaling for --precision mixed (torch.amp.GradScaler's rule,
+  decided on the GPU: a non-finite gradient skips the step without a readback).
 * `AdamW` – one fused kernel dispatch per parameter (shaders/adamw.wgsl), moments keyed by
   parameter NAME (SPEC section 4), per-step uniforms in one persistent uniform buffer.
   A parameter larger than one storage binding is stepped in element ranges (one dispatch
@@ -41,7 +43,9 @@ class GradClipper:
         self.factor: Tensor = rt.upload(np.ones(1, np.float32), name="clip.factor")
         self.norm: Tensor = rt.zeros((1,), name="clip.norm")
 
-    def record(self, rec, grads: list[Tensor], max_grad_norm: float) -> None:
+    def record(self, rec, grads: list[Tensor], max_grad_norm: float, scaler: "LossScaler | None" = None) -> None:
+        """With `scaler` the gradients are S times the real ones: the norm and factor are
+        the unscaled ones (factor / S), and a non-finite norm skips the step (scaler.amp)."""
         rt = self.rt
         grads = [g for g in grads if g is not None and g.numel > 0]
         total = sum(count_partials(rt, g) for g in grads)
@@ -49,9 +53,40 @@ class GradClipper:
         k = 0
         for g in grads:
             k += record_partials(rec, g, partials, k, square=True)
-        u = rt.uniform(pack("IIIIIIIIffff", k, 0, 0, 0, 0, 0, 0, 0, 0.0, float(max_grad_norm or 0.0), 0.0, 0.0))
-        rec.dispatch("reduce", "clip_finish",
-                     {1: finish_window(rt, partials, k), 2: u, 3: self.factor, 5: self.norm}, 1)
+        if scaler is None:
+            u = rt.uniform(pack("IIIIIIIIffff", k, 0, 0, 0, 0, 0, 0, 0, 0.0, float(max_grad_norm or 0.0), 0.0, 0.0))
+            rec.dispatch("reduce", "clip_finish",
+                         {1: finish_window(rt, partials, k), 2: u, 3: self.factor, 5: self.norm}, 1)
+            return
+        u = rt.uniform(pack("IIIIIIIIffff", k, 0, 0, 0, 0, 0, 0, 0, 0.0, float(max_grad_norm or 0.0),
+                            float(scaler.growth_interval), 0.0))
+        rec.dispatch("reduce", "clip_finish_scaled",
+                     {1: finish_window(rt, partials, k), 2: u, 3: self.factor, 5: self.norm,
+                      6: scaler.scale, 7: scaler.amp}, 1)
+
+
+class LossScaler:
+    """Dynamic loss scaling (--precision mixed), all on the GPU.
+
+    `scale` [1]: S, which the cross-entropy multiplies into the loss gradient, so every
+    gradient (and the f16 copies the matmuls read) carries a factor S that keeps small
+    values above f16's underflow.  `GradClipper.record(..., scaler=self)` checks the
+    step's gradients: non-finite -> the step is skipped (AdamW reads `amp[0]`), S halves;
+    `growth_interval` finite steps in a row -> S doubles (torch.amp.GradScaler's
+    defaults: 2^16, 2000).  `amp` [4] = (skip this step, finite steps in a row, skipped
+    steps so far, unused); the trainer copies amp[0] into its trace (no readback per step).
+    """
+
+    def __init__(self, rt, init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
+        self.rt = rt
+        self.growth_interval = int(growth_interval)
+        self.scale: Tensor = rt.upload(np.array([init_scale], np.float32), name="loss_scale")
+        self.amp: Tensor = rt.zeros((4,), name="loss_scale.state")
+
+    def read(self) -> dict:
+        """{'loss_scale', 'skipped_steps'} (a GPU sync point: not inside a step loop)."""
+        s, a = self.rt.read(self.scale), self.rt.read(self.amp)
+        return {"loss_scale": float(s[0]), "skipped_steps": int(a[2])}
 
 
 class AdamW:
@@ -139,9 +174,12 @@ class AdamW:
 
     # ------------------------------------------------------------------ step
     def record_step(self, rec, params: dict[str, Tensor], grads: dict[str, Tensor],
-                    clip_factor: Tensor | None = None) -> None:
+                    clip_factor: Tensor | None = None, skip: Tensor | None = None) -> None:
         """Record one AdamW step for every parameter in `params` (grads by the same names).
-        `clip_factor`: a [1] f32 tensor multiplied into every gradient (None: 1)."""
+        `clip_factor`: a [1] f32 tensor multiplied into every gradient (None: 1).  `skip`:
+        a tensor whose element 0, when non-zero at run time, leaves every parameter and
+        moment unchanged (LossScaler.amp; None: never).  The step count t still advances
+        for a skipped step (it is counted on the host)."""
         rt = self.rt
         if rec.encoder is self._last_encoder:
             raise RuntimeError("AdamW.record_step called twice on one recorder without submit(); "
@@ -181,18 +219,23 @@ class AdamW:
         rt.device.queue.write_buffer(self._ubuf, 0, bytes(data))
 
         clip = clip_factor if clip_factor is not None else self._ones_tensor()
+        if skip is None:
+            skip = rt.scratch("adamw.noskip", (1,))
+            if not getattr(skip, "filled", False):
+                rt.write(skip, [0.0])
+                skip.filled = True
         for name, p in params.items():
             if p.numel == 0:
                 continue
             m, v = self.moments[name]
             g = grads[name]
             parts = ranges[name]
-            for i, (s, n) in enumerate(parts):
-                views = (p, g, m, v) if len(parts) == 1 else (span(t, s, n) for t in (p, g, m, v))
+            for i, (s0, n) in enumerate(parts):
+                views = (p, g, m, v) if len(parts) == 1 else (span(t, s0, n) for t in (p, g, m, v))
                 bp, bg, bm, bv = views
                 rec.dispatch("adamw", "adamw_step",
                              {0: bp, 1: bg, 2: bm, 3: bv, 4: clip,
-                              5: self._uniform(self._slots[name if i == 0 else (name, i)])},
+                              5: self._uniform(self._slots[name if i == 0 else (name, i)]), 6: skip},
                              grid(cdiv(n, 256)))
         self._last_encoder = rec.encoder
 

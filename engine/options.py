@@ -292,6 +292,10 @@ class TrainOptions(Options):
     seq_len: int = _seq_len(512)
     max_grad_norm: float = opt(1.0, check=not_negative(),
                                help="Clip the global gradient L2 norm to this (0 = off).")
+    precision: str = opt("fp32", panel=RUNTIME, check=one_of("fp32", "mixed"), metavar="fp32|mixed",
+                         help="mixed: f16 matmul operands with f32 accumulation, f32 master weights "
+                              "and moments, dynamic loss scaling (skipped steps are reported); needs "
+                              "an adapter with shader-f16.")
     weight_decay: float = opt(0.01, check=not_negative(), help="Decoupled AdamW weight decay.")
     max_delta: float = opt(0.0, check=not_negative(),
                            help="Trust region: no element moves more than this per step (0 = off).")

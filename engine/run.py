@@ -233,6 +233,7 @@ class _Run:
         evals = (math.ceil(len(self.all_windows) / o.batch_size),) + val if o.WSLA else val
         self.model = open_model(self.rt, self.ckpt, o.KIND, o.batch_size, o.seq_len, eval_passes=evals,
                                 trace_steps=reads_apart(o, len(self.windows)))
+        self.model.set_precision(o.precision)
         if snap is None and opt_state is not None:
             n = sum(1 for k in opt_state if k.endswith(".exp_avg"))
             lis.on_note(f"resuming optimizer state from {opt_file} ({n} moments)")
@@ -338,6 +339,8 @@ class _Run:
         state, and memengine.json."""
         st = self.state
         result = {**result, "output": public_path(self.out)}  # no absolute local path in an output
+        if self.trainer.scaler is not None:  # --precision mixed: final loss scale, steps skipped
+            result.update(self.trainer.scaler.read())
         best_dir = None
         if self.o.keep_best and st.best is not None:
             best_dir = snapshots.step_dir(self.out, st.best["step"])

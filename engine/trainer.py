@@ -8,6 +8,8 @@ parameter, with this step's learning rate written into AdamW's persistent unifor
 Each step's mean loss and pre-clip gradient norm go into a small GPU trace that the loop
 reads back every few steps (`read_trace`), never per step.  A `StepFence` keeps at most
 a few submissions queued, so progress follows the GPU and Ctrl-C stops promptly.
+With --precision mixed (the model's), a `LossScaler` scales the loss gradient and decides on
+the GPU whether the step is applied; whether each step was skipped goes into the trace.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .errors import MemengineError
 from .gpu import BOUNDED_STEP_S, StepFence
 from .model import MambaModel, perplexity
 from .ops.reduce import sum_into
-from .optim import AdamW, GradClipper
+from .optim import AdamW, GradClipper, LossScaler
 
 
 @dataclass
@@ -71,10 +73,16 @@ class Trainer:
         self.trainable = set(self.names)
         self.params = {n: model.P.views[n] for n in self.names}
         self.grads = {n: model.G.views[n] for n in self.names}
+        self.scaler = None
+        if model.mixed:
+            self.scaler = LossScaler(rt, growth_interval=getattr(options, "loss_scale_growth", 2000))
+            model.loss_scale = self.scaler.scale
         self.capacity = max(1, int(trace_capacity))
-        # trace[j] = loss of the j-th step since the last read, trace[cap + j] = its grad norm;
-        # a step sums its loss into one fixed scalar and copies it there (no binding per slot)
-        self.trace = rt.zeros((2 * self.capacity,), name="trace")
+        # trace[j] = loss of the j-th step since the last read, trace[cap + j] = its grad norm,
+        # trace[2 cap + j] = 1 when loss scaling skipped it; a step sums its loss into one
+        # fixed scalar and copies it there (no binding per slot)
+        self.trace = rt.zeros((3 * self.capacity,), name="trace")
+        self.last_skipped = np.zeros(0, bool)
         self.step_loss = rt.zeros((1,), name="step_loss")
         self.pending = 0
         self.fence = StepFence(rt)
@@ -103,10 +111,14 @@ class Trainer:
                 rec.clear(self.step_loss)
             model.record_gradients(rec, ws, b.ids, self.trainable, self.step_loss, clear=(i == 0))
             if i == len(micro) - 1:
-                self.clipper.record(rec, list(self.grads.values()), self.options.max_grad_norm)
+                self.clipper.record(rec, list(self.grads.values()), self.options.max_grad_norm, self.scaler)
                 rec.copy(self.step_loss, self.trace.view((1,), j))
                 rec.copy(self.clipper.norm, self.trace.view((1,), self.capacity + j))
-                self.opt.record_step(rec, self.params, self.grads, self.clipper.factor)
+                skip = None
+                if self.scaler is not None:
+                    skip = self.scaler.amp
+                    rec.copy(skip.view((1,)), self.trace.view((1,), 2 * self.capacity + j))
+                self.opt.record_step(rec, self.params, self.grads, self.clipper.factor, skip)
             self.fence.mark(rec)
             rec.submit()
             tokens += int(b.n_tokens)
@@ -127,9 +139,12 @@ class Trainer:
         self._last_step = now
 
     def read_trace(self) -> tuple[np.ndarray, np.ndarray]:
-        """(losses, grad norms) of the steps since the last read (a GPU sync point)."""
+        """(losses, grad norms) of the steps since the last read (a GPU sync point);
+        `last_skipped` then says which of them loss scaling skipped (their norm is not
+        finite)."""
         n = self.pending
         if n == 0:
+            self.last_skipped = np.zeros(0, bool)
             return np.zeros(0), np.zeros(0)
         rt = self.model.rt
         both = rt.read(self.trace).astype(np.float64)
@@ -137,6 +152,7 @@ class Trainer:
         rec.clear(self.trace)
         rec.submit()
         self.pending = 0
+        self.last_skipped = both[2 * self.capacity:2 * self.capacity + n] != 0
         return both[:n], both[self.capacity:self.capacity + n]
 
 

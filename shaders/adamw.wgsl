@@ -35,6 +35,9 @@ struct Adam {
 @group(0) @binding(3) var<storage, read_write> v: array<f32>;
 @group(0) @binding(4) var<storage, read> clip: array<f32>;
 @group(0) @binding(5) var<uniform> U: Adam;
+// skip[0] != 0: leave p, m and v as they are (a step skipped by loss scaling, computed on
+// the GPU by reduce.wgsl's clip_finish_scaled; 0 without loss scaling)
+@group(0) @binding(6) var<storage, read> skip: array<f32>;
 
 fn is_finite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
@@ -45,7 +48,7 @@ fn adamw_step(@builtin(local_invocation_index) lid: u32,
               @builtin(workgroup_id) wid: vec3<u32>,
               @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (i >= U.count) {
+    if (i >= U.count || skip[0] != 0.0) {
         return;
     }
     let gi = g[i] * clip[0];

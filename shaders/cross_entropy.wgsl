@@ -1,7 +1,7 @@
 // Log-softmax + cross-entropy over rows of logits [Mc, V] (one workgroup per row).
 //   loss_rows[r] = logsumexp(logits[r, :]) - logits[r, target[r]]      (0 when target < 0 or >= V)
 // cross_entropy_backward also OVERWRITES the row with its gradient:
-//   logits[r, i] = (softmax(logits[r, :])[i] - [i == target]) * scale[0]   (zero row when ignored)
+//   logits[r, i] = (softmax(logits[r, :])[i] - [i == target]) * scale[0] * lscale[0]   (zero row when ignored)
 // cross_entropy_eval also writes whether the target is among the top 1 / top 5 logits
 // (fewer than k logits strictly greater than the target's; 0 for an ignored row):
 //   hits[o_top1 + r] = rank < 1 ;  hits[o_top5 + r] = rank < 5        (as 0.0 / 1.0)
@@ -19,6 +19,8 @@ struct Params { Mc: u32, V: u32, o_loss: u32, o_logits: u32, o_tgt: u32, o_scale
 @group(0) @binding(3) var<storage, read> scale: array<f32>;
 @group(0) @binding(4) var<uniform> P: Params;
 @group(0) @binding(5) var<storage, read_write> hits: array<f32>;
+// the loss scale (--precision mixed; 1 otherwise): the gradient is multiplied by lscale[0]
+@group(0) @binding(6) var<storage, read> lscale: array<f32>;
 
 var<workgroup> red: array<f32, WG>;
 var<workgroup> tlogit: f32;
@@ -70,7 +72,7 @@ fn ce_row(row: u32, l: u32, want_grad: bool, want_rank: bool) -> f32 {
         loss_rows[P.o_loss + row] = loss;
     }
     if (want_grad) {
-        let sc = scale[P.o_scale];
+        let sc = scale[P.o_scale] * lscale[0];
         let inv = 1.0 / se;
         for (var i = l; i < P.V; i = i + WG) {
             var g = 0.0;

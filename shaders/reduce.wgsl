@@ -22,7 +22,7 @@ struct Params {
     _p0: u32,
     scale: f32,        // reduce_finish*: out[out_index] += scale * total
     max_norm: f32,     // clip_finish: max_grad_norm (0 disables clipping)
-    _p1: f32,
+    growth: f32,       // clip_finish_scaled: good steps before the loss scale doubles
     _p2: f32,
 }
 
@@ -115,5 +115,45 @@ fn clip_finish(@builtin(local_invocation_index) lid: u32) {
         }
         out[0] = factor;
         norm_last[0] = norm;
+    }
+}
+
+// The same with dynamic loss scaling (--precision mixed; torch.amp.GradScaler's rule): the
+// gradients hold S * g, S = lscale[0].  A non-finite norm skips the step (amp[0] = 1, read
+// by AdamW), halves S and counts the skip in amp[2]; a finite one sets amp[0] = 0 and
+// doubles S after `growth` finite steps in a row (amp[1] counts them).  out[0] gets
+// clip factor / S (AdamW multiplies the scaled gradient by it), norm_last[0] the norm of
+// the unscaled gradient.
+@group(0) @binding(6) var<storage, read_write> lscale: array<f32>;
+@group(0) @binding(7) var<storage, read_write> amp: array<f32>;
+
+@compute @workgroup_size(256)
+fn clip_finish_scaled(@builtin(local_invocation_index) lid: u32) {
+    let total = sum_partials(lid);
+    if (lid == 0u) {
+        let s = lscale[0];
+        let norm = sqrt(total) / s;
+        let finite = is_finite(total);
+        var factor = 1.0;
+        if (P.max_norm > 0.0 && finite && norm > P.max_norm) {
+            factor = P.max_norm / norm;
+        }
+        out[0] = factor / s;
+        norm_last[0] = norm;
+        if (finite) {
+            amp[0] = 0.0;
+            let good = amp[1] + 1.0;
+            if (good >= P.growth) {
+                lscale[0] = s * 2.0;
+                amp[1] = 0.0;
+            } else {
+                amp[1] = good;
+            }
+        } else {
+            amp[0] = 1.0;
+            amp[1] = 0.0;
+            amp[2] = amp[2] + 1.0;
+            lscale[0] = s * 0.5;
+        }
     }
 }

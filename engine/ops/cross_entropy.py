@@ -11,12 +11,14 @@ from ..gpu import Recorder, Tensor, bound, pack, rows, split
 
 
 def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Tensor, scale: Tensor,
-                  *, want_grad: bool, hits: tuple[Tensor, Tensor] | None = None) -> None:
+                  *, want_grad: bool, hits: tuple[Tensor, Tensor] | None = None,
+                  loss_scale: Tensor | None = None) -> None:
     """loss_rows[Mc] = -log softmax(logits)[target] (WRITE; 0 where target < 0).
     With want_grad, logits [Mc, V] is OVERWRITTEN by (softmax - onehot) * scale[0]
     (a zero row where the target is ignored).  With hits = (top1 [Mc], top5 [Mc]) (views
     of one buffer, no gradient): 1.0 where the target is among the top 1 / top 5 logits
-    (fewer than k logits strictly greater), else 0.0 (WRITE)."""
+    (fewer than k logits strictly greater), else 0.0 (WRITE).  `loss_scale` [1] (GPU, the
+    dynamic loss scale of --precision mixed) multiplies the gradient too."""
     Mc = int(targets.numel)
     V = int(logits.shape[-1])
     assert logits.numel == Mc * V and loss_rows.numel == Mc and scale.numel >= 1, (
@@ -31,7 +33,12 @@ def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Ten
                           scale, want_grad=want_grad)
         return
     (bl, ol), (bx, ox), (bt, ot), (bs, os_) = (bound(rt, t) for t in (loss_rows, logits, targets, scale))
-    bindings = {0: bl, 1: bx, 2: bt, 3: bs}
+    if loss_scale is None:
+        loss_scale = rt.scratch("cross_entropy.one", (1,))
+        if not getattr(loss_scale, "filled", False):  # once per scratch tensor
+            rt.write(loss_scale, [1.0])
+            loss_scale.filled = True
+    bindings = {0: bl, 1: bx, 2: bt, 3: bs, 6: loss_scale}
     o1 = o5 = 0
     if hits is not None:
         top1, top5 = hits

@@ -99,22 +99,38 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
            trans_a: bool = False, trans_b: bool = False,
            lda: int | None = None, ldb: int | None = None, ldc: int | None = None,
            a_col: int = 0, b_col: int = 0, c_col: int = 0,
-           acc: bool = False, bias: Tensor | None = None) -> None:
+           acc: bool = False, bias: Tensor | None = None,
+           A16: Tensor | None = None, B16: Tensor | None = None) -> None:
     """C[:, c_col:c_col+N] (+)= op(A) @ op(B) (+ bias).
 
     Without transposes A is stored [M, lda] and B is stored [K, ldb]; with trans_a A is
     stored [K, lda] (we use its transpose), with trans_b B is stored [N, ldb].
     `a_col`/`b_col`/`c_col` select a column slice of the stored matrix.
+    `A16`/`B16` (--precision mixed): f16 copies of A and B in the same layout; when both
+    are given and the shape suits the fast kernel, shaders/matmul_f16.wgsl multiplies
+    them (f32 accumulation) instead of A and B.
     """
     if M == 0 or N == 0:
         return
     if not rec.rt.unsplit and _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc,
-                                          a_col, b_col, c_col, acc, bias):
+                                          a_col, b_col, c_col, acc, bias, A16, B16):
         return
     # views at any offset: bind from the aligned offset below and shift the indices
     rt = rec.rt
-    A, ea = bound(rt, A)
-    B, eb = bound(rt, B)
+    shader, entry = "matmul", "matmul_fast"
+    if A16 is not None and B16 is not None and _MODE != "reference":
+        A16, ea16 = bound(rt, A16)
+        B16, eb16 = bound(rt, B16)
+        C16, ec16 = bound(rt, C)
+        lda16 = (K if not trans_a else M) if lda is None else lda
+        ldb16 = (N if not trans_b else K) if ldb is None else ldb
+        if _fast_ok(M, N, K, trans_a, trans_b, lda16, ldb16, N if ldc is None else ldc,
+                    a_col + ea16, b_col + eb16, c_col + ec16, (C16, bias)):
+            A, B, ea, eb = A16, B16, ea16, eb16
+            shader, entry = "matmul_f16", "matmul_f16"
+    if shader == "matmul":
+        A, ea = bound(rt, A)
+        B, eb = bound(rt, B)
     C, ec = bound(rt, C)
     a_col, b_col, c_col = a_col + ea, b_col + eb, c_col + ec
     bias_off = 0
@@ -133,24 +149,32 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         ldb = K if ldb is None else ldb
         b_rs, b_cs, b_off = 1, ldb, b_col
     ldc = N if ldc is None else ldc
-    if _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, (A, B, C, bias)):
+    if shader == "matmul_f16" or _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col,
+                                          (A, B, C, bias)):
         fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
-        cfg = fast_config(rt, M, N, K)
-        consts = {k: int(v) for k, v in cfg.items()}
-        bm, bn = cfg["BM"], cfg["BN"]
-        slices, ks = splitk_slices(rec.rt, M, N, K)
+        if shader == "matmul_f16":   # fixed 128x128 tiles, BK 16 (no pipeline constants)
+            bm = bn = 128
+            consts = None
+            slices = _split_k(rt, M, N, K, cdiv(N, bm) * cdiv(M, bm))
+            ks = cdiv(cdiv(K, slices), 16) * 16 if slices > 1 else K
+            slices = cdiv(K, ks)
+        else:
+            cfg = fast_config(rt, M, N, K)
+            consts = {k: int(v) for k, v in cfg.items()}
+            bm, bn = cfg["BM"], cfg["BN"]
+            slices, ks = splitk_slices(rec.rt, M, N, K)
         if slices > 1:
             part = rec.rt.scratch("matmul_splitk", (slices * M * N,))
             u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
-            rec.dispatch("matmul", "matmul_fast", {0: part, 1: A, 2: B, 3: A, 4: u},
+            rec.dispatch(shader, entry, {0: part, 1: A, 2: B, 3: B, 4: u},
                          (cdiv(N, bn), cdiv(M, bm), slices), consts)
             u = rec.rt.uniform(pack("12I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, bias_off, 0))
             rec.dispatch("matmul", "matmul_splitk_reduce",
                          {0: C, 1: part, 3: bias if bias is not None else part, 4: u}, cdiv(M * N // 4, 256))
             return
         u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
-        rec.dispatch("matmul", "matmul_fast",
-                     {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
+        rec.dispatch(shader, entry,
+                     {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
                      (cdiv(N, bn), cdiv(M, bm), 1), consts)
         return
     flags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if a_cs == 1 else 0) | (8 if b_cs == 1 else 0)
@@ -180,7 +204,8 @@ def _half(d: int) -> int:
     return r if r < d else h
 
 
-def _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, acc, bias) -> bool:
+def _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, acc, bias,
+                A16=None, B16=None) -> bool:
     """Record the product as blocks when an operand does not fit one binding (False: it fits)."""
     rt = rec.rt
     if fits_all(rt):
@@ -222,37 +247,77 @@ def _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b
                 a = span(A, a_col + (k0 * lda + m0 if trans_a else m0 * lda + k0), w["A"])
                 b = span(B, b_col + (n0 * ldb + k0 if trans_b else k0 * ldb + n0), w["B"])
                 c = span(C, c_col + m0 * ldc + n0, w["C"])
+                a16 = b16 = None
+                if A16 is not None and B16 is not None:   # the f16 copies share the layout
+                    a16 = span(A16, a_col + (k0 * lda + m0 if trans_a else m0 * lda + k0), w["A"])
+                    b16 = span(B16, b_col + (n0 * ldb + k0 if trans_b else k0 * ldb + n0), w["B"])
                 matmul(rec, c, a, b, M=m, N=n, K=k, trans_a=trans_a, trans_b=trans_b, lda=lda, ldb=ldb,
                        ldc=ldc, acc=acc or k0 > 0,
-                       bias=span(bias, n0, n) if bias is not None and k0 == 0 else None)
+                       bias=span(bias, n0, n) if bias is not None and k0 == 0 else None, A16=a16, B16=b16)
     return True
+
+
+def cast_f16(rec: Recorder, dst: Tensor, src: Tensor, n: int | None = None) -> None:
+    """dst[:n] = f16(src[:n]) (WRITE; n defaults to src's size).  dst starts on a multiple
+    of 4 elements and is written in whole vec4s: up to n rounded up to 4 (zeros past n;
+    the f16 copies are allocated so).  Ranges larger than one storage binding are cast in
+    pieces."""
+    n = src.numel if n is None else int(n)
+    if n <= 0:
+        return
+    rt = rec.rt
+    piece = max(4, (rt.max_binding - rt.storage_align) // 4 // 1024 * 1024)   # f32 elements
+    for s0 in range(0, n, piece):
+        m = min(piece, n - s0)
+        n4 = cdiv(m, 4)
+        s, es = bound(rt, Tensor(src.buffer, (m,), src.dtype, src.offset + 4 * s0))
+        d, ed = bound(rt, Tensor(dst.buffer, (4 * n4,), dst.dtype, dst.offset + 2 * s0))
+        if ed % 4:
+            raise ValueError("cast_f16: the f16 view must start on a multiple of 4 elements")
+        if d.offset + d.nbytes > d.buffer.size:
+            raise ValueError("cast_f16: the rounded-up f16 range runs past its buffer")
+        u = rt.uniform(pack("4I", m, n4, es, ed // 4))
+        rec.dispatch("matmul_f16", "cast_f16", {0: s, 1: d, 2: u}, cdiv(n4, 256))
 
 
 def linear_forward(rec: Recorder, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, *,
                    M: int, N: int, K: int, ldx: int | None = None, x_col: int = 0,
-                   ldo: int | None = None, out_col: int = 0, acc: bool = False) -> None:
-    """out[M, N] (+)= x[M, K] @ weight[N, K]^T + bias."""
+                   ldo: int | None = None, out_col: int = 0, acc: bool = False,
+                   x16: Tensor | None = None, w16: Tensor | None = None) -> None:
+    """out[M, N] (+)= x[M, K] @ weight[N, K]^T + bias.  With x16 and w16 (f16 copies of x
+    and weight, --precision mixed) the product takes them where the shape allows."""
     matmul(rec, out, x, weight, M=M, N=N, K=K, trans_b=True, lda=ldx, ldb=K, ldc=ldo,
-           a_col=x_col, c_col=out_col, acc=acc, bias=bias)
+           a_col=x_col, c_col=out_col, acc=acc, bias=bias, A16=x16, B16=w16)
 
 
 def linear_backward(rec: Recorder, dx: Tensor | None, dweight: Tensor | None, dbias: Tensor | None,
                     dout: Tensor, x: Tensor, weight: Tensor, ones: Tensor | None = None, *,
                     M: int, N: int, K: int, ldx: int | None = None, x_col: int = 0,
                     lddo: int | None = None, dout_col: int = 0, lddx: int | None = None,
-                    dx_col: int = 0, dx_acc: bool = False) -> None:
+                    dx_col: int = 0, dx_acc: bool = False,
+                    x16: Tensor | None = None, w16: Tensor | None = None,
+                    dout16: Tensor | None = None) -> None:
     """dx (+)= dout @ weight; dweight += dout^T @ x; dbias += column sums of dout.
 
     dout is [M, N] (row stride lddo), x is [M, K] (row stride ldx), weight [N, K].
     `ones` is a tensor of at least M ones, needed only for dbias.
+    --precision mixed: `dout16` is f16 scratch of at least M*lddo elements; dout is cast
+    into it and the two products take it with `w16` (f16 weight) and `x16` (the forward's
+    f16 copy of x) where the shape allows.  dbias stays f32.
     """
+    ldo = lddo if lddo is not None else N
+    if dout16 is not None and ((dx is not None and w16 is not None) or (dweight is not None and x16 is not None)):
+        dout16 = dout16.view((M * ldo,))   # exactly dout's extent (the scratch may be larger)
+        cast_f16(rec, dout16, dout, M * ldo)
+    else:
+        dout16 = None
     if dx is not None:
-        matmul(rec, dx, dout, weight, M=M, N=K, K=N, lda=lddo if lddo is not None else N,
-               a_col=dout_col, ldb=K, ldc=lddx, c_col=dx_col, acc=dx_acc)
+        matmul(rec, dx, dout, weight, M=M, N=K, K=N, lda=ldo,
+               a_col=dout_col, ldb=K, ldc=lddx, c_col=dx_col, acc=dx_acc, A16=dout16, B16=w16)
     if dweight is not None:
         matmul(rec, dweight, dout, x, M=N, N=K, K=M, trans_a=True,
-               lda=lddo if lddo is not None else N, a_col=dout_col,
-               ldb=ldx if ldx is not None else K, b_col=x_col, acc=True)
+               lda=ldo, a_col=dout_col,
+               ldb=ldx if ldx is not None else K, b_col=x_col, acc=True, A16=dout16, B16=x16)
     if dbias is not None:
         assert ones is not None, "dbias needs a ones vector"
         matmul(rec, dbias, ones, dout, M=1, N=N, K=M, lda=M,
