@@ -2,6 +2,7 @@
 
     python benchmarks/bench.py --suite scan,matmul,train --out results.json        # on a GPU machine
     python benchmarks/bench.py --suite train --shapes tiny --seq 128 --batch 1     # anywhere
+    python benchmarks/bench.py --suite matmul,train --precision fp32,mixed          # f16 matmul path too
 
 The peer is mamba-ssm (the authors' fused CUDA kernels) where it can be imported: build it
 with ../shared/peers/build_peers.sh and put /tmp/peers/mamba_ssm-2.3.2.post1 on PYTHONPATH
@@ -318,6 +319,14 @@ def bench_matmul(rt, cases, torch, variants=("default",)):
                 mm._MODE, mm.FORCE = old_mode, old_force
             r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
             row[v] = r
+        if rt.has_f16:   # --precision mixed's kernel: the same product from f16 copies
+            A16, B16 = rt.empty(sa, "f16"), rt.empty(sb, "f16")
+            rec = rt.recorder(); mm.cast_f16(rec, A16, A); mm.cast_f16(rec, B16, Bt); rec.submit()
+            r = _gpu_ms(rt, lambda rec: mm.matmul(rec, C, A, Bt, **kw, A16=A16, B16=B16), reps=5)
+            r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
+            row["f16"] = r
+            rt.free(A16)
+            rt.free(B16)
         for t in (A, Bt, C):
             rt.free(t)
         if torch is not None:
@@ -361,7 +370,7 @@ def _batch(cfg, B, L):
     return Batch(ids=ids, targets=tg, n_targets=B * L, n_tokens=B * L)
 
 
-def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False):
+def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False, precision="fp32"):
     from memengine.engine.config import MambaConfig
     from memengine.engine.init import init_weights
     from memengine.engine.model import MambaModel
@@ -372,8 +381,9 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False):
     rt.trim()
     rt.peak_bytes = 0   # this row's high-water mark, not the process's
     model = MambaModel(rt, cfg, init_weights(cfg, 0))
+    model.set_precision(precision)
     batch = _batch(cfg, B, L)
-    o = TrainOptions(batch_size=B, seq_len=L)
+    o = TrainOptions(batch_size=B, seq_len=L, precision=precision)
     tr = Trainer(model, o, trace_capacity=max(steps, warmup))
     for _ in range(warmup):
         tr.step([batch], o.lr)
@@ -384,7 +394,9 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False):
     losses, _ = tr.read_trace()  # waits for the last step
     dt = time.perf_counter() - t0
     out = dict(tokens_per_s=B * L * steps / dt, step_s=dt / steps, loss=float(losses[-1]),
-               peak_bytes=rt.peak_bytes)  # (the parameter and gradient stores included)
+               peak_bytes=rt.peak_bytes, precision=precision)  # (the parameter, gradient and f16 stores included)
+    if tr.scaler is not None:
+        out.update(tr.scaler.read())
     if profile and rt.enable_profiling():
         tr.step([batch], o.lr)
         tr.read_trace()
@@ -710,12 +722,16 @@ def summary(res) -> list:
         lines.append("matmul (TFLOP/s, G = GFLOP/s; ratio = ours / torch fp32: cuBLAS with TF32 off, or torch on the CPU)")
         for r in mm:
             line = f"  {r['name']:13s} " + " ".join(f"{v}={_rate(r[v]['tflops'])}" for v in variants)
+            if "f16" in r:
+                line += f" f16={_rate(r['f16']['tflops'])}"
             for key in ("cublas", "torch_cpu"):
                 if key in r:
                     line += f"  {key}={_rate(r[key]['tflops'])}  {r['default']['tflops'] / r[key]['tflops']:.2f}x"
             lines.append(line)
         tot = {v: sum(r["calls"] * r[v]["ms"] for r in mm) for v in variants}
         line = "  step total ms: " + " ".join(f"{v}={tot[v]:.1f}" for v in variants)
+        if all("f16" in r for r in mm):
+            line += f" f16={sum(r['calls'] * r['f16']['ms'] for r in mm):.1f}"
         for key in ("cublas", "torch_cpu"):
             if all(key in r for r in mm):
                 cbt = sum(r["calls"] * r[key]["ms"] for r in mm)
@@ -726,6 +742,10 @@ def summary(res) -> list:
         line = f"train {row['shape']} B={row['B']} L={row['L']}: memengine {me.get('tokens_per_s', 0):8.0f} tok/s"
         if me.get("peak_bytes"):
             line += f" ({me['peak_bytes'] / 2**30:.1f} GiB)"
+        mx = row.get("memengine_mixed")
+        if mx and mx.get("tokens_per_s") and me is not mx:
+            line += (f"  mixed {mx['tokens_per_s']:8.0f} tok/s ({mx['peak_bytes'] / 2**30:.1f} GiB, "
+                     f"{mx['tokens_per_s'] / max(me.get('tokens_per_s', 0), 1e-9):.2f}x fp32)")
         for key in ("mamba_ssm_fp32", "mamba_ssm_bf16", "mambapy", "slow_path", "torch_cpu"):
             p = row.get(key)
             if not p:
@@ -784,6 +804,8 @@ def main(argv=None):
     ap.add_argument("--out", default="bench-results.json")
     ap.add_argument("--variants", action="store_true", help="also time the kernel configurations that are not the default")
     ap.add_argument("--profile", action="store_true", help="time the first train row's step kernel by kernel")
+    ap.add_argument("--precision", default="fp32",
+                    help="train suite: fp32, mixed or both (fp32,mixed: a memengine_mixed entry per row)")
     a = ap.parse_args(argv)
 
     from memengine.engine.gpu import get_runtime
@@ -831,14 +853,18 @@ def main(argv=None):
             for L in [int(x) for x in a.seq.split(",")]:
                 for B in [int(x) for x in a.batch.split(",")]:
                     row = dict(shape=sh, B=B, L=L)
-                    prof = a.profile and not res.get("profile")
-                    try:
-                        row["memengine"] = bench_memengine_train(rt, sh, B, L, a.steps, profile=prof)
-                    except Exception as e:
-                        row["memengine"] = dict(error=str(e)[:300])
-                    if prof and "profile" in row["memengine"]:
-                        res["profile"] = row["memengine"].pop("profile")
-                        res["profile_of"] = f"{sh} B={B} L={L}"
+                    for prec in a.precision.split(","):
+                        key = "memengine" if prec == "fp32" else f"memengine_{prec}"
+                        prof = a.profile and not res.get(f"profile_{prec}" if prec != "fp32" else "profile")
+                        try:
+                            row[key] = bench_memengine_train(rt, sh, B, L, a.steps, profile=prof, precision=prec)
+                        except Exception as e:
+                            row[key] = dict(error=str(e)[:300])
+                        if prof and "profile" in row[key]:
+                            pk = "profile" if prec == "fp32" else f"profile_{prec}"
+                            res[pk] = row[key].pop("profile")
+                            res[pk + "_of"] = f"{sh} B={B} L={L}"
+                    row.setdefault("memengine", row.get("memengine_mixed", {}))
                     if tdev == "cpu":   # the CPU peers: always
                         threads = sorted({int(x) for x in a.torch_threads.split(",")} if a.torch_threads
                                          else {1, os.cpu_count() or 1})
@@ -847,6 +873,8 @@ def main(argv=None):
                             row["torch_cpu"] = bench_torch_train(torch, sh, B, L, a.steps, "cpu")
                     res["train"].append(row)
                     line = f"train {sh} B={B} L={L}: memengine {row['memengine'].get('tokens_per_s', 0):.0f} tok/s"
+                    if "memengine_mixed" in row:
+                        line += f", mixed {row['memengine_mixed'].get('tokens_per_s', 0):.0f} tok/s"
                     if row.get("mambapy", {}).get("ratio"):
                         line += f", transformers+mambapy {row['mambapy']['tokens_per_s']:.0f} ({row['mambapy']['ratio']:.2f}x)"
                     print(line, flush=True)
