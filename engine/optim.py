@@ -25,7 +25,7 @@ import numpy as np
 from .gpu import Tensor, Uniform, cdiv, grid, pack, span, split
 from .ops.reduce import count_partials, finish_window, partials_scratch, record_partials
 
-_ADAM_FMT = "<I11f"  # u32 count, f32 lr b1 b2 eps wd b1^t b2^t max_delta, 3 f32 pad
+_ADAM_FMT = "<I8fI2f"  # u32 count, f32 lr b1 b2 eps wd b1^t b2^t max_delta, u32 gpu_t, 2 f32 pad
 _ADAM_BYTES = 48
 assert struct.calcsize(_ADAM_FMT) == _ADAM_BYTES
 
@@ -74,7 +74,8 @@ class LossScaler:
     step's gradients: non-finite -> the step is skipped (AdamW reads `amp[0]`), S halves;
     `growth_interval` finite steps in a row -> S doubles (torch.amp.GradScaler's
     defaults: 2^16, 2000).  `amp` [4] = (skip this step, finite steps in a row, skipped
-    steps so far, unused); the trainer copies amp[0] into its trace (no readback per step).
+    steps so far, optimizer steps applied = AdamW's t); the trainer copies amp[0] into
+    its trace (no readback per step).
     """
 
     def __init__(self, rt, init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
@@ -82,6 +83,22 @@ class LossScaler:
         self.growth_interval = int(growth_interval)
         self.scale: Tensor = rt.upload(np.array([init_scale], np.float32), name="loss_scale")
         self.amp: Tensor = rt.zeros((4,), name="loss_scale.state")
+
+    def state(self) -> np.ndarray:
+        """(scale, finite steps in a row, skipped steps): what a checkpoint keeps."""
+        return np.array([self.rt.read(self.scale)[0], *self.rt.read(self.amp)[1:3]], np.float32)
+
+    def applied_steps(self) -> int:
+        return int(self.rt.read(self.amp)[3])
+
+    def load(self, state, applied_steps: int = 0) -> None:
+        """Continue from `state` (None: the initial scale) with AdamW's t = applied_steps."""
+        if state is not None:
+            s = np.asarray(state, np.float32).reshape(-1)
+            self.rt.write(self.scale, s[:1])
+        else:
+            s = np.zeros(3, np.float32)
+        self.rt.write(self.amp, np.array([0.0, s[1], s[2], applied_steps], np.float32))
 
     def read(self) -> dict:
         """{'loss_scale', 'skipped_steps'} (a GPU sync point: not inside a step loop)."""
@@ -178,8 +195,8 @@ class AdamW:
         """Record one AdamW step for every parameter in `params` (grads by the same names).
         `clip_factor`: a [1] f32 tensor multiplied into every gradient (None: 1).  `skip`:
         a tensor whose element 0, when non-zero at run time, leaves every parameter and
-        moment unchanged (LossScaler.amp; None: never).  The step count t still advances
-        for a skipped step (it is counted on the host)."""
+        moment unchanged (LossScaler.amp; None: never); the bias correction then uses
+        t = skip[3], the steps applied (counted on the GPU), not `step_count`."""
         rt = self.rt
         if rec.encoder is self._last_encoder:
             raise RuntimeError("AdamW.record_step called twice on one recorder without submit(); "
@@ -215,15 +232,17 @@ class AdamW:
             for i, (_, n) in enumerate(ranges[name]):
                 struct.pack_into(_ADAM_FMT, data, self._slots[name if i == 0 else (name, i)] * self._stride,
                                  n, self.lr, b1, b2, self.eps, self.weight_decay,
-                                 b1 ** t, b2 ** t, self.max_delta, 0.0, 0.0, 0.0)
+                                 b1 ** t, b2 ** t, self.max_delta, 0 if skip is None else 1, 0.0, 0.0)
         rt.device.queue.write_buffer(self._ubuf, 0, bytes(data))
 
         clip = clip_factor if clip_factor is not None else self._ones_tensor()
         if skip is None:
-            skip = rt.scratch("adamw.noskip", (1,))
-            if not getattr(skip, "filled", False):
-                rt.write(skip, [0.0])
-                skip.filled = True
+            skip_t = rt.scratch("adamw.noskip", (4,))
+            if not getattr(skip_t, "filled", False):
+                rt.write(skip_t, np.zeros(4, np.float32))
+                skip_t.filled = True
+        else:
+            skip_t = skip
         for name, p in params.items():
             if p.numel == 0:
                 continue
@@ -235,7 +254,7 @@ class AdamW:
                 bp, bg, bm, bv = views
                 rec.dispatch("adamw", "adamw_step",
                              {0: bp, 1: bg, 2: bm, 3: bv, 4: clip,
-                              5: self._uniform(self._slots[name if i == 0 else (name, i)]), 6: skip},
+                              5: self._uniform(self._slots[name if i == 0 else (name, i)]), 6: skip_t},
                              grid(cdiv(n, 256)))
         self._last_encoder = rec.encoder
 

@@ -48,6 +48,10 @@ def load(path: Path, model) -> dict | None:
     return state
 
 
+# the loss scaler's (scale, finite steps in a row, skipped steps) of a --precision mixed run
+LOSS_SCALE_KEY = "__loss_scale__"
+
+
 HINT = "; delete it to start the moments from zero"
 _NUMBERS = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8"}
 
@@ -67,7 +71,8 @@ def _gpu_shape(name: str, shape: tuple) -> tuple:
 
 
 def check_header(entries: dict, model, where: str) -> None:
-    """Every entry (name -> (shape, safetensors dtype)) is '__step__' (one number) or one of
+    """Every entry (name -> (shape, safetensors dtype)) is '__step__' (one number),
+    '__loss_scale__' (--precision mixed: three F32 numbers) or one of
     a pair of F32 moments ('<tensor>.exp_avg', '<tensor>.exp_avg_sq') of a tensor of the
     model, of that tensor's shape.  The first problem is one MemengineError naming the entry."""
     shapes = _shapes(model)
@@ -80,6 +85,10 @@ def check_header(entries: dict, model, where: str) -> None:
                 raise _bad(where, key, f"holds {math.prod(shape)} values, not one step count")
             if str(dtype).upper() not in _NUMBERS:
                 raise _bad(where, key, f"is {dtype}, not a number")
+            continue
+        if key == LOSS_SCALE_KEY:
+            if shape != (3,) or str(dtype).upper() != "F32":
+                raise _bad(where, key, "is not three float32 numbers (scale, good steps, skipped steps)")
             continue
         if key.endswith(".exp_avg_sq"):
             name, other = key[: -len(".exp_avg_sq")], "exp_avg"
@@ -115,6 +124,10 @@ def check(state: dict, model, where: str) -> None:
     check_header({k: (np.shape(a), st_dtype(a)) for k, a in state.items()}, model, where)
     for key in sorted(state):
         arr = np.asarray(state[key])
+        if key == LOSS_SCALE_KEY:
+            if not (np.isfinite(arr).all() and float(arr.reshape(-1)[0]) > 0):
+                raise _bad(where, key, "is not a positive finite loss scale")
+            continue
         if key == "__step__":
             v = float(arr.reshape(-1)[0])
             if not math.isfinite(v) or v < 0 or v != int(v) or v >= 2 ** 53:

@@ -26,6 +26,7 @@ from .gpu import BOUNDED_STEP_S, StepFence
 from .model import MambaModel, perplexity
 from .ops.reduce import sum_into
 from .optim import AdamW, GradClipper, LossScaler
+from .optim_state import LOSS_SCALE_KEY
 
 
 @dataclass
@@ -66,6 +67,8 @@ class Trainer:
         rt = model.rt
         self.opt = AdamW(rt, lr=options.lr, betas=(options.beta1, options.beta2), eps=options.eps,
                          weight_decay=options.weight_decay, max_delta=options.max_delta)
+        optimizer_state = dict(optimizer_state or {})
+        scaler_state = optimizer_state.pop(LOSS_SCALE_KEY, None)
         if optimizer_state:
             self.opt.load_state_dict(optimizer_state)
         self.clipper = GradClipper(rt)
@@ -77,6 +80,8 @@ class Trainer:
         if model.mixed:
             self.scaler = LossScaler(rt, growth_interval=getattr(options, "loss_scale_growth", 2000))
             model.loss_scale = self.scaler.scale
+            # a resumed mixed run continues its loss scale; AdamW's t is counted on the GPU
+            self.scaler.load(scaler_state, self.opt.step_count)
         self.capacity = max(1, int(trace_capacity))
         # trace[j] = loss of the j-th step since the last read, trace[cap + j] = its grad norm,
         # trace[2 cap + j] = 1 when loss scaling skipped it; a step sums its loss into one
@@ -89,7 +94,11 @@ class Trainer:
         self._last_step = None
 
     def optimizer_state(self) -> dict:
-        return self.opt.state_dict()
+        state = self.opt.state_dict()
+        if self.scaler is not None:   # t = the steps loss scaling let through
+            state[LOSS_SCALE_KEY] = self.scaler.state()
+            state["__step__"] = np.array([self.scaler.applied_steps()], dtype=np.int64)
+        return state
 
     def step(self, micro: list, lr: float) -> int:
         """Record and submit one optimizer step over the micro-batches `micro` (Batch of one

@@ -24,7 +24,7 @@ struct Adam {
     b1t: f32,        // b1^t
     b2t: f32,        // b2^t
     max_delta: f32,  // trust region; 0 disables
-    _p0: f32,
+    gpu_t: u32,      // 1: t = skip[3] (steps applied so far, loss scaling), b1^t b2^t computed here
     _p1: f32,
     _p2: f32,
 }
@@ -36,7 +36,9 @@ struct Adam {
 @group(0) @binding(4) var<storage, read> clip: array<f32>;
 @group(0) @binding(5) var<uniform> U: Adam;
 // skip[0] != 0: leave p, m and v as they are (a step skipped by loss scaling, computed on
-// the GPU by reduce.wgsl's clip_finish_scaled; 0 without loss scaling)
+// the GPU by reduce.wgsl's clip_finish_scaled; 0 without loss scaling).  With gpu_t the
+// bias correction uses t = skip[3], the steps actually applied (torch.amp.GradScaler skips
+// optimizer.step(), so a skipped step does not advance t).
 @group(0) @binding(6) var<storage, read> skip: array<f32>;
 
 fn is_finite(x: f32) -> bool {
@@ -55,7 +57,13 @@ fn adamw_step(@builtin(local_invocation_index) lid: u32,
     let m1 = U.b1 * m[i] + (1.0 - U.b1) * gi;
     let v1 = U.b2 * v[i] + (1.0 - U.b2) * (gi * gi);
     let ok = is_finite(m1) && is_finite(v1);
-    var step = U.lr * (m1 / (1.0 - U.b1t)) / (sqrt(v1 / (1.0 - U.b2t)) + U.eps);
+    var b1t = U.b1t;
+    var b2t = U.b2t;
+    if (U.gpu_t != 0u) {
+        b1t = pow(U.b1, skip[3]);
+        b2t = pow(U.b2, skip[3]);
+    }
+    var step = U.lr * (m1 / (1.0 - b1t)) / (sqrt(v1 / (1.0 - b2t)) + U.eps);
     if (!ok || !is_finite(step)) {
         step = 0.0;
     }

@@ -120,8 +120,9 @@ fn clip_finish(@builtin(local_invocation_index) lid: u32) {
 
 // The same with dynamic loss scaling (--precision mixed; torch.amp.GradScaler's rule): the
 // gradients hold S * g, S = lscale[0].  A non-finite norm skips the step (amp[0] = 1, read
-// by AdamW), halves S and counts the skip in amp[2]; a finite one sets amp[0] = 0 and
-// doubles S after `growth` finite steps in a row (amp[1] counts them).  out[0] gets
+// by AdamW), halves S and counts the skip in amp[2]; a finite one sets amp[0] = 0, counts
+// the applied step in amp[3] (AdamW's t) and doubles S after `growth` finite steps in a
+// row (amp[1] counts them).  out[0] gets
 // clip factor / S (AdamW multiplies the scaled gradient by it), norm_last[0] the norm of
 // the unscaled gradient.
 @group(0) @binding(6) var<storage, read_write> lscale: array<f32>;
@@ -142,6 +143,7 @@ fn clip_finish_scaled(@builtin(local_invocation_index) lid: u32) {
         norm_last[0] = norm;
         if (finite) {
             amp[0] = 0.0;
+            amp[3] = amp[3] + 1.0;
             let good = amp[1] + 1.0;
             if (good >= P.growth) {
                 lscale[0] = s * 2.0;

@@ -195,8 +195,15 @@ def test_overflow_skips_the_step_and_halves_the_scale_then_growth_doubles_it(rt)
     assert rt.read(scaler.amp)[0] == 1.0
     rt.write(grads["w"], g)
     _scaled_step(rt, scaler, clipper, opt, params, grads, 1.0)
-    assert not np.array_equal(rt.read(params["w"]), p0) and rt.read(scaler.amp)[0] == 0.0
+    assert rt.read(scaler.amp)[0] == 0.0
     assert scaler.read() == {"loss_scale": 512.0, "skipped_steps": 1}
+    # as torch.amp.GradScaler: the skipped step never reached the optimizer, so this one is
+    # torch AdamW's first step (t = 1) on the unscaled, clipped gradient
+    tp = torch.nn.Parameter(torch.tensor(p0, dtype=torch.float64))
+    tp.grad = torch.tensor(g / 512.0, dtype=torch.float64)
+    torch.nn.utils.clip_grad_norm_([tp], 1.0)
+    torch.optim.AdamW([tp], lr=1e-2).step()
+    np.testing.assert_allclose(rt.read(params["w"]), tp.detach().numpy(), rtol=1e-5, atol=2e-6)
     _scaled_step(rt, scaler, clipper, opt, params, grads, 1.0)     # 2 good steps in a row: x2
     assert scaler.read() == {"loss_scale": 1024.0, "skipped_steps": 1}
 
@@ -300,3 +307,29 @@ def test_cli_mixed_train_records_skips_and_refuses_without_f16(rt, monkeypatch, 
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, "shader-f16")
     assert not (tmp_path / "o2").exists()
+
+
+def test_loss_scaler_state_is_kept_in_the_optimizer_state(rt, tmp_path):
+    _need_f16(rt)
+    from memengine.engine import optim_state
+    from memengine.engine.data import make_batches
+    model = MambaModel(rt, CURVE_CFG, init_weights(CURVE_CFG, 0))
+    model.set_precision("mixed")
+    o = TrainOptions(max_steps=2, lr=1e-3, batch_size=2, seq_len=16, log_every=2, precision="mixed")
+    trainer = Trainer(model, o, trace_capacity=2)
+    rt.write(trainer.scaler.scale, [2.0 ** 40])
+    for b in make_batches(_demo_windows(16)[:4], 2, 16):
+        trainer.step([b], 1e-3)
+    trainer.read_trace()
+    state = trainer.optimizer_state()
+    np.testing.assert_array_equal(state[optim_state.LOSS_SCALE_KEY], [2.0 ** 38, 0, 2])
+    optim_state.save(tmp_path, state)
+    loaded = optim_state.load(tmp_path / optim_state.OPTIMIZER_FILE, model)
+    again = Trainer(model, o, loaded)
+    assert again.scaler.read() == {"loss_scale": 2.0 ** 38, "skipped_steps": 2}
+    model.set_precision("fp32")
+    assert Trainer(model, o, loaded).scaler is None   # an fp32 run ignores it
+    bad = dict(state)
+    bad[optim_state.LOSS_SCALE_KEY] = np.array([-1.0, 0, 0], np.float32)
+    with pytest.raises(Exception, match="positive finite scale"):
+        optim_state.check(bad, model, "x")
