@@ -64,7 +64,7 @@ transformers = pytest.importorskip("transformers")
 from memengine.engine.config import MambaConfig  # noqa: E402
 from memengine.engine.model import MambaModel  # noqa: E402
 
-from test_oracle import hf_model, rel, tensors_of  # noqa: E402
+from test_oracle import LIMITS, hf_model, limits_for, rel, tensors_of  # noqa: E402
 
 # shapes the f16 path takes everywhere (E, Di, R + 2N, V multiples of 4)
 MIXED_CASES = [
@@ -77,11 +77,19 @@ MIXED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("limits", LIMITS)
 @pytest.mark.parametrize("name,kw,B,L,falcon", MIXED_CASES, ids=[c[0] for c in MIXED_CASES])
-def test_mixed_logits_loss_grads_within_bound_of_transformers(rt, monkeypatch, name, kw, B, L, falcon):
+def test_mixed_logits_loss_grads_within_bound_of_transformers(rt, monkeypatch, name, kw, B, L, falcon, limits):
+    """`forced`: binding and buffer limits forced down so that every product and cast runs
+    in pieces (f16 operands split like the f32 ones), each dispatch checked against them."""
     _need_f16(rt)
     m = hf_model(kw, falcon=falcon)
     cfg = MambaConfig.from_dict(m.config.to_dict())
+    with limits_for(rt, limits, cfg, B, L, monkeypatch):
+        _mixed_vs_oracle(rt, monkeypatch, m, cfg, name, kw, B, L, count=limits == "adapter")
+
+
+def _mixed_vs_oracle(rt, monkeypatch, m, cfg, name, kw, B, L, count):
     ours = MambaModel(rt, cfg, tensors_of(m))
     ours.set_precision("mixed")
     S = 1024.0
@@ -101,13 +109,15 @@ def test_mixed_logits_loss_grads_within_bound_of_transformers(rt, monkeypatch, n
     from memengine.engine.gpu import Recorder
     seen = []
     orig = Recorder.dispatch
-    monkeypatch.setattr(Recorder, "dispatch", lambda self, sh, en, *a, **k: (seen.append(en), orig(self, sh, en, *a, **k)))
-    ours.loss_and_grads(ids, targets)
-    # every product of the step is f16 (f32 products only for the bias gradients' column sums)
-    n_products = 3 * (4 * cfg.num_hidden_layers + 1)
-    assert seen.count("matmul_f16") == n_products, seen
-    assert seen.count("matmul_fast") + seen.count("matmul_forward") == 2 * cfg.num_hidden_layers * kw["use_bias"]
-    monkeypatch.undo()
+    if count:
+        monkeypatch.setattr(Recorder, "dispatch",
+                            lambda self, sh, en, *a, **k: (seen.append(en), orig(self, sh, en, *a, **k)))
+        ours.loss_and_grads(ids, targets)
+        # every product of the step is f16 (f32 products only for the bias gradients' column sums)
+        n_products = 3 * (4 * cfg.num_hidden_layers + 1)
+        assert seen.count("matmul_f16") == n_products, seen
+        assert seen.count("matmul_fast") + seen.count("matmul_forward") == 2 * cfg.num_hidden_layers * kw["use_bias"]
+        monkeypatch.setattr(Recorder, "dispatch", orig)
     logits = ours.logits(ids)
     loss = ours.loss_and_grads(ids, targets)
     grads = {n: g / S for n, g in ours.grad_dict().items()}

@@ -30,7 +30,7 @@ def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Ten
     if len(parts) > 1:  # logits larger than one binding: row ranges
         for r0, n in parts:
             cross_entropy(rec, rows(loss_rows, r0, n, 1), rows(logits, r0, n, V), rows(targets, r0, n, 1),
-                          scale, want_grad=want_grad)
+                          scale, want_grad=want_grad, loss_scale=loss_scale)
         return
     (bl, ol), (bx, ox), (bt, ot), (bs, os_) = (bound(rt, t) for t in (loss_rows, logits, targets, scale))
     if loss_scale is None:
