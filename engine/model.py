@@ -123,8 +123,7 @@ class FlatStore:
         self.rt = rt
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.where, sizes = store_layout(self.shapes, rt.storage_align // 4, rt.max_buffer)
-        # whole vec4s per segment (the f16 copy of --precision mixed is cast by vec4)
-        self.segments = [Tensor(rt.create_buffer(4 * ((n + 3) // 4 * 4), f"{label}{i}"), (n,), "f32", 0, f"{label}{i}")
+        self.segments = [Tensor(rt.create_buffer(4 * n, f"{label}{i}"), (n,), "f32", 0, f"{label}{i}")
                          for i, n in enumerate(sizes)]
         self.views = {name: Tensor(self.segments[seg].buffer, shape, "f32", 4 * off, name)
                       for name, shape in self.shapes.items() for seg, off in [self.where[name]]}

@@ -11,7 +11,8 @@ enable f16;
 // B transposed), same split-K slices (reduced by matmul.wgsl's matmul_splitk_reduce).
 // Offsets and leading dimensions are in elements and multiples of 4.
 //
-// cast_f16: dst[i] = f16(src[i]) for n elements (vec4 at a time; offsets multiples of 4).
+// cast_f16: dst[i] = f16(src[i]) for n elements, written a vec4 at a time (dst offset a
+// multiple of 4; a last partial vec4 gets zeros past n).
 // Values beyond the f16 range (and NaN) become +-inf: loss scaling detects them downstream.
 
 struct FastParams {
@@ -178,9 +179,9 @@ fn store_fast(c_base: u32, r: u32, c: u32, acc: vec4<f32>) {
 }
 
 // ---------------------------------------------------------------------------------------
-struct CastParams { n4: u32, src_off4: u32, dst_off4: u32, _p: u32 }
+struct CastParams { n: u32, n4: u32, src_off: u32, dst_off4: u32 }
 
-@group(0) @binding(0) var<storage, read> cast_src: array<vec4<f32>>;
+@group(0) @binding(0) var<storage, read> cast_src: array<f32>;
 @group(0) @binding(1) var<storage, read_write> cast_dst: array<vec4<f16>>;
 @group(0) @binding(2) var<uniform> CP: CastParams;
 
@@ -189,7 +190,10 @@ fn cast_f16(@builtin(global_invocation_id) gid: vec3<u32>,
             @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = gid.x + gid.y * nwg.x * 256u;
     if (i >= CP.n4) { return; }
-    let v = cast_src[CP.src_off4 + i];
+    var v = vec4<f32>(0.0);   // the last vec4 of a range that is not a multiple of 4: zeros
+    for (var j = 0u; j < 4u; j++) {
+        if (4u * i + j < CP.n) { v[j] = cast_src[CP.src_off + 4u * i + j]; }
+    }
     // out-of-range (and NaN) values: explicitly +-inf (WGSL leaves such conversions undefined)
     let over = !(abs(v) <= vec4<f32>(65504.0));
     let safe = select(v, vec4<f32>(0.0), over);

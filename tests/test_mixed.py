@@ -228,6 +228,14 @@ def test_cast_to_f16_overflows_to_inf(rt):
     got = rt.read(dst)
     np.testing.assert_array_equal(got[[0, 2, 4, 5, 7]], x[[0, 2, 4, 5, 7]].astype(np.float16))
     assert got[1] == -np.inf and got[3] == np.inf and np.isinf(got[6])
+    # a range that is not a multiple of 4, read from a view: the last vec4 is padded with 0
+    rt.write(dst, np.full(8, 7.0, np.float16))
+    rec = rt.recorder()
+    mm.cast_f16(rec, dst, src.view((5,), 2), 5)
+    rec.submit()
+    got = rt.read(dst)
+    np.testing.assert_array_equal(got[[0, 2, 3]], x[[2, 4, 5]].astype(np.float16))
+    assert got[1] == np.inf and np.isinf(got[4]) and np.all(got[5:] == 0)
 
 
 # ------------------------------------------------------------------ training
