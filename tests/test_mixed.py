@@ -349,5 +349,5 @@ def test_loss_scaler_state_is_kept_in_the_optimizer_state(rt, tmp_path):
     assert Trainer(model, o, loaded).scaler is None   # an fp32 run ignores it
     bad = dict(state)
     bad[optim_state.LOSS_SCALE_KEY] = np.array([-1.0, 0, 0], np.float32)
-    with pytest.raises(Exception, match="positive finite scale"):
+    with pytest.raises(Exception, match="positive finite loss scale"):
         optim_state.check(bad, model, "x")
