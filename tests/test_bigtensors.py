@@ -183,3 +183,32 @@ def test_split_k_inside_row_blocks(rt, monkeypatch):
     assert entries.count("matmul_splitk_reduce") == 4 and entries.count("matmul_fast") == 4, entries
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err < 1e-5, err
+
+
+def test_cross_entropy_eval_hits_in_row_ranges(rt, monkeypatch):
+    """Evaluation's top-1/top-5 hits when the logits exceed one binding (row ranges) equal
+    numpy's ranks (a target is a top-k hit when fewer than k logits are strictly greater)."""
+    from memengine.engine.ops.cross_entropy import cross_entropy
+
+    rng = np.random.default_rng(7)
+    Mc, V = 37, 300                       # 1200-byte rows: 3 rows per 4 KiB binding
+    logits = rng.standard_normal((Mc, V)).astype(np.float32)
+    order = np.argsort(-logits, axis=1)   # targets of every rank class: top 1, top 5, neither
+    targets = order[np.arange(Mc), rng.choice([0, 0, 2, 4, 5, 100], Mc)].astype(np.int32)
+    rank = (logits > logits[np.arange(Mc), targets][:, None]).sum(1)
+    lg = rt.upload(logits)
+    tg = rt.upload(targets, "i32")
+    scale = rt.upload(np.array([1.0], np.float32))
+    loss = rt.empty((Mc,))
+    hits = rt.zeros((2 * Mc,))
+    with checked_limits(rt, monkeypatch, KIB4) as seen:
+        rec = rt.recorder()
+        cross_entropy(rec, loss, lg, tg, scale, want_grad=False, hits=(hits.view((Mc,)), hits.view((Mc,), Mc)))
+        rec.submit()
+    assert seen["dispatches"] > 1
+    got = rt.read(hits)
+    assert 0 < (rank < 1).sum() < (rank < 5).sum() < Mc
+    np.testing.assert_array_equal(got[:Mc], (rank < 1).astype(np.float32))
+    np.testing.assert_array_equal(got[Mc:], (rank < 5).astype(np.float32))
+    ref = -(logits[np.arange(Mc), targets] - np.log(np.exp(logits.astype(np.float64)).sum(1)))
+    np.testing.assert_allclose(rt.read(loss), ref, rtol=1e-5)

@@ -29,8 +29,9 @@ def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Ten
     parts = split(rt, Mc, lambda n: (4 * n * V, 4 * n), unit=f"one row of logits ({V} values)")
     if len(parts) > 1:  # logits larger than one binding: row ranges
         for r0, n in parts:
+            h = None if hits is None else (rows(hits[0], r0, n, 1), rows(hits[1], r0, n, 1))
             cross_entropy(rec, rows(loss_rows, r0, n, 1), rows(logits, r0, n, V), rows(targets, r0, n, 1),
-                          scale, want_grad=want_grad, loss_scale=loss_scale)
+                          scale, want_grad=want_grad, hits=h, loss_scale=loss_scale)
         return
     (bl, ol), (bx, ox), (bt, ot), (bs, os_) = (bound(rt, t) for t in (loss_rows, logits, targets, scale))
     if loss_scale is None:
