@@ -271,6 +271,7 @@ class MambaModel:
         self.params = _structured(config, self.P.views)
         self._G: FlatStore | None = None
         self._grads: Params | None = None
+        self.lora = None  # an engine.lora.LoraAdapter applied in the forward and backward
         self._ws: dict = {}
         self.mixed = False
         self.P16 = None          # f16 copies of the parameter segments (mixed)
@@ -342,6 +343,9 @@ class MambaModel:
         return self._shaped(self.G.read())
 
     def trainable_names(self, wsla: bool = False) -> list:
+        """A trained adapter's matrices when one is attached; else x_proj (WSLA) or all."""
+        if self.lora is not None and self.lora.train:
+            return list(self.lora.names)
         if not wsla:
             return list(self.names)
         return [n for n in self.names if ".mixer.x_proj." in n]
@@ -378,11 +382,13 @@ class MambaModel:
         return n
 
     # ------------------------------------------------------------------ forward
-    def record_forward(self, rec: Recorder, ws: Workspace, after_layer=None) -> None:
+    def record_forward(self, rec: Recorder, ws: Workspace, after_layer=None, *, train: bool = False) -> None:
         """Residual stream through every layer and the final norm (activations kept).
         `after_layer(rec, i)` is called once layer i's activations are recorded, before the
-        next layer's (the decoder takes each layer's recurrent state from them there)."""
+        next layer's (the decoder takes each layer's recurrent state from them there).
+        `train`: a training step's forward (the adapter's dropout applies)."""
         c, p = self.cfg, self.params
+        lora = self.lora
         E, Di, N, R, K = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.conv_kernel
         M, B, L = ws.M, ws.B, ws.L
         mixed = ws.mixed
@@ -403,10 +409,14 @@ class MambaModel:
             rmsnorm_forward(rec, ws.un[i], ws.rstd[i], h, lp.norm_weight, c.layer_norm_epsilon)
             linear_forward(rec, ws.xz[i], ws.un[i], lp.in_proj_weight, lp.in_proj_bias, M=M, N=2 * Di, K=E,
                            x16=f16(ws.un16[i] if mixed else None, ws.un[i]), w16=w16("in_proj_weight"))
+            if lora is not None:
+                lora.forward(rec, ws, i, "in_proj", ws.un[i], ws.xz[i], train=train)
             conv1d_forward(rec, ws.xc[i], ws.pre[i], ws.xz[i], lp.conv1d_weight, lp.conv1d_bias,
                            B=B, L=L, Di=Di, K=K)
             linear_forward(rec, ws.xdbl[i], ws.xc[i], lp.x_proj_weight, None, M=M, N=R + 2 * N, K=Di,
                            x16=f16(ws.xc16[i] if mixed else None, ws.xc[i]), w16=w16("x_proj_weight"))
+            if lora is not None:
+                lora.forward(rec, ws, i, "x_proj", ws.xc[i], ws.xdbl[i], train=train)
             if c.is_falcon:
                 for col, w, rstd in self._mixer_norms(ws, i):
                     rmsnorm_forward(rec, ws.xdbl_n[i], rstd, ws.xdbl[i], self._mixer_ones.view((w,)),
@@ -467,27 +477,39 @@ class MambaModel:
             rec.boundary()
 
     def record_backward(self, rec: Recorder, ws: Workspace, trainable: set) -> None:
-        """Gradients of the mean loss for every parameter (dW skipped for frozen ones)."""
-        c, p, g = self.cfg, self.params, self.grads
+        """Gradients of the mean loss for every trainable parameter: the weight gradients of
+        frozen ones are not computed (only the activation gradients that flow through them);
+        the adapter's, when one is attached and its names are in `trainable`."""
+        c, p = self.cfg, self.params
         E, Di, N, R, K = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.conv_kernel
         M, B, L = ws.M, ws.B, ws.L
-        want = (lambda name: name in trainable)
         mixed = ws.mixed
+        lora = self.lora
+
+        def g(name: str, field: str, i: int | None = None):
+            """The gradient view of `name` when it is trained, else None (the gradient store
+            is made on first use: a LoRA run never makes it)."""
+            if name not in trainable:
+                return None
+            return getattr(self.grads if i is None else self.grads.layers[i], field)
+
         rec.clear(ws.dh)
-        rmsnorm_backward(rec, ws.dh, g.norm_f, ws.dhf, ws.h[-1], p.norm_f, ws.rstd_f)
+        rmsnorm_backward(rec, ws.dh, g("backbone.norm_f.weight", "norm_f"), ws.dhf, ws.h[-1], p.norm_f, ws.rstd_f)
         for i in reversed(range(c.num_hidden_layers)):
-            lp, lg = p.layers[i], g.layers[i]
+            lp = p.layers[i]
             lp16 = self.params16.layers[i] if mixed else None
             mx = (lambda act, w: dict(x16=act[i], w16=getattr(lp16, w), dout16=ws.d16) if mixed else {})
             pre = f"backbone.layers.{i}."
-            linear_backward(rec, ws.dy, lg.out_proj_weight if want(pre + "mixer.out_proj.weight") else None,
-                            lg.out_proj_bias if want(pre + "mixer.out_proj.bias") else None,
+            mz = pre + "mixer."
+            linear_backward(rec, ws.dy, g(mz + "out_proj.weight", "out_proj_weight", i),
+                            g(mz + "out_proj.bias", "out_proj_bias", i),
                             ws.dh, ws.y[i], lp.out_proj_weight, ws.ones, M=M, N=E, K=Di,
                             **mx(ws.y16 if mixed else None, "out_proj_weight"))
-            selective_scan_backward(rec, ws.du, ws.ddelta, lg.dt_proj_bias, lg.A_log, lg.D, ws.dxdbl, ws.dxz,
+            selective_scan_backward(rec, ws.du, ws.ddelta, g(mz + "dt_proj.bias", "dt_proj_bias", i),
+                                    g(mz + "A_log", "A_log", i), g(mz + "D", "D", i), ws.dxdbl, ws.dxz,
                                     ws.dy, ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias, lp.A_log,
                                     lp.D, ws.xdbl_n[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
-            linear_backward(rec, ws.dxdbl, lg.dt_proj_weight if want(pre + "mixer.dt_proj.weight") else None,
+            linear_backward(rec, ws.dxdbl, g(mz + "dt_proj.weight", "dt_proj_weight", i),
                             None, ws.ddelta, ws.xdbl_n[i], lp.dt_proj_weight, M=M, N=Di, K=R,
                             ldx=R + 2 * N, lddx=R + 2 * N, **mx(ws.xdbl16 if mixed else None, "dt_proj_weight"))
             if c.is_falcon:  # back through the dt/B/C norms: dxdbl (normalised) -> dxdbl_raw
@@ -495,19 +517,25 @@ class MambaModel:
                 for col, w, rstd in self._mixer_norms(ws, i):
                     rmsnorm_backward(rec, ws.dxdbl_raw, None, ws.dxdbl, ws.xdbl[i], self._mixer_ones.view((w,)),
                                      rstd, col=col, ld=R + 2 * N)
-            linear_backward(rec, ws.du, lg.x_proj_weight if want(pre + "mixer.x_proj.weight") else None,
+            linear_backward(rec, ws.du, g(mz + "x_proj.weight", "x_proj_weight", i),
                             None, ws.dxdbl_raw, ws.xc[i], lp.x_proj_weight, M=M, N=R + 2 * N, K=Di, dx_acc=True,
                             **mx(ws.xc16 if mixed else None, "x_proj_weight"))
-            conv1d_backward(rec, ws.dxz, lg.conv1d_weight, lg.conv1d_bias, ws.du, ws.pre[i], ws.xz[i],
+            if lora is not None:
+                lora.backward(rec, ws, i, "x_proj", ws.dxdbl_raw, ws.xc[i], ws.du)
+            conv1d_backward(rec, ws.dxz, g(mz + "conv1d.weight", "conv1d_weight", i),
+                            g(mz + "conv1d.bias", "conv1d_bias", i), ws.du, ws.pre[i], ws.xz[i],
                             lp.conv1d_weight, B=B, L=L, Di=Di, K=K)
-            linear_backward(rec, ws.dun, lg.in_proj_weight if want(pre + "mixer.in_proj.weight") else None,
-                            lg.in_proj_bias if want(pre + "mixer.in_proj.bias") else None,
+            linear_backward(rec, ws.dun, g(mz + "in_proj.weight", "in_proj_weight", i),
+                            g(mz + "in_proj.bias", "in_proj_bias", i),
                             ws.dxz, ws.un[i], lp.in_proj_weight, ws.ones, M=M, N=2 * Di, K=E,
                             **mx(ws.un16 if mixed else None, "in_proj_weight"))
-            rmsnorm_backward(rec, ws.dh, lg.norm_weight, ws.dun, ws.h[i], lp.norm_weight, ws.rstd[i])
+            if lora is not None:
+                lora.backward(rec, ws, i, "in_proj", ws.dxz, ws.un[i], ws.dun)
+            rmsnorm_backward(rec, ws.dh, g(pre + "norm.weight", "norm_weight", i), ws.dun, ws.h[i], lp.norm_weight,
+                             ws.rstd[i])
             rec.boundary()
-        if want("backbone.embeddings.weight"):
-            ws.emb_back.record(rec, g.embeddings, ws.dh)
+        if "backbone.embeddings.weight" in trainable:
+            ws.emb_back.record(rec, self.grads.embeddings, ws.dh)
 
     # ------------------------------------------------------------------ conveniences
     def logits(self, ids: np.ndarray) -> np.ndarray:
@@ -540,8 +568,9 @@ class MambaModel:
         if "backbone.embeddings.weight" in trainable:
             ws.emb_back.prepare(ids)
         if clear:
-            self.G.clear(rec)
-        self.record_forward(rec, ws)
+            for store in self._grad_stores(trainable):
+                store.clear(rec)
+        self.record_forward(rec, ws, train=True)
         self.record_loss(rec, ws, want_grad=True, train_head=self._head_name() in trainable)
         sum_into(rec, loss_acc, ws.loss_rows, scale_tensor=ws.scale)
         self.record_backward(rec, ws, trainable)
@@ -557,6 +586,25 @@ class MambaModel:
                               self._acc.view((1,)))
         rec.submit()
         return float(self.rt.read(self._acc)[0])
+
+    def _grad_stores(self, trainable: set) -> list:
+        """The gradient buffers a step over `trainable` writes (the base's, the adapter's)."""
+        out = []
+        if any(n in self.shapes for n in trainable):
+            out.append(self.G)
+        if self.lora is not None and self.lora.G is not None and any(n in self.lora.shapes for n in trainable):
+            out.append(self.lora.G)
+        return out
+
+    def trainable_views(self, names: list) -> tuple[dict, dict]:
+        """(parameter views, gradient views) of `names`: the base's, or the adapter's."""
+        params, grads = {}, {}
+        for n in names:
+            if n in self.P.views:
+                params[n], grads[n] = self.P.views[n], self.G.views[n]
+            else:
+                params[n], grads[n] = self.lora.P.views[n], self.lora.G.views[n]
+        return params, grads
 
     def _head_name(self) -> str:
         return "lm_head.weight" if self.params.lm_head is not None else "backbone.embeddings.weight"

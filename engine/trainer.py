@@ -54,7 +54,8 @@ def batch_shape(batches) -> tuple[int, int]:
 
 
 class Trainer:
-    """Full fine-tuning, or WSLA (x_proj only), with AdamW on the GPU.
+    """Full fine-tuning, WSLA (x_proj only), or a LoRA adapter (when the model has a trained
+    one attached: `model.lora`), with AdamW on the GPU.
 
     `options` needs lr, beta1, beta2, eps, weight_decay, max_delta, max_grad_norm (a
     TrainOptions); `wsla` picks the trainable set.  `trace_capacity`: the most steps
@@ -74,8 +75,7 @@ class Trainer:
         self.clipper = GradClipper(rt)
         self.names = model.trainable_names(wsla)
         self.trainable = set(self.names)
-        self.params = {n: model.P.views[n] for n in self.names}
-        self.grads = {n: model.G.views[n] for n in self.names}
+        self.params, self.grads = model.trainable_views(self.names)
         self.scaler = None
         if model.mixed:
             self.scaler = LossScaler(rt, growth_interval=getattr(options, "loss_scale_growth", 2000))
@@ -115,6 +115,8 @@ class Trainer:
         for i, b in enumerate(micro):
             self.fence.wait()  # keeps at most fence.depth submissions queued (no readback)
             model.write_batch(ws, b.ids, b.targets, denominator=n_total)
+            if model.lora is not None:  # the dropout mask of this micro-batch (from --seed)
+                model.lora.set_counter(self.opt.step_count * 65536 + i)
             rec = rt.recorder()
             if i == 0:
                 rec.clear(self.step_loss)

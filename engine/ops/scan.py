@@ -19,8 +19,8 @@ split into 8 segments of 8 steps, one thread per (segment, channel), and the seg
 joined by a parallel scan of (decay, state) pairs; the state dimension is in registers.
 The shader's header comment has the details.
 
-Backward outputs: du, ddelta WRITE; ddt_bias, dA_log, dD ACC (+=); dxdbl WRITE on columns
-R..R+2N only; dxz WRITE on columns Di..2Di only.
+Backward outputs: du, ddelta WRITE; ddt_bias, dA_log, dD ACC (+=; None: not computed); dxdbl
+WRITE on columns R..R+2N only; dxz WRITE on columns Di..2Di only.
 
 Tensors may be views at any 4-byte offset (they are bound from an aligned offset and the
 kernel adds the element offset).  Scratch comes from `rt.scratch`; nothing is allocated per
@@ -190,6 +190,8 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     for out, n, base, stride, scale_a in ((ddt_bias, Di, lay["off_pb"], Di, 0),
                                           (dD, Di, lay["off_pd"], Di, 0),
                                           (dA_log, Di * N, lay["off_pa"], Di * N, 1)):
+        if out is None:  # a frozen parameter: its gradient is not wanted
+            continue
         assert out.numel == n, (out.shape, n)
         bo, oo = bound(rt, out)
         q = rt.uniform(pack("8I", n, B, base, stride, oo, scale_a, 0, 0))

@@ -1,0 +1,190 @@
+"""LoRA adapters against PEFT (the oracle): the file format PEFT writes and reads, the
+adapter's effect on the loss, the gradients of lora_A/lora_B (PEFT + torch autograd), one
+AdamW step (torch.optim.AdamW on those parameters), and PEFT's merge_and_unload.
+
+Models are tiny with odd shapes (lavapipe is slow); the base is float64 in torch, float32 on
+our GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from memengine.engine import lora as el  # noqa: E402
+from memengine.engine.checkpoint import save_checkpoint  # noqa: E402
+from memengine.engine.config import MambaConfig  # noqa: E402
+from memengine.engine.model import MambaModel  # noqa: E402
+
+ODD = dict(vocab_size=263, hidden_size=20, state_size=3, num_hidden_layers=2, expand=2, conv_kernel=3,
+           use_bias=True, use_conv_bias=True, tie_word_embeddings=True, time_step_rank=3)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def hf_base(kw, falcon=False, seed=0):
+    torch.manual_seed(seed)
+    if falcon:
+        m = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**kw))
+    else:
+        m = transformers.MambaForCausalLM(transformers.MambaConfig(**kw))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".D") or name.endswith("norm.weight") or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return m.eval()
+
+
+def save_base(m, d):
+    sd = {k: v.detach().float().numpy().copy() for k, v in m.state_dict().items()}
+    if m.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    cfg = MambaConfig.from_dict(m.config.to_dict())
+    save_checkpoint(d, cfg, sd, dtype="F32")
+    return cfg, sd
+
+
+def random_adapter(cfg, spec, seed=1):
+    """An adapter whose B is not zero (a trained one), so every gradient is non-trivial."""
+    rng = np.random.default_rng(seed)
+    return {n: (0.3 * rng.standard_normal(s)).astype(np.float32) for n, s in el.shapes(cfg, spec).items()}
+
+
+def peft_model(base_dir, adapter_dir, falcon=False, trainable=False):
+    cls = transformers.FalconMambaForCausalLM if falcon else transformers.MambaForCausalLM
+    base = cls.from_pretrained(base_dir).double()
+    return peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=trainable)
+
+
+def test_adapter_files_are_what_peft_writes_and_reads(tmp_path):
+    """Our adapter_config.json and tensor names against a PEFT model saved by PEFT itself."""
+    kw = dict(ODD, num_hidden_layers=1)
+    m = hf_base(kw)
+    targets = ["in_proj", "x_proj"]
+    pm = peft.get_peft_model(m, peft.LoraConfig(r=3, lora_alpha=5, lora_dropout=0.0, target_modules=targets,
+                                                task_type="CAUSAL_LM"))
+    pm.save_pretrained(tmp_path / "theirs")
+    from safetensors.numpy import load_file
+
+    theirs = load_file(str(tmp_path / "theirs" / el.ADAPTER_WEIGHTS))
+    cfg = MambaConfig.from_dict(m.config.to_dict())
+    spec = el.LoraSpec(r=3, alpha=5, targets=tuple(targets), base="some/base")
+    el.write_adapter(tmp_path / "ours", spec, el.init_tensors(cfg, spec, 0))
+    ours = load_file(str(tmp_path / "ours" / el.ADAPTER_WEIGHTS))
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    c_theirs = json.loads((tmp_path / "theirs" / el.ADAPTER_CONFIG).read_text())
+    c_ours = json.loads((tmp_path / "ours" / el.ADAPTER_CONFIG).read_text())
+    for key in c_ours:
+        if key in ("base_model_name_or_path", "target_modules"):
+            continue
+        assert key in c_theirs, key
+        assert c_ours[key] == c_theirs[key], key
+    assert sorted(c_ours["target_modules"]) == sorted(c_theirs["target_modules"])
+    # PEFT reads our config back as the same LoraConfig
+    lc = peft.LoraConfig.from_pretrained(tmp_path / "ours")
+    assert (lc.r, lc.lora_alpha, lc.lora_dropout, lc.use_rslora, lc.task_type) == (3, 5, 0.0, False, "CAUSAL_LM")
+    assert lc.base_model_name_or_path == "some/base" and set(lc.target_modules) == set(targets)
+    # and we read PEFT's adapter
+    ad = el.read_adapter(tmp_path / "theirs")
+    assert (ad.spec.r, ad.spec.alpha, ad.spec.targets) == (3, 5.0, tuple(targets))
+    for k, v in theirs.items():
+        np.testing.assert_array_equal(ad.tensors[k[len(el.PREFIX):]], v)
+
+
+def test_fresh_adapter_is_initialised_like_peft():
+    cfg = MambaConfig.from_dict(ODD)
+    spec = el.LoraSpec(r=4, alpha=8)
+    t = el.init_tensors(cfg, spec, seed=3)
+    for name, a in t.items():
+        if name.endswith("lora_B.weight"):
+            assert not a.any()
+        else:  # kaiming_uniform(a=sqrt 5): U(+-1/sqrt(fan_in))
+            bound = 1 / np.sqrt(a.shape[1])
+            assert np.abs(a).max() <= bound and np.abs(a).max() > 0.5 * bound
+    again = el.init_tensors(cfg, spec, seed=3)
+    assert all(np.array_equal(t[k], again[k]) for k in t)
+
+
+@pytest.mark.parametrize("falcon,targets,alpha,rslora", [
+    (False, ("in_proj", "x_proj"), 7.0, False),
+    (False, ("x_proj",), 4.0, True),
+    (True, ("in_proj", "x_proj"), 3.0, False),
+], ids=["mamba-all", "mamba-x_proj-rslora", "falcon"])
+def test_loss_and_gradients_equal_peft_autograd(rt, tmp_path, falcon, targets, alpha, rslora):
+    kw = dict(ODD, mixer_rms_eps=1e-6) if falcon else ODD
+    m = hf_base(kw, falcon=falcon)
+    cfg, sd = save_base(m, tmp_path / "base")
+    spec = el.LoraSpec(r=3, alpha=alpha, targets=targets, base=str(tmp_path / "base"), use_rslora=rslora)
+    tensors = random_adapter(cfg, spec)
+    el.write_adapter(tmp_path / "ad", spec, tensors)
+
+    pm = peft_model(tmp_path / "base", tmp_path / "ad", falcon=falcon, trainable=True)
+    rng = np.random.default_rng(0)
+    B, L = 2, 9
+    ids = rng.integers(0, cfg.vocab_size, size=(B, L + 1))
+    x, y = torch.tensor(ids[:, :-1]), torch.tensor(ids[:, 1:])
+    logits = pm(input_ids=x).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
+    loss.backward()
+    want = {n[len("base_model.model."):].replace(".default", ""): p.grad.numpy()
+            for n, p in pm.named_parameters() if p.requires_grad}
+    assert set(want) == set(tensors)
+
+    model = MambaModel(rt, cfg, sd)
+    model.lora = el.LoraAdapter(rt, cfg, spec, tensors, train=True)
+    got = model.loss_and_grads(ids[:, :-1], ids[:, 1:], trainable=set(model.lora.names))
+    assert rel(got, loss.item()) < 1e-5
+    grads = model.lora.grad_dict()
+    for n in tensors:
+        assert rel(grads[n], want[n]) < 1e-4, n
+
+
+def test_adamw_step_equals_torch(rt, tmp_path):
+    """One Trainer step (clip off) equals torch.optim.AdamW on PEFT's lora parameters."""
+    from memengine.engine.data import make_batches
+    from memengine.engine.options import TrainOptions
+    from memengine.engine.trainer import Trainer
+
+    m = hf_base(ODD)
+    cfg, sd = save_base(m, tmp_path / "base")
+    spec = el.LoraSpec(r=2, alpha=6, targets=("in_proj", "x_proj"))
+    tensors = random_adapter(cfg, spec, seed=5)
+    el.write_adapter(tmp_path / "ad", spec, tensors)
+    o = TrainOptions(ckpt="x", data=["x"], output=tmp_path / "o", lr=3e-3, weight_decay=0.1, max_grad_norm=0.0)
+
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, cfg.vocab_size, size=(1, 12))
+    windows = [(ids[0, :-1], ids[0, 1:])]
+    model = MambaModel(rt, cfg, sd)
+    model.lora = el.LoraAdapter(rt, cfg, spec, tensors, train=True)
+    tr = Trainer(model, o)
+    tr.step(make_batches(windows, 1, 11), o.lr)
+    tr.read_trace()
+    after = model.lora.state_dict()
+    assert model.state_dict().keys() == sd.keys()
+    assert all(np.array_equal(model.state_dict()[k], sd[k]) for k in sd)  # the base is frozen
+
+    pm = peft_model(tmp_path / "base", tmp_path / "ad", trainable=True)
+    params = {n[len("base_model.model."):].replace(".default", ""): p
+              for n, p in pm.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(list(params.values()), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay)
+    logits = pm(input_ids=torch.tensor(ids[:, :-1])).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), torch.tensor(ids[0, 1:])).backward()
+    opt.step()
+    for n, p in params.items():
+        moved = p.detach().numpy() - tensors[n]
+        assert rel(after[n] - tensors[n], moved) < 1e-3, n
+        assert rel(after[n], p.detach().numpy()) < 1e-6, n
