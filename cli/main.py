@@ -1,6 +1,6 @@
 """The `memengine` command line (Typer).
 
-Commands: init, info, eval, train, adapt, quantize, generate, demo.  Human output goes to stderr
+Commands: init, info, eval, train, adapt, merge, quantize, generate, demo.  Human output goes to stderr
 through `cli.ui.UI`; `--json` puts JSON lines (and nothing else) on stdout.  Exit status:
 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back, 130 interrupted.
 
@@ -48,6 +48,7 @@ app = typer.Typer(
 CkptArg = param(EvalOptions, "ckpt", str)[0]
 RevisionOpt = param(EvalOptions, "revision")[0]
 ModelTypeOpt = param(EvalOptions, "model_type")[0]
+BaseOpt = param(EvalOptions, "base")[0]
 MaxShardSizeOpt = param(TrainOptions, "max_shard_size")[0]
 DeviceOpt = param(EvalOptions, "device")[0]
 SeqLenOpt = param(TrainOptions, "seq_len")[0]
@@ -252,6 +253,8 @@ run_command(app, EvalOptions, _eval, name="eval", help="Loss, perplexity, bits p
     "memengine eval base --compare tuned --data held-out.txt --seq-len 256   # A/B report",
     "memengine eval state-spaces/mamba-130m-hf --data notes.txt   # a model id",
     "memengine eval weights.safetensors --model-type falcon_mamba --data notes.txt",
+    "memengine eval adapter --data notes.txt   # a LoRA adapter on its base (base_model_name_or_path)",
+    "memengine eval model --compare adapter --data held-out.txt   # the base against base + adapter",
 ))
 
 
@@ -277,6 +280,8 @@ Resumes the optimizer moments from optimizer.safetensors beside CKPT when presen
     "--lr-schedule cosine --warmup-steps 100",
     "memengine train --resume out --epochs 10   # continue in place (after Ctrl-C, or for more epochs)",
     "memengine train state-spaces/mamba-130m-hf --data book.txt -o out --max-shard-size 200MB",
+    "memengine train model --data book.txt -o adapter --lora-rank 8 --lora-alpha 16   # a PEFT LoRA adapter",
+    "memengine train model --data more.txt -o adapter-2 --lora-from adapter   # continue an adapter",
 ))
 
 
@@ -315,7 +320,40 @@ Perplexity on the adapt text is measured before and after. If a loss is non-fini
     "memengine adapt model --data note.txt -o out --lr 1e-3 --tolerance 1.1 --json",
     "memengine adapt model --data note.txt -o out --no-rollback   # keep the result even if worse",
     "memengine adapt state-spaces/mamba-130m-hf --data note.txt -o out --max-shard-size 200MB",
+    "memengine adapt my-adapter --data note.txt -o out   # a LoRA adapter applied; OUT has it merged",
+), hidden=AdaptOptions.NOT_OPTIONS)
+
+
+# =========================================================================== merge
+@app.command(epilog=_examples(
+    "memengine merge adapter -o merged",
+    "memengine merge adapter -o merged --base ../models/base   # the base moved since training",
+    "memengine merge adapter -o merged --max-shard-size 200MB --json",
 ))
+def merge(
+    adapter: Annotated[str, typer.Argument(metavar="ADAPTER", help="A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors).")],
+    output: OutOpt,
+    base: BaseOpt = None,
+    revision: RevisionOpt = None,
+    model_type: ModelTypeOpt = None,
+    max_shard_size: MaxShardSizeOpt = DEFAULT_MAX_SHARD_SIZE,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+):
+    """Fold a LoRA adapter into its base (W + alpha/r x B A) and write the full checkpoint, in the base's dtype."""
+    ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
+    with guard(ui):
+        from memengine.engine.lora import merge as merge_adapter
+
+        parse_size(max_shard_size)
+        rep = merge_adapter(adapter, output, base=base, revision=revision, model_type=model_type,
+                            max_shard_size=max_shard_size, force=force, warn=ui.warn)
+        ui.kv(f"merge {adapter} -> {output}", [("base", rep.base), ("rank", rep.r), ("scaling", rep.scaling),
+                                               ("merged tensors", len(rep.merged)), ("dtype", rep.dtype)])
+        ui.emit({"event": "summary", "output": str(output), "base": rep.base, "r": rep.r, "scaling": rep.scaling,
+                 "merged": rep.merged, "dtype": rep.dtype})
 
 
 # =========================================================================== quantize

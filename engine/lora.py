@@ -172,7 +172,10 @@ def init_tensors(cfg: MambaConfig, spec: LoraSpec, seed: int) -> dict:
 
 # --------------------------------------------------------------------------- files
 def is_adapter(path) -> bool:
-    p = Path(path)
+    """A directory holding adapter_config.json (a path, or a CheckpointRef's spec)."""
+    if path is None:
+        return False
+    p = Path(str(path))
     return p.is_dir() and (p / ADAPTER_CONFIG).is_file()
 
 
@@ -302,7 +305,11 @@ def open_source(spec, *, revision=None, model_type=None, base=None,
     or the adapter's config, loaded and checked against it)."""
     from .setup import open_checkpoint, resolve
 
+    if base is not None and not is_adapter(spec):
+        raise MemengineError(f"--base {base}: {spec} is not a LoRA adapter directory (no {ADAPTER_CONFIG}); "
+                             "--base names the model an adapter applies to")
     if is_adapter(spec):
+        spec = str(spec)
         ad = read_adapter(spec)
         ref = resolve(base_spec(Path(spec), ad.spec, base), revision if base else ad.spec.revision, model_type)
         ckpt = open_checkpoint(ref, warn)
@@ -318,6 +325,86 @@ def adapter_tokenizer(adapter: Optional[Adapter], override: Optional[str]) -> Op
         return override
     tok = adapter.path / "tokenizer.json"
     return str(tok) if tok.is_file() else None
+
+
+# --------------------------------------------------------------------------- runs
+@dataclass
+class RunLora:
+    """The adapter of a train/adapt run: trained (a LoRA run) or applied frozen (adapt)."""
+
+    spec: LoraSpec
+    tensors: dict
+    train: bool
+    source: Optional[Adapter] = None    # the adapter the run started from
+
+
+def for_run(o, adapter: Optional[Adapter], cfg: MambaConfig, base_name: str) -> Optional[RunLora]:
+    """What adapter a run uses: `adapter` is CKPT's (or the resumed step's) when it was one.
+    A LoRA run writes its effective rank, alpha, dropout and targets back into `o` (so the
+    run record and a resume carry them)."""
+    from .options import given
+
+    lora_from = None
+    if getattr(o, "lora_from", None) is not None:
+        if adapter is not None:
+            raise MemengineError(f"--lora-from {o.lora_from}: CKPT is an adapter already; give the base as CKPT, "
+                                 "or the adapter alone")
+        if not is_adapter(o.lora_from):
+            raise MemengineError(f"--lora-from {o.lora_from}: not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+        lora_from = read_adapter(o.lora_from)
+        check_against(lora_from, cfg, f"--lora-from {o.lora_from}")
+    src = adapter or lora_from
+    if o.WSLA:
+        return RunLora(src.spec, src.tensors, False, src) if src is not None else None
+    if src is None and o.lora_rank is None:
+        return None
+    cls = type(o)
+    if src is not None:
+        spec = LoraSpec(**{**src.spec.__dict__})
+        targets = parse_targets(o.lora_targets) if o.lora_targets is not None else None
+        for name, mine, theirs in (("lora_rank", o.lora_rank, spec.r), ("lora_alpha", o.lora_alpha, spec.alpha),
+                                   ("lora_targets", targets, spec.targets)):
+            if mine is not None and mine != theirs:
+                shown = ",".join(theirs) if isinstance(theirs, tuple) else f"{theirs:g}"
+                raise MemengineError(f"{given(cls, name, getattr(o, name))}: the adapter {src.path} has {shown}; "
+                                     "a run that continues an adapter keeps its shape and scaling")
+        if o.lora_dropout is not None:
+            spec.dropout = float(o.lora_dropout)
+        tensors = src.tensors
+    else:
+        spec = LoraSpec(r=int(o.lora_rank), alpha=float(o.lora_alpha if o.lora_alpha is not None else o.lora_rank),
+                        dropout=float(o.lora_dropout or 0.0), targets=parse_targets(o.lora_targets or DEFAULT_TARGETS))
+        tensors = init_tensors(cfg, spec, o.seed)
+    spec.base = base_name
+    o.lora_rank, o.lora_alpha, o.lora_dropout = spec.r, spec.alpha, spec.dropout
+    o.lora_targets = ",".join(spec.targets)
+    return RunLora(spec, tensors, True, src)
+
+
+def write_run_adapter(directory, run: RunLora, tensors: dict, tokenizer: Optional[Path]) -> None:
+    """A LoRA run's adapter files, with the tokenizer it used (and that tokenizer's config
+    files) beside them, as PEFT users save one."""
+    from .checkpoint import side_files
+    from .safetensors_io import atomic_write_bytes
+
+    write_adapter(directory, run.spec, tensors)
+    if tokenizer is not None:
+        atomic_write_bytes(Path(directory) / "tokenizer.json", Path(tokenizer).read_bytes())
+        for name, src in side_files(None, Path(tokenizer).parent).items():
+            atomic_write_bytes(Path(directory) / name, Path(src).read_bytes())
+
+
+def plan_sizes(cfg: MambaConfig, spec: LoraSpec, tensors: dict, *, train: bool) -> tuple[int, int]:
+    """(elements of the adapter, activation elements per row of a batch) that LoraAdapter
+    allocates, for the memory plan (engine/plan.py): t [M, r] per adapted layer, the dt
+    scratch, and with dropout while training the dropped inputs and their gradient scratch."""
+    pairs = {(int(_NAME.match(n).group(1)), _NAME.match(n).group(2)) for n in tensors}
+    numel = int(sum(np.asarray(a).size for a in tensors.values()))
+    per_row = spec.r * (len(pairs) + 1)
+    if train and spec.dropout > 0:
+        fan = [dims(cfg, t)[0] for _, t in pairs]
+        per_row += sum(fan) + max(fan, default=0)
+    return numel, per_row
 
 
 # --------------------------------------------------------------------------- merge

@@ -28,6 +28,7 @@ TRAINING = "Training"
 SCHEDULE = "Schedule"
 EVALUATION = "Evaluation"
 CHECKPOINTS = "Checkpoints"
+LORA = "LoRA"
 RUNTIME = "Runtime"
 OUTPUT = "Output"
 GENERATION = "Generation"
@@ -172,7 +173,8 @@ class Options:
 # ----------------------------------------------------------------------- shared fields
 CKPT_HELP = ("Checkpoint: a directory (config.json + model.safetensors or transformers' shards), a .safetensors "
              "file, a model.safetensors.index.json, or a Hugging Face model id (from the local cache, else "
-             "downloaded; HF_HUB_OFFLINE=1 forbids downloads).")
+             "downloaded; HF_HUB_OFFLINE=1 forbids downloads); or a PEFT LoRA adapter directory "
+             "(adapter_config.json), applied to its base.")
 
 
 def _ckpt(help_extra: str = "") -> Any:
@@ -205,6 +207,22 @@ def _seq_len(default: int) -> Any:
 
 def _batch_size(default: int) -> Any:
     return opt(default, panel=DATA, check=at_least(1), help="Windows per step.")
+
+
+def _base() -> Any:
+    return opt(None, panel=RUNTIME, metavar="BASE", restore=False, show_default=False, path=True,
+               help="The base model of a LoRA adapter given as CKPT (or resumed): a path or a model id "
+                    "(default: the adapter's base_model_name_or_path).")
+
+
+def _targets(v: Optional[str]) -> bool:
+    from .lora import parse_targets
+
+    try:
+        parse_targets(v)
+    except ValueError as e:
+        raise MemengineError(f"--lora-targets {v}: {e}") from None
+    return True
 
 
 def _device() -> Any:
@@ -253,6 +271,7 @@ class EvalOptions(Options):
                                       "data and report each and the difference (B minus CKPT).")
     revision: Optional[str] = _revision()
     model_type: Optional[str] = _model_type()
+    base: Optional[str] = _base()
     device: Optional[str] = _device()
     tokenizer: Optional[str] = _tokenizer()
 
@@ -340,8 +359,26 @@ class TrainOptions(Options):
                               help="Write the weights as shards (model-00001-of-0000N.safetensors + "
                                    "model.safetensors.index.json) when they exceed this size: 5GB, 500MB or a "
                                    "number of bytes, as transformers' save_pretrained.")
+    lora_rank: Optional[int] = opt(None, panel=LORA, check=at_least(1), show_default=False, metavar="R",
+                                   help="Train a LoRA adapter of rank R instead of the weights (the base stays "
+                                        "frozen): OUT is a PEFT adapter directory.")
+    lora_alpha: Optional[float] = opt(None, panel=LORA, check=(lambda v: v > 0, "must be positive"),
+                                      show_default=False, metavar="A",
+                                      help="LoRA scaling numerator: the update is A/R x B A (default: R, a scale "
+                                           "of 1).")
+    lora_dropout: Optional[float] = opt(None, panel=LORA, check=in_unit(), show_default=False, metavar="P",
+                                        help="Dropout on the input of lora_A while training, its mask drawn from "
+                                             "--seed (default 0, or the --lora-from adapter's).")
+    lora_targets: Optional[str] = opt(None, panel=LORA, check=(_targets, ""), show_default=False,
+                                      metavar="LAYERS",
+                                      help="Comma-separated mixer layers to adapt: in_proj, x_proj (default both).")
+    lora_from: Optional[str] = opt(None, panel=LORA, restore=False, show_default=False, metavar="ADAPTER",
+                                   path=True,
+                                   help="Continue training this PEFT adapter on CKPT (its rank, alpha and "
+                                        "targets; the moments in optimizer.safetensors beside it when present).")
     revision: Optional[str] = _revision()
     model_type: Optional[str] = _model_type()
+    base: Optional[str] = _base()
     device: Optional[str] = _device()
     tokenizer: Optional[str] = _tokenizer()
     force: bool = opt(False, flags=("--force", "-f"), panel=OUTPUT, config=False, restore=False,
@@ -350,6 +387,11 @@ class TrainOptions(Options):
     @classmethod
     def help_values(cls) -> dict:
         return {"epochs": cls.DEFAULT_EPOCHS}
+
+    @property
+    def lora(self) -> bool:
+        """A LoRA run (--lora-rank or --lora-from given)."""
+        return self.lora_rank is not None or self.lora_from is not None
 
     @property
     def epoch_limit(self) -> Optional[int]:
@@ -383,6 +425,10 @@ class TrainOptions(Options):
             raise self.bad("keep_best", "needs --save-every (it picks among the periodic checkpoints)")
         if self.keep_last and not self.save_every:
             raise self.bad("keep_last", "needs --save-every")
+        if not self.lora:
+            for name in ("lora_alpha", "lora_dropout", "lora_targets"):
+                if getattr(self, name) is not None:
+                    raise self.bad(name, "needs --lora-rank (or --lora-from)")
 
 
 @dataclass
@@ -399,6 +445,16 @@ class AdaptOptions(TrainOptions):
     rollback: bool = opt(True, flags=("--rollback/--no-rollback",),
                          help="Restore the input weights and write nothing when perplexity regressed "
                               "(--no-rollback keeps and writes the result anyway).")
+
+    # LoRA options of train that adapt does not take (its command line hides them)
+    NOT_OPTIONS: ClassVar[tuple] = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_from")
+
+    def check_together(self) -> None:
+        super().check_together()
+        for name in self.NOT_OPTIONS:
+            if getattr(self, name) is not None:
+                raise self.bad(name, "is an option of train (adapt trains x_proj; give an adapter as CKPT to "
+                                     "adapt a model with it applied)")
 
 
 # ----------------------------------------------------------------------- generate

@@ -163,15 +163,18 @@ def default_eval_passes(kind: str) -> tuple:
 
 
 def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Limits,
-             eval_passes: tuple | None = None, trace_steps: int = 1) -> Plan:
+             eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> Plan:
     """The plan of one run (see the module docstring); problems are filled in.
 
     `eval_passes`: the number of batches of each distinct evaluation the run makes (eval:
     its data; adapt: its data, and held-out data if any; train: held-out data if any), for
     the per-window sums (12 bytes a window); None: `default_eval_passes`.  `trace_steps`:
-    the steps a trainer's loss/norm trace holds (engine/loop.reads_apart)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}")
+    the steps a trainer's loss/norm trace holds (engine/loop.reads_apart).  `adapter`:
+    (elements, activation elements per row) of a LoRA adapter applied (engine/lora.plan_sizes);
+    kind "lora" trains it: no gradient store for the base, moments for the adapter only."""
+    if kind not in KINDS + ("lora",):
+        raise ValueError(f"kind must be one of {KINDS + ('lora',)}")
+    a_numel, a_row = adapter or (0, 0)
     B, L = int(batch_size), int(seq_len)
     M = B * L
     E, Di, N, R, V, K = (cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank,
@@ -190,9 +193,11 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     except MemengineError as e:
         plan.problems.append((str(e), False))
         store = sum(4 * _numel(s) for s in shapes.values())
-    plan.parts["parameters"] = store
-    plan.parts["gradients"] = store if grad else 0
+    plan.parts["parameters"] = store + _buf(4 * a_numel)
+    plan.parts["gradients"] = _buf(4 * a_numel) if kind == "lora" else (store if grad else 0)
     plan.parts["moments"] = sum(2 * _buf(4 * _numel(shapes[n])) for n in _trainable(kind, list(shapes)))
+    if kind == "lora":
+        plan.parts["moments"] = 2 * 4 * a_numel
 
     # -- activations (adapt also evaluates before training: a light workspace as well)
     acts = 0
@@ -206,7 +211,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
                 continue
             acts += copies * nbytes
             plan.buffers.append((f"activation {name} [{' x '.join(map(str, shape))}]", 4 * _numel(shape), True))
-    plan.parts["activations"] = acts
+    plan.parts["activations"] = acts + 4 * M * a_row
     plan.parts["logits chunk"] = logits
 
     # -- kernels' scratch
@@ -312,11 +317,11 @@ def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
 
 
 def check_run(rt, cfg: MambaConfig, batch_size: int, seq_len: int, kind: str,
-              eval_passes: tuple | None = None, trace_steps: int = 1) -> Plan:
+              eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> Plan:
     """Plan a run on `rt`'s adapter before anything is uploaded; MemengineError (exit 2) with
     one line naming the figure and the flag that would help when it cannot work."""
     lim = Limits.of(rt)
-    plan = estimate(cfg, batch_size, seq_len, kind, lim, eval_passes, trace_steps)
+    plan = estimate(cfg, batch_size, seq_len, kind, lim, eval_passes, trace_steps, adapter=adapter)
     if not plan.ok:
         raise MemengineError(f"{plan.problems[0][0]}; {advice(cfg, plan, lim)}")
     return plan

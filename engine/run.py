@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import adapt as wsla
-from . import interrupts, optim_state, records, snapshots, staging
+from . import interrupts, lora, optim_state, records, snapshots, staging
 from .data import make_batches, make_windows, read_sources, token_stream
 from .errors import Interrupted, MemengineError, NonFiniteError
 from .listener import Listener
@@ -52,14 +52,19 @@ class EvalReport:
 
 
 def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, verbose: bool,
-                         phase: str) -> tuple[EvalResult, str]:
-    c = open_checkpoint(ref, listener.on_warning)
-    tok = open_tokenizer(c, o.tokenizer)
+                         phase: str, base: Optional[str] = None) -> tuple[EvalResult, str]:
+    opened = lora.open_source(ref, base=base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning)
+    c = opened.ckpt
+    tok = open_tokenizer(c, lora.adapter_tokenizer(opened.adapter, o.tokenizer))
     stream = token_stream(docs, source, tok, c.config.vocab_size)
     batches = make_batches(make_windows(stream.ids, o.seq_len), o.batch_size, o.seq_len)
     rt = open_runtime(o.device, verbose)
     listener.on_adapter(rt.describe())
-    model = open_model(rt, c, "eval", o.batch_size, o.seq_len, eval_passes=(len(batches),))
+    ad = opened.adapter
+    model = open_model(rt, c, "eval", o.batch_size, o.seq_len, eval_passes=(len(batches),),
+                       adapter=None if ad is None else lora.plan_sizes(c.config, ad.spec, ad.tensors, train=False))
+    if ad is not None:
+        model.lora = lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)
 
     def progress(i, n):
         listener.on_eval_progress(phase, i, n)
@@ -75,10 +80,13 @@ def run_eval(o: EvalOptions, listener: Listener | None = None, *, verbose: bool 
     listener = listener or Listener()
     o.validate()
     t0 = time.perf_counter()
-    a = resolve(o.ckpt, o.revision, o.model_type)  # before reading the data (stdin is read once)
-    b = resolve(o.compare, None, o.model_type) if o.compare is not None else None
+    # before reading the data (stdin is read once); an adapter's base is found when it is opened
+    a = o.ckpt if lora.is_adapter(o.ckpt) else resolve(o.ckpt, o.revision, o.model_type)
+    b = None
+    if o.compare is not None:
+        b = o.compare if lora.is_adapter(o.compare) else resolve(o.compare, None, o.model_type)
     docs, source = read_sources(o.data)
-    res, adapter = _evaluate_checkpoint(a, docs, source, o, listener, verbose, str(o.ckpt))
+    res, adapter = _evaluate_checkpoint(a, docs, source, o, listener, verbose, str(o.ckpt), o.base)
     rep = EvalReport(str(o.ckpt), res, adapter)
     if b is not None:
         other, _ = _evaluate_checkpoint(b, docs, source, o, listener, verbose, str(o.compare))
@@ -175,11 +183,12 @@ class _Run:
                                  f"memengine {snap.kind} --resume")
         self.out = Path(o.output) if o.output is not None else snap.run_dir
         self.in_place = snap is not None and self.out.resolve() == snap.run_dir.resolve()
-        ref = resolve(snap.dir if snap is not None else o.ckpt, None if snap else o.revision,
-                      None if snap else o.model_type)
-        source = ref.path
-        staging.check_output(self.out, o.force, inputs=self._inputs(source), owned=self.in_place,
-                             on_note=lis.on_note)
+        opened = lora.open_source(snap.dir if snap is not None else o.ckpt, revision=None if snap else o.revision,
+                                  model_type=None if snap else o.model_type, base=o.base, warn=lis.on_warning)
+        ref = opened.ref
+        inputs = self._inputs(ref.path) + [("the adapter", Path(p)) for p in
+                                           (opened.adapter and opened.adapter.path, o.lora_from) if p]
+        staging.check_output(self.out, o.force, inputs=inputs, owned=self.in_place, on_note=lis.on_note)
         if self.in_place:
             for note in staging.clean_leftovers(self.out / snapshots.CHECKPOINTS_DIR):
                 lis.on_note(note)
@@ -194,14 +203,27 @@ class _Run:
         if snap is not None:
             self._check_same_run(snap.state.get("options") or {})
 
-        self.ckpt = open_checkpoint(ref, lis.on_warning)
+        self.ckpt, self.ref = opened.ckpt, ref
+        self.lora = lora.for_run(o, opened.adapter, self.ckpt.config, self.input)
+        lr = self.lora
+        # the moments beside what the run starts from: the resumed step, CKPT, or the adapter a
+        # LoRA run continues (none for a fresh adapter, nor for one applied frozen: its moments
+        # are not x_proj's); checked against the shapes before any upload
+        if snap is not None:
+            opt_dir = snap.dir
+        elif lr is None:
+            opt_dir = self.ckpt.directory
+        else:
+            opt_dir = lr.source.path if lr.train and lr.source is not None else None
         from .config import expected_shapes
 
-        opt_file = self.ckpt.directory / optim_state.OPTIMIZER_FILE
-        opt_state = optim_state.load(opt_file, dict(expected_shapes(self.ckpt.config)))  # before any upload
+        shapes = ({n: tuple(a.shape) for n, a in lr.tensors.items()} if lr is not None and lr.train
+                  else dict(expected_shapes(self.ckpt.config)))
+        opt_file = opt_dir / optim_state.OPTIMIZER_FILE if opt_dir is not None else None
+        opt_state = optim_state.load(opt_file, shapes) if opt_file is not None else None
         if snap is not None and opt_state is None:
             raise MemengineError(f"--resume {snap.dir}: no {optim_state.OPTIMIZER_FILE}; cannot continue exactly")
-        self.tok = open_tokenizer(self.ckpt, o.tokenizer)
+        self.tok = open_tokenizer(self.ckpt, lora.adapter_tokenizer(self.lora and self.lora.source, o.tokenizer))
         vocab = self.ckpt.config.vocab_size
         docs, desc = read_sources(o.data)
         self.stream = token_stream(docs, desc, self.tok, vocab)
@@ -231,9 +253,14 @@ class _Run:
         lis.on_adapter(self.adapter)
         val = (len(self.val_batches),) if self.val_batches else ()
         evals = (math.ceil(len(self.all_windows) / o.batch_size),) + val if o.WSLA else val
-        self.model = open_model(self.rt, self.ckpt, o.KIND, o.batch_size, o.seq_len, eval_passes=evals,
-                                trace_steps=reads_apart(o, len(self.windows)))
+        self.model = open_model(self.rt, self.ckpt, "lora" if lr and lr.train else o.KIND, o.batch_size, o.seq_len,
+                                eval_passes=evals, trace_steps=reads_apart(o, len(self.windows)),
+                                adapter=None if lr is None else lora.plan_sizes(self.ckpt.config, lr.spec, lr.tensors,
+                                                                                train=lr.train))
         self.model.set_precision(o.precision)
+        if lr is not None:
+            self.model.lora = lora.LoraAdapter(self.rt, self.ckpt.config, lr.spec, lr.tensors, seed=o.seed,
+                                               train=lr.train)
         if snap is None and opt_state is not None:
             n = sum(1 for k in opt_state if k.endswith(".exp_avg"))
             lis.on_note(f"resuming optimizer state from {opt_file} ({n} moments)")
@@ -256,6 +283,12 @@ class _Run:
         lp = self.loop
         what = (f"adapting {len(self.trainer.names)} x_proj tensor(s)" if o.WSLA
                 else f"training {len(self.trainer.names)} tensors")
+        if lr is not None and lr.train:
+            n = sum(t.numel for t in self.trainer.params.values())
+            what = (f"training a LoRA adapter (r {lr.spec.r}, alpha {lr.spec.alpha:g}, {', '.join(lr.spec.targets)}: "
+                    f"{len(self.trainer.names)} tensors, {n:,} parameters; the base is frozen)")
+        elif lr is not None:
+            what += f" with the adapter {lr.source.path} applied"
         val = f", {sum(b.n_windows for b in lp.val_batches)} held out" if lp.val_batches else ""
         lis.on_note(f"{what} on {self.stream.ids.size:,} tokens ({len(self.windows)} windows{val}; "
                     f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
@@ -306,16 +339,29 @@ class _Run:
                 "options": options, "data": self.data_info, "extra": self.extra_state,
                 "segments": segs, "loop": self.loop.state_dict()}
 
-    def write_checkpoint(self, directory: Path) -> None:
-        """Model (F32), optimizer state and trainer state into `directory`."""
+    def write_checkpoint(self, directory: Path, final: Path) -> None:
+        """Model (F32) or a LoRA run's adapter, optimizer state and trainer state into
+        `directory` (renamed to `final` afterwards).  An adapt with an adapter applied writes
+        the model with the adapter merged (what it evaluated)."""
         from .checkpoint import save_checkpoint, side_files
         import numpy as np
 
-        tensors = self.model.state_dict()
+        lr = self.lora
+        tensors = self.model.lora.state_dict() if lr and lr.train else self.model.state_dict()
         for name, a in tensors.items():
             if not np.all(np.isfinite(a)):
                 raise NonFiniteError(f"tensor {name} holds NaN/Inf after training")
         tok = tokenizer_file(self.tok)
+        if lr and lr.train:
+            lora.write_run_adapter(directory, lr, tensors, tok)
+            optim_state.save(directory, self.trainer.optimizer_state())
+            state = self.trainer_state()
+            state["extra"] = {**state["extra"], "lora": {
+                "base_relative": None if self.ref.repo_id else snapshots.relative_to_run(str(self.ref.path), final)}}
+            staging.write_json(directory / snapshots.STATE_FILE, state)
+            return
+        if lr is not None:
+            tensors = lora.merged_tensors(tensors, lr.source)
         save_checkpoint(directory, self.ckpt.config, tensors, dtype="F32", tokenizer_path=tok,
                         extra_files=side_files(self.ckpt.directory, tok.parent if tok else None),
                         metadata={"producer": f"memengine {records.version()}", "step": str(self.state.step)},
@@ -329,7 +375,7 @@ class _Run:
             self.claimed = True
         d = snapshots.step_dir(self.out, self.state.step)
         with staging.staged_output(d, force=True, record=False) as tmp:
-            self.write_checkpoint(tmp)
+            self.write_checkpoint(tmp, d)
         best = self.state.best["step"] if (self.o.keep_best and self.state.best) else None
         snapshots.prune(self.out, self.o.keep_last, keep=best)
         return d
@@ -351,7 +397,7 @@ class _Run:
                     if f.is_file():
                         shutil.copyfile(f, tmp / f.name)
             else:
-                self.write_checkpoint(tmp)
+                self.write_checkpoint(tmp, self.out)
             segs = [dict(s) for s in self.segments]
             segs[-1].update(finished=records.now(), last_step=st.step)
             rec = records.run_record(self.o.KIND, self.o.to_dict(public=True), input_path=self.input,

@@ -49,14 +49,15 @@ def open_runtime(device: Optional[str], verbose: bool):
 
 
 def open_model(rt, ckpt, kind: str, batch_size: int, seq_len: int, eval_passes: tuple = (),
-               trace_steps: int = 1):
+               trace_steps: int = 1, adapter: tuple | None = None):
     """The checkpoint's model on `rt`, after the memory plan of a `kind` run (eval, train,
     adapt) at batch_size x seq_len passed (engine/plan.py; `eval_passes`: batches of each
     evaluation the run makes, `trace_steps`: the trainer's trace): nothing is uploaded for
     a run that cannot work, which is refused with one MemengineError line naming the figure
-    and the flag that would help."""
+    and the flag that would help.  `adapter`: (elements, per-row activation elements) of a
+    LoRA adapter applied (kind "lora": trained, the base frozen), engine/lora.plan_sizes."""
     from .model import MambaModel
     from .plan import check_run
 
-    check_run(rt, ckpt.config, batch_size, seq_len, kind, eval_passes, trace_steps)
+    check_run(rt, ckpt.config, batch_size, seq_len, kind, eval_passes, trace_steps, adapter=adapter)
     return MambaModel.from_checkpoint(rt, ckpt)
