@@ -21,7 +21,7 @@ from memengine.cli.main import app
 
 from conftest import SAMPLE_TEXT, make_checkpoint
 
-COMMANDS = ["init", "info", "eval", "train", "adapt", "quantize", "generate", "demo"]
+COMMANDS = ["init", "info", "eval", "train", "adapt", "merge", "quantize", "generate", "demo"]
 EVAL_KEYS = {"loss", "perplexity", "tokens", "bits_per_token", "top1_accuracy", "top5_accuracy"}
 
 
