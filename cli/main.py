@@ -321,7 +321,7 @@ Perplexity on the adapt text is measured before and after. If a loss is non-fini
     "memengine adapt model --data note.txt -o out --no-rollback   # keep the result even if worse",
     "memengine adapt state-spaces/mamba-130m-hf --data note.txt -o out --max-shard-size 200MB",
     "memengine adapt my-adapter --data note.txt -o out   # a LoRA adapter applied; OUT has it merged",
-), hidden=AdaptOptions.NOT_OPTIONS)
+))
 
 
 # =========================================================================== merge

@@ -342,8 +342,6 @@ def for_run(o, adapter: Optional[Adapter], cfg: MambaConfig, base_name: str) -> 
     """What adapter a run uses: `adapter` is CKPT's (or the resumed step's) when it was one.
     A LoRA run writes its effective rank, alpha, dropout and targets back into `o` (so the
     run record and a resume carry them)."""
-    from .options import given
-
     lora_from = None
     if getattr(o, "lora_from", None) is not None:
         if adapter is not None:
@@ -358,7 +356,6 @@ def for_run(o, adapter: Optional[Adapter], cfg: MambaConfig, base_name: str) -> 
         return RunLora(src.spec, src.tensors, False, src) if src is not None else None
     if src is None and o.lora_rank is None:
         return None
-    cls = type(o)
     if src is not None:
         spec = LoraSpec(**{**src.spec.__dict__})
         targets = parse_targets(o.lora_targets) if o.lora_targets is not None else None
@@ -366,7 +363,7 @@ def for_run(o, adapter: Optional[Adapter], cfg: MambaConfig, base_name: str) -> 
                                    ("lora_targets", targets, spec.targets)):
             if mine is not None and mine != theirs:
                 shown = ",".join(theirs) if isinstance(theirs, tuple) else f"{theirs:g}"
-                raise MemengineError(f"{given(cls, name, getattr(o, name))}: the adapter {src.path} has {shown}; "
+                raise MemengineError(f"--{name.replace('_', '-')} {getattr(o, name)}: the adapter {src.path} has {shown}; "
                                      "a run that continues an adapter keeps its shape and scaling")
         if o.lora_dropout is not None:
             spec.dropout = float(o.lora_dropout)

@@ -123,10 +123,11 @@ class Options:
     KIND: ClassVar[str] = ""
     CONFIG_FILE: ClassVar[bool] = True  # the command takes --config
     config_file: ClassVar[Optional[Path]] = None  # the --config file read (set by `resolve`), an input
+    NOT_OPTIONS: ClassVar[tuple] = ()  # inherited fields this kind does not take (no flag, no --config key)
 
     @classmethod
     def option_fields(cls) -> list:
-        return [f for f in dataclasses.fields(cls) if "spec" in f.metadata]
+        return [f for f in dataclasses.fields(cls) if "spec" in f.metadata and f.name not in cls.NOT_OPTIONS]
 
     @classmethod
     def types(cls) -> dict:
@@ -446,15 +447,8 @@ class AdaptOptions(TrainOptions):
                          help="Restore the input weights and write nothing when perplexity regressed "
                               "(--no-rollback keeps and writes the result anyway).")
 
-    # LoRA options of train that adapt does not take (its command line hides them)
+    # train's LoRA options: adapt trains x_proj (an adapter given as CKPT is applied, frozen)
     NOT_OPTIONS: ClassVar[tuple] = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_from")
-
-    def check_together(self) -> None:
-        super().check_together()
-        for name in self.NOT_OPTIONS:
-            if getattr(self, name) is not None:
-                raise self.bad(name, "is an option of train (adapt trains x_proj; give an adapter as CKPT to "
-                                     "adapt a model with it applied)")
 
 
 # ----------------------------------------------------------------------- generate
