@@ -194,14 +194,14 @@ class Adapter:
 
 def read_adapter(path) -> Adapter:
     """adapter_config.json + adapter_model.safetensors of `path`; any problem is one line."""
+    from .inputs import read_json
     from .safetensors_io import read_safetensors
-    from .shards import read_json
 
     p = Path(path)
     cfg_file, weights = p / ADAPTER_CONFIG, p / ADAPTER_WEIGHTS
     if not cfg_file.is_file():
         raise MemengineError(f"{p}: no {ADAPTER_CONFIG} (not a PEFT adapter)")
-    spec = LoraSpec.from_peft(read_json(cfg_file), str(cfg_file))
+    spec = LoraSpec.from_peft(read_json(cfg_file, "adapter config"), str(cfg_file))
     if not weights.is_file():
         if (p / "adapter_model.bin").is_file():
             raise MemengineError(f"{p}: the adapter is adapter_model.bin (pickle); memengine reads "
@@ -281,10 +281,14 @@ def base_spec(adapter_dir: Path, spec: LoraSpec, override: Optional[str] = None)
 
 
 def _kept_base(adapter_dir: Path) -> Optional[str]:
+    from .inputs import read_json
+
+    f = Path(adapter_dir) / "trainer_state.json"
+    if not f.is_file():
+        return None
     try:
-        st = json.loads((Path(adapter_dir) / "trainer_state.json").read_text(encoding="utf-8"))
-        rel = st["extra"]["lora"]["base_relative"]
-    except (OSError, ValueError, KeyError, TypeError):
+        rel = read_json(f, "trainer state")["extra"]["lora"]["base_relative"]
+    except (KeyError, TypeError):
         return None
     return str((Path(adapter_dir) / rel)) if isinstance(rel, str) else None
 
