@@ -179,3 +179,18 @@ def test_base_flag_needs_an_adapter(tiny_ckpt_ro, sample_text):
 def test_adapt_does_not_take_lora_flags(tiny_ckpt_ro, sample_text, tmp_path):
     r = run("adapt", tiny_ckpt_ro, "--data", sample_text, "-o", tmp_path / "o", "--lora-rank", "2")
     assert r.exit_code == 2
+
+
+def test_dropout_runs_are_reproducible_from_the_seed(lora_run):
+    root, base, text, _, _ = lora_run
+
+    def train(name, seed):
+        r = run("train", base, "--data", text, "-o", root / name, "--lora-rank", "2", "--lora-dropout", "0.2",
+                "--seed", seed, "--max-steps", "2", "--lr", "1e-2", *FAST, "--no-shuffle", "--json")
+        assert r.exit_code == 0, r.stderr
+        return load_file(str(root / name / "adapter_model.safetensors"))
+
+    a, b, c = train("d1", 3), train("d2", 3), train("d3", 4)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert any(not np.array_equal(a[k], c[k]) for k in a)
+    assert json.loads((root / "d1" / "adapter_config.json").read_text())["lora_dropout"] == 0.2

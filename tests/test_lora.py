@@ -188,3 +188,70 @@ def test_adamw_step_equals_torch(rt, tmp_path):
         moved = p.detach().numpy() - tensors[n]
         assert rel(after[n] - tensors[n], moved) < 1e-3, n
         assert rel(after[n], p.detach().numpy()) < 1e-6, n
+
+
+class _Mask(torch.nn.Module):
+    """Stands in for PEFT's lora_dropout: multiplies by a given mask (ours)."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, x):
+        return x * self.mask.reshape(x.shape).to(x.dtype)
+
+
+def test_dropout_gradients_equal_peft_with_the_same_mask(rt, tmp_path):
+    """With --lora-dropout the loss and the A/B gradients equal PEFT's when PEFT's dropout
+    draws our mask; the mask is the one the kernel draws for (seed, counter, layer, target),
+    reproducible, different per counter, and drops about p of the inputs."""
+    from memengine.engine.ops.lora import dropout
+
+    m = hf_base(ODD)
+    cfg, sd = save_base(m, tmp_path / "base")
+    p = 0.3
+    spec = el.LoraSpec(r=3, alpha=5, dropout=p, targets=("in_proj", "x_proj"))
+    tensors = random_adapter(cfg, spec, seed=2)
+    el.write_adapter(tmp_path / "ad", spec, tensors)
+    B, L = 2, 9
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=(B, L + 1))
+
+    model = MambaModel(rt, cfg, sd, grads=False)
+    model.lora = ad = el.LoraAdapter(rt, cfg, spec, tensors, seed=11, train=True)
+
+    def masks(counter):
+        ad.set_counter(counter)
+        out = {}
+        for key in ad.pairs:
+            K = ad.fan_in[key[1]]
+            ones, got = rt.upload(np.ones((B * L, K), np.float32)), rt.zeros((B * L, K))
+            rec = rt.recorder()
+            dropout(rec, got, ones, ad.rng, rows=B * L, cols=K, p=p, salt=ad._salt(key))
+            rec.submit()
+            out[key] = rt.read(got)
+        return out
+
+    mk = masks(5)
+    again, other = masks(5), masks(6)
+    assert all(np.array_equal(mk[k], again[k]) for k in mk)
+    assert all(not np.array_equal(mk[k], other[k]) for k in mk)
+    allm = np.concatenate([v.ravel() for v in mk.values()])
+    assert set(np.unique(allm)) == {0.0, np.float32(1 / (1 - p))}
+    assert abs((allm == 0).mean() - p) < 0.05
+
+    ad.set_counter(5)
+    loss = model.loss_and_grads(ids[:, :-1], ids[:, 1:], trainable=set(ad.names))
+    grads = ad.grad_dict()
+
+    pm = peft_model(tmp_path / "base", tmp_path / "ad", trainable=True).train()
+    for (i, t), mask in mk.items():
+        layer = getattr(pm.base_model.model.backbone.layers[i].mixer, t)
+        layer.lora_dropout["default"] = _Mask(torch.tensor(mask))
+    logits = pm(input_ids=torch.tensor(ids[:, :-1])).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), torch.tensor(ids[:, 1:]).reshape(-1))
+    ref.backward()
+    assert rel(loss, ref.item()) < 1e-5
+    want = {n[len("base_model.model."):].replace(".default", ""): q.grad.numpy()
+            for n, q in pm.named_parameters() if q.requires_grad}
+    for n in tensors:
+        assert rel(grads[n], want[n]) < 1e-4, n
