@@ -9,9 +9,9 @@ on the targets in_proj and x_proj: the mixer's linear layers that transformers' 
 as modules.  PEFT refuses out_proj and conv1d for Mamba models, and transformers multiplies
 by dt_proj.weight directly, so an adapter on dt_proj would have no effect there.
 
-The base weights stay frozen: the backward computes activation gradients through the frozen layers (the same kernels as full
-training, with the weight gradients skipped) and the adapter's gradients from the same
-matmul kernels:
+The base weights stay frozen: the backward computes activation gradients through the frozen
+layers (the same kernels as full training, with the weight gradients skipped) and the
+adapter's gradients from the same matmul kernels:
 
     t  = s * x A^T              (saved, [M, r])     dB += dout^T t
     dt = s * dout B                                  dA += dt^T x        dx += dt A
@@ -501,6 +501,7 @@ class LoraAdapter:
         self.gpu_shapes = self.shapes
         self.pairs = sorted({(int(_NAME.match(n).group(1)), _NAME.match(n).group(2)) for n in self.names},
                             key=lambda k: (k[0], TARGETS.index(k[1])))
+        self._pair_set = set(self.pairs)
         self.fan_in = {t: dims(cfg, t)[0] for t in TARGETS}
         self.P = FlatStore(rt, self.shapes, "lora.params")
         self.G = FlatStore(rt, self.shapes, "lora.grads") if train else None
@@ -587,10 +588,3 @@ class LoraAdapter:
         else:
             linear_backward(rec, dx, dA, None, dt, x, A, M=M, N=r, K=K, ldx=ldx, x_col=x_col, lddx=lddx,
                             dx_col=dx_col, dx_acc=True)
-
-    @property
-    def _pair_set(self) -> set:
-        s = getattr(self, "_pairs_cached", None)
-        if s is None:
-            s = self._pairs_cached = set(self.pairs)
-        return s

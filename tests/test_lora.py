@@ -255,3 +255,52 @@ def test_dropout_gradients_equal_peft_with_the_same_mask(rt, tmp_path):
             for n, q in pm.named_parameters() if q.requires_grad}
     for n in tensors:
         assert rel(grads[n], want[n]) < 1e-4, n
+
+
+def test_fresh_adapter_leaves_the_base_model_unchanged(rt):
+    """lora_B starts at zero: step 0 of a LoRA run computes exactly the base model."""
+    cfg = MambaConfig.from_dict(ODD)
+    m = hf_base(ODD)
+    sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items() if k != "lm_head.weight"}
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 6))
+    base = MambaModel(rt, cfg, sd, grads=False).logits(ids)
+    model = MambaModel(rt, cfg, sd, grads=False)
+    spec = el.LoraSpec(r=4, alpha=8)
+    model.lora = el.LoraAdapter(rt, cfg, spec, el.init_tensors(cfg, spec, 0))
+    np.testing.assert_array_equal(model.logits(ids), base)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"use_dora": True}, "use_dora"),
+    ({"bias": "all"}, "bias"),
+    ({"peft_type": "IA3"}, "peft_type"),
+    ({"rank_pattern": {"x_proj": 2}}, "rank_pattern"),
+    ({"r": 0}, "r is 0"),
+])
+def test_unsupported_adapter_configs_are_one_line(tmp_path, change, needle):
+    from memengine.engine.errors import MemengineError
+
+    cfg = MambaConfig.from_dict(ODD)
+    spec = el.LoraSpec(r=2, alpha=2)
+    el.write_adapter(tmp_path, spec, el.init_tensors(cfg, spec, 0))
+    d = json.loads((tmp_path / el.ADAPTER_CONFIG).read_text())
+    (tmp_path / el.ADAPTER_CONFIG).write_text(json.dumps({**d, **change}))
+    with pytest.raises(MemengineError, match=needle):
+        el.read_adapter(tmp_path)
+
+
+def test_adapter_on_a_refused_layer_is_one_line(tmp_path):
+    from memengine.engine.errors import MemengineError
+    from memengine.engine.safetensors_io import write_safetensors
+
+    spec = el.LoraSpec(r=2, alpha=2)
+    el.write_adapter(tmp_path, spec, {})
+    write_safetensors(tmp_path / el.ADAPTER_WEIGHTS,
+                      {"base_model.model.backbone.layers.0.mixer.dt_proj.lora_A.weight": np.zeros((2, 3), np.float32)})
+    with pytest.raises(MemengineError, match="dt_proj.weight directly"):
+        el.read_adapter(tmp_path)
+    cfg = MambaConfig.from_dict(ODD)
+    el.write_adapter(tmp_path, el.LoraSpec(r=2, alpha=2), el.init_tensors(cfg, el.LoraSpec(r=2, alpha=2), 0))
+    small = MambaConfig.from_dict(dict(ODD, hidden_size=8))
+    with pytest.raises(MemengineError, match="belongs to another model"):
+        el.check_against(el.read_adapter(tmp_path), small, "x")
