@@ -17,7 +17,8 @@ Suites:
           step's transposes and strides) vs torch.matmul fp32 with TF32 off (cuBLAS)
   train   tokens/s and peak memory of a training step (forward, backward, clip, AdamW) vs
           mamba-ssm's MambaLMHeadModel + torch.optim.AdamW in fp32 (TF32 off) and bf16
-          autocast; --slow-path adds transformers' MambaForCausalLM (fp32)
+                    autocast; --slow-path adds transformers' MambaForCausalLM (fp32); beside each full
+          step a LoRA step (--lora-rank, 8 by default: the adapter trained, the base frozen)
   decode  generation: time to the first token after a --prompt-len prompt and decode
           tokens/s over --new-tokens, greedy and sampling (T 0.8, top-k 50, top-p 0.95), per
           --shapes, vs transformers' generate (greedy, fp32, same weights' shape and prompt)
@@ -370,7 +371,10 @@ def _batch(cfg, B, L):
     return Batch(ids=ids, targets=tg, n_targets=B * L, n_tokens=B * L)
 
 
-def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False, precision="fp32"):
+def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False, precision="fp32", lora_rank=0):
+    """A full training step, or (lora_rank > 0) a LoRA step: an adapter of that rank on
+    in_proj and x_proj, alpha 2r, the base frozen (no gradient buffer for it)."""
+    from memengine.engine import lora
     from memengine.engine.config import MambaConfig
     from memengine.engine.init import init_weights
     from memengine.engine.model import MambaModel
@@ -382,6 +386,9 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False, preci
     rt.peak_bytes = 0   # this row's high-water mark, not the process's
     model = MambaModel(rt, cfg, init_weights(cfg, 0))
     model.set_precision(precision)
+    if lora_rank:
+        spec = lora.LoraSpec(r=lora_rank, alpha=2 * lora_rank)
+        model.lora = lora.LoraAdapter(rt, cfg, spec, lora.init_tensors(cfg, spec, 0), train=True)
     batch = _batch(cfg, B, L)
     o = TrainOptions(batch_size=B, seq_len=L, precision=precision)
     tr = Trainer(model, o, trace_capacity=max(steps, warmup))
@@ -759,6 +766,18 @@ def summary(res) -> list:
         if "error" in me:
             line += f" | memengine error: {me['error'][:80]}"
         lines.append(line)
+        lo = row.get("memengine_lora")
+        if lo:
+            line = f"  LoRA r={lo.get('rank', '?')} step: {lo.get('tokens_per_s', 0):8.0f} tok/s"
+            if lo.get("peak_bytes"):
+                line += f" ({lo['peak_bytes'] / 2**30:.2f} GiB)"
+            if lo.get("tokens_per_s") and me.get("tokens_per_s"):
+                line += f" | {lo['tokens_per_s'] / me['tokens_per_s']:.2f}x the full step's speed"
+            if lo.get("peak_bytes") and me.get("peak_bytes"):
+                line += f", {lo['peak_bytes'] / me['peak_bytes']:.2f}x its memory"
+            if "error" in lo:
+                line += f" | error: {lo['error'][:80]}"
+            lines.append(line)
     for row in res.get("decode", []):
         head = f"decode {row['shape']} prompt {row['prompt_len']} + {row['new_tokens']} new:"
         base = (row.get("memengine") or {}).get("greedy", {}).get("tokens_per_s")
@@ -806,6 +825,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="time the first train row's step kernel by kernel")
     ap.add_argument("--precision", default="fp32",
                     help="train suite: fp32, mixed or both (fp32,mixed: a memengine_mixed entry per row)")
+    ap.add_argument("--lora-rank", type=int, default=8,
+                    help="train: also time a LoRA step (an adapter of this rank on in_proj and x_proj); 0 = off")
     a = ap.parse_args(argv)
 
     from memengine.engine.gpu import get_runtime
@@ -865,6 +886,12 @@ def main(argv=None):
                             res[pk] = row[key].pop("profile")
                             res[pk + "_of"] = f"{sh} B={B} L={L}"
                     row.setdefault("memengine", row.get("memengine_mixed", {}))
+                    if a.lora_rank:
+                        try:
+                            row["memengine_lora"] = bench_memengine_train(rt, sh, B, L, a.steps, lora_rank=a.lora_rank)
+                            row["memengine_lora"]["rank"] = a.lora_rank
+                        except Exception as e:
+                            row["memengine_lora"] = dict(error=str(e)[:300])
                     if tdev == "cpu":   # the CPU peers: always
                         threads = sorted({int(x) for x in a.torch_threads.split(",")} if a.torch_threads
                                          else {1, os.cpu_count() or 1})
