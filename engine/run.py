@@ -204,7 +204,9 @@ class _Run:
             self._check_same_run(snap.state.get("options") or {})
 
         self.ckpt, self.ref = opened.ckpt, ref
-        self.lora = lora.for_run(o, opened.adapter, self.ckpt.config, self.input)
+        # the base an adapter names: kept when it came as CKPT (or is resumed) and --base is not given
+        kept = opened.adapter.spec.base if opened.adapter is not None and o.base is None else None
+        self.lora = lora.for_run(o, opened.adapter, self.ckpt.config, kept or ref.public_name)
         lr = self.lora
         # the moments beside what the run starts from: the resumed step, CKPT, or the adapter a
         # LoRA run continues (none for a fresh adapter, nor for one applied frozen: its moments

@@ -194,3 +194,12 @@ def test_dropout_runs_are_reproducible_from_the_seed(lora_run):
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert any(not np.array_equal(a[k], c[k]) for k in a)
     assert json.loads((root / "d1" / "adapter_config.json").read_text())["lora_dropout"] == 0.2
+
+
+def test_resumed_and_continued_adapters_keep_their_base_name(lora_run):
+    root, base, text, out, _ = lora_run
+    r1 = run("train", "--resume", out / "checkpoints" / "step-3", "-o", root / "kb1", "--max-steps", "4", "--json")
+    r2 = run("train", out, "--data", text, "-o", root / "kb2", "--max-steps", "1", *FAST, "--json")
+    for r, d in ((r1, "kb1"), (r2, "kb2")):
+        assert r.exit_code == 0, r.stderr
+        assert json.loads((root / d / "adapter_config.json").read_text())["base_model_name_or_path"] == "base"
