@@ -134,9 +134,15 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
 
 # =========================================================================== info
 def _info(o: InfoOptions, ui: UI) -> None:
-    from memengine.engine import plan as mplan
+    from memengine.engine import lora, plan as mplan
     from memengine.engine.setup import open_checkpoint, resolve
 
+    if lora.is_adapter(o.ckpt):
+        d = lora.describe(o.ckpt)
+        ui.kv(f"LoRA adapter {o.ckpt}", [(k.replace("_", " "), ", ".join(v) if isinstance(v, list) else v)
+                                         for k, v in d.items()])
+        ui.emit(d)
+        return
     ref = resolve(o.ckpt, o.revision, o.model_type)
     c = open_checkpoint(ref, ui.warn)
     cfg = c.config
@@ -211,7 +217,7 @@ def _info(o: InfoOptions, ui: UI) -> None:
     })
 
 
-run_command(app, InfoOptions, _info, name="info", help="""Show a checkpoint's config, parameter count, dtypes and size, the GPU adapter, and the memory plan.
+run_command(app, InfoOptions, _info, name="info", help="""Show a checkpoint's config, parameter count, dtypes and size, the GPU adapter, and the memory plan (or a LoRA adapter's rank, alpha, targets and base).
 
 The plan estimates what eval, train and adapt need for --batch-size x --seq-len (parameters, gradients, moments, activations, logits chunk, scratch) and checks it against the adapter's largest buffer and binding and, where one is known, the memory budget.""", epilog=_examples(
     "memengine info tiny-model",
@@ -221,6 +227,7 @@ The plan estimates what eval, train and adapt need for --batch-size x --seq-len 
     "memengine info weights.safetensors --model-type falcon_mamba",
     "memengine info mamba-130m --seq-len 2048 --batch-size 4    # will train fit this adapter?",
     "MEMENGINE_MAX_MEMORY_BYTES=8G memengine info model --json | jq .plan.train",
+    "memengine info my-adapter                                  # a LoRA adapter: rank, alpha, targets, base",
 ))
 
 

@@ -231,6 +231,16 @@ def read_adapter(path) -> Adapter:
     return Adapter(spec, tensors, p)
 
 
+def describe(path) -> dict:
+    """What `memengine info` shows of an adapter directory."""
+    ad = read_adapter(path)
+    s = ad.spec
+    return {"path": str(path), "peft_type": "LORA", "r": s.r, "lora_alpha": s.alpha, "scaling": s.scaling,
+            "lora_dropout": s.dropout, "use_rslora": s.use_rslora, "target_modules": list(s.targets),
+            "layers": len(ad.layers), "tensors": len(ad.tensors),
+            "parameters": int(sum(a.size for a in ad.tensors.values())), "base_model_name_or_path": s.base}
+
+
 def check_against(adapter: Adapter, cfg: MambaConfig, where: str) -> None:
     """Every tensor fits the base model's shapes; A and B come in pairs of rank r."""
     r = adapter.spec.r

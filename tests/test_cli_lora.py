@@ -203,3 +203,14 @@ def test_resumed_and_continued_adapters_keep_their_base_name(lora_run):
     for r, d in ((r1, "kb1"), (r2, "kb2")):
         assert r.exit_code == 0, r.stderr
         assert json.loads((root / d / "adapter_config.json").read_text())["base_model_name_or_path"] == "base"
+
+
+def test_info_on_an_adapter(lora_run):
+    root, base, text, out, _ = lora_run
+    r = run("info", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["r"], d["lora_alpha"], d["scaling"], d["tensors"], d["base_model_name_or_path"]) == (3, 5.0, 5 / 3, 8,
+                                                                                               "base")
+    t = load_file(str(out / "adapter_model.safetensors"))
+    assert d["parameters"] == sum(v.size for v in t.values())
