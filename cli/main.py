@@ -276,7 +276,7 @@ def _train(o: TrainOptions, ui: UI) -> None:
     ui.emit(s)
 
 
-run_command(app, TrainOptions, _train, name="train", help="""Fine-tune every parameter (full backprop on the GPU, AdamW, global grad-norm clipping).
+run_command(app, TrainOptions, _train, name="train", help="""Fine-tune every parameter (full backprop on the GPU, AdamW, global grad-norm clipping), or with --lora-rank a LoRA adapter in PEFT's format (the base frozen).
 
 Resumes the optimizer moments from optimizer.safetensors beside CKPT when present, and writes the new model, its optimizer state, trainer_state.json and memengine.json (options, version, adapter, the whole history) to OUT. --save-every writes OUT/checkpoints/step-K; --resume continues a run exactly. A --config file may set any option; flags given on the command line win.""", epilog=_examples(
     "memengine train tiny-model --data book.txt -o tiny-trained",
