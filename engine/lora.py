@@ -92,6 +92,7 @@ class LoraSpec:
     base: Optional[str] = None          # base_model_name_or_path
     use_rslora: bool = False
     revision: Optional[str] = None
+    layers: Optional[tuple] = None      # layers_to_transform (None: every layer)
 
     @property
     def scaling(self) -> float:
@@ -102,7 +103,8 @@ class LoraSpec:
         return {
             "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": self.base, "bias": "none",
             "exclude_modules": None, "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-            "layer_replication": None, "layers_pattern": None, "layers_to_transform": None, "loftq_config": {},
+            "layer_replication": None, "layers_pattern": None,
+            "layers_to_transform": None if self.layers is None else list(self.layers), "loftq_config": {},
             "lora_alpha": alpha, "lora_bias": False, "lora_dropout": float(self.dropout),
             "megatron_config": None, "megatron_core": "megatron.core", "modules_to_save": None,
             "peft_type": "LORA", "r": int(self.r), "rank_pattern": {}, "revision": self.revision,
@@ -140,9 +142,16 @@ class LoraSpec:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
             raise bad(f"lora_dropout is {p!r}, expected a number in [0, 1)")
         base = d.get("base_model_name_or_path")
+        layers = d.get("layers_to_transform")
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            layers = [layers]
+        if layers is not None and not (isinstance(layers, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)):
+            raise bad(f"layers_to_transform is {layers!r}, expected layer numbers")
         return cls(r=r, alpha=float(alpha), dropout=float(p), targets=(), base=base if isinstance(base, str) else None,
                    use_rslora=bool(d.get("use_rslora", False)),
-                   revision=d.get("revision") if isinstance(d.get("revision"), str) else None)
+                   revision=d.get("revision") if isinstance(d.get("revision"), str) else None,
+                   layers=None if layers is None else tuple(sorted(set(layers))))
 
 
 def shapes(cfg: MambaConfig, spec: LoraSpec, layers: Optional[list] = None) -> dict:

@@ -304,3 +304,24 @@ def test_adapter_on_a_refused_layer_is_one_line(tmp_path):
     small = MambaConfig.from_dict(dict(ODD, hidden_size=8))
     with pytest.raises(MemengineError, match="belongs to another model"):
         el.check_against(el.read_adapter(tmp_path), small, "x")
+
+
+def test_adapter_of_some_layers_round_trips_through_peft(tmp_path):
+    """layers_to_transform: PEFT's adapter of layer 1 only is read, and written back so that
+    PEFT loads it with every tensor in place."""
+    m = hf_base(ODD)
+    pm = peft.get_peft_model(m, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["in_proj", "x_proj"],
+                                                layers_to_transform=[1], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    pm.save_pretrained(tmp_path / "theirs")
+    ad = el.read_adapter(tmp_path / "theirs")
+    assert ad.layers == [1] and ad.spec.layers == (1,)
+    el.write_adapter(tmp_path / "ours", ad.spec, ad.tensors)
+    again = peft.PeftModel.from_pretrained(hf_base(ODD, seed=1), tmp_path / "ours")
+    sd = {k.replace(".default", ""): v for k, v in again.state_dict().items() if "lora_" in k}
+    assert set(sd) == {el.PREFIX + n for n in ad.tensors}
+    for n, a in ad.tensors.items():
+        np.testing.assert_array_equal(sd[el.PREFIX + n].numpy(), a)
