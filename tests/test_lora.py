@@ -145,6 +145,7 @@ def test_loss_and_gradients_equal_peft_autograd(rt, tmp_path, falcon, targets, a
     model = MambaModel(rt, cfg, sd)
     model.lora = el.LoraAdapter(rt, cfg, spec, tensors, train=True)
     got = model.loss_and_grads(ids[:, :-1], ids[:, 1:], trainable=set(model.lora.names))
+    assert model._G is None, "a LoRA step made the base's gradient store"
     assert rel(got, loss.item()) < 1e-5
     grads = model.lora.grad_dict()
     for n in tensors:
@@ -216,7 +217,7 @@ def test_dropout_gradients_equal_peft_with_the_same_mask(rt, tmp_path):
     B, L = 2, 9
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=(B, L + 1))
 
-    model = MambaModel(rt, cfg, sd, grads=False)
+    model = MambaModel(rt, cfg, sd)
     model.lora = ad = el.LoraAdapter(rt, cfg, spec, tensors, seed=11, train=True)
 
     def masks(counter):
@@ -263,8 +264,8 @@ def test_fresh_adapter_leaves_the_base_model_unchanged(rt):
     m = hf_base(ODD)
     sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items() if k != "lm_head.weight"}
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 6))
-    base = MambaModel(rt, cfg, sd, grads=False).logits(ids)
-    model = MambaModel(rt, cfg, sd, grads=False)
+    base = MambaModel(rt, cfg, sd).logits(ids)
+    model = MambaModel(rt, cfg, sd)
     spec = el.LoraSpec(r=4, alpha=8)
     model.lora = el.LoraAdapter(rt, cfg, spec, el.init_tensors(cfg, spec, 0))
     np.testing.assert_array_equal(model.logits(ids), base)
@@ -325,3 +326,22 @@ def test_adapter_of_some_layers_round_trips_through_peft(tmp_path):
     assert set(sd) == {el.PREFIX + n for n in ad.tensors}
     for n, a in ad.tensors.items():
         np.testing.assert_array_equal(sd[el.PREFIX + n].numpy(), a)
+
+
+def test_memory_plan_of_a_lora_run():
+    """The plan of a LoRA run counts the adapter's parameters, gradients and moments, and no
+    gradient store or moments for the base."""
+    from memengine.engine import plan as mplan
+
+    cfg = MambaConfig.from_dict(ODD)
+    spec = el.LoraSpec(r=4, alpha=8)
+    t = el.init_tensors(cfg, spec, 0)
+    sizes = el.plan_sizes(cfg, spec, t, train=True)
+    n = sum(a.size for a in t.values())
+    assert sizes == (n, 4 * (2 * cfg.num_hidden_layers + 1))
+    lim = mplan.Limits(max_buffer=2**30, max_binding=2**27)
+    full = mplan.estimate(cfg, 2, 16, "train", lim)
+    lo = mplan.estimate(cfg, 2, 16, "lora", lim, adapter=sizes)
+    assert lo.parts["gradients"] < full.parts["gradients"] and lo.parts["moments"] == 8 * n
+    assert lo.parts["parameters"] > full.parts["parameters"]
+    assert lo.parts["activations"] == full.parts["activations"] + 4 * 2 * 16 * sizes[1]
