@@ -414,17 +414,18 @@ def write_run_adapter(directory, run: RunLora, tensors: dict, tokenizer: Optiona
             atomic_write_bytes(Path(directory) / name, Path(src).read_bytes())
 
 
-def plan_sizes(cfg: MambaConfig, spec: LoraSpec, tensors: dict, *, train: bool) -> tuple[int, int]:
-    """(elements of the adapter, activation elements per row of a batch) that LoraAdapter
-    allocates, for the memory plan (engine/plan.py): t [M, r] per adapted layer, the dt
-    scratch, and with dropout while training the dropped inputs and their gradient scratch."""
-    pairs = {(int(_NAME.match(n).group(1)), _NAME.match(n).group(2)) for n in tensors}
-    numel = int(sum(np.asarray(a).size for a in tensors.values()))
-    per_row = spec.r * (len(pairs) + 1)
+def plan_sizes(cfg: MambaConfig, spec: LoraSpec, tensors: dict, *, train: bool) -> tuple[tuple, tuple]:
+    """(element counts of the adapter's tensors, widths of the [M, width] buffers it
+    allocates), for the memory plan (engine/plan.py): s x A^T per adapted layer and the dt
+    scratch; with dropout while training, the dropped inputs and a gradient scratch per
+    input width."""
+    pairs = sorted({(int(_NAME.match(n).group(1)), _NAME.match(n).group(2)) for n in tensors})
+    sizes = tuple(int(np.asarray(tensors[n]).size) for n in tensors)
+    rows = [spec.r] * (len(pairs) + 1)
     if train and spec.dropout > 0:
         fan = [dims(cfg, t)[0] for _, t in pairs]
-        per_row += sum(fan) + max(fan, default=0)
-    return numel, per_row
+        rows += fan + sorted(set(fan))
+    return sizes, tuple(rows)
 
 
 # --------------------------------------------------------------------------- merge

@@ -170,11 +170,12 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     its data; adapt: its data, and held-out data if any; train: held-out data if any), for
     the per-window sums (12 bytes a window); None: `default_eval_passes`.  `trace_steps`:
     the steps a trainer's loss/norm trace holds (engine/loop.reads_apart).  `adapter`:
-    (elements, activation elements per row) of a LoRA adapter applied (engine/lora.plan_sizes);
+    (tensor sizes, widths of its per-row buffers) of a LoRA adapter applied (lora.plan_sizes);
     kind "lora" trains it: no gradient store for the base, moments for the adapter only."""
     if kind not in KINDS + ("lora",):
         raise ValueError(f"kind must be one of {KINDS + ('lora',)}")
-    a_numel, a_row = adapter or (0, 0)
+    a_sizes, a_rows = adapter or ((), ())
+    a_numel = sum(a_sizes)
     B, L = int(batch_size), int(seq_len)
     M = B * L
     E, Di, N, R, V, K = (cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank,
@@ -193,11 +194,13 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     except MemengineError as e:
         plan.problems.append((str(e), False))
         store = sum(4 * _numel(s) for s in shapes.values())
-    plan.parts["parameters"] = store + _buf(4 * a_numel)
-    plan.parts["gradients"] = _buf(4 * a_numel) if kind == "lora" else (store if grad else 0)
+    # an adapter's store: its tensors one after the other, each aligned for binding
+    a_store = _buf(4 * sum(-(-n // (lim.storage_align // 4)) * (lim.storage_align // 4) for n in a_sizes))
+    plan.parts["parameters"] = store + (a_store if a_sizes else 0)
+    plan.parts["gradients"] = (a_store if a_sizes else 0) if kind == "lora" else (store if grad else 0)
     plan.parts["moments"] = sum(2 * _buf(4 * _numel(shapes[n])) for n in _trainable(kind, list(shapes)))
     if kind == "lora":
-        plan.parts["moments"] = 2 * 4 * a_numel
+        plan.parts["moments"] = sum(2 * _buf(4 * n) for n in a_sizes)
 
     # -- activations (adapt also evaluates before training: a light workspace as well)
     acts = 0
@@ -211,7 +214,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
                 continue
             acts += copies * nbytes
             plan.buffers.append((f"activation {name} [{' x '.join(map(str, shape))}]", 4 * _numel(shape), True))
-    plan.parts["activations"] = acts + 4 * M * a_row
+    plan.parts["activations"] = acts + sum(_buf(4 * M * w) for w in a_rows)
     plan.parts["logits chunk"] = logits
 
     # -- kernels' scratch
@@ -230,11 +233,13 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     if grad:
         products |= {(M, i, o) for o, i in _linears(cfg)} | {(o, i, M) for o, i in _linears(cfg)}
         products |= {(chunk, E, V), (V, E, chunk)}
-        rpc, nch = _rmsnorm._chunks(lim, M, E)
-        scratch += _buf(4 * nch * E)
-        rpc, nch = _conv1d._chunks(lim, M, Di, K)
-        scratch += _buf(4 * nch * Di * (K + 1)) + _buf(4 * Di * K) + _buf(4 * Di)
+        if kind != "lora":  # the norms' and conv's weight gradients (a LoRA run computes none)
+            rpc, nch = _rmsnorm._chunks(lim, M, E)
+            scratch += _buf(4 * nch * E)
+            rpc, nch = _conv1d._chunks(lim, M, Di, K)
+            scratch += _buf(4 * nch * Di * (K + 1)) + _buf(4 * Di * K) + _buf(4 * Di)
         n_partials = sum(cdiv(_numel(shapes[n]), 2048) + 1 for n in _trainable(kind, list(shapes)))
+        n_partials += sum(cdiv(n, 2048) + 1 for n in a_sizes) if kind == "lora" else 0
         scratch += _buf(4 * max(1024, 1 << (n_partials - 1).bit_length()))
     scratch += _splitk_scratch(lim, products) + _buf(4 * 1024)
     # evaluation: top-1/top-5 hits per row, a batch's window sums, every batch's sums

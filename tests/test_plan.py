@@ -17,7 +17,7 @@ SMALL = dict(vocab_size=300, hidden_size=64, state_size=16, num_hidden_layers=2,
              use_bias=True)
 
 
-@pytest.mark.parametrize("kind", plan.KINDS)
+@pytest.mark.parametrize("kind", plan.KINDS + ("lora",))
 def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
     """A whole run through the engine (eval; train with held-out windows; adapt, which
     evaluates before and after): the plan it passed equals the bytes it allocated."""
@@ -45,6 +45,9 @@ def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
     try:
         if kind == "eval":
             run_eval(EvalOptions(**common))
+        elif kind == "lora":  # a LoRA adapter trained (with dropout: its masks' buffers too)
+            run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o", lora_rank=4,
+                                   lora_dropout=0.1))
         elif kind == "train":
             run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o"))
         else:
