@@ -27,7 +27,7 @@ from .loop import LoopState, TrainingLoop, reads_apart
 from .options import AdaptOptions, EvalOptions, GenerateOptions, TrainOptions
 from .resolve import public_path
 from .sampler import split_windows
-from .setup import open_checkpoint, open_model, open_runtime, open_tokenizer, resolve, tokenizer_file
+from .setup import open_model, open_runtime, open_tokenizer, resolve, tokenizer_file
 from .trainer import EvalResult, Trainer, evaluate
 
 STATE_VERSION = 1
