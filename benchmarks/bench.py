@@ -17,7 +17,7 @@ Suites:
           step's transposes and strides) vs torch.matmul fp32 with TF32 off (cuBLAS)
   train   tokens/s and peak memory of a training step (forward, backward, clip, AdamW) vs
           mamba-ssm's MambaLMHeadModel + torch.optim.AdamW in fp32 (TF32 off) and bf16
-                    autocast; --slow-path adds transformers' MambaForCausalLM (fp32); beside each full
+          autocast; --slow-path adds transformers' MambaForCausalLM (fp32); beside each full
           step a LoRA step (--lora-rank, 8 by default: the adapter trained, the base frozen)
   decode  generation: time to the first token after a --prompt-len prompt and decode
           tokens/s over --new-tokens, greedy and sampling (T 0.8, top-k 50, top-p 0.95), per

@@ -26,6 +26,7 @@ EXAMPLES = (
     'memengine generate model -p "It was" --temperature 0.7 --top-k 40 --top-p 0.9 --seed 3',
     'memengine generate state-spaces/mamba-130m-hf -p "Mamba is" -n 40   # a model id',
     'memengine generate weights.safetensors --model-type falcon_mamba -p "Hello" -t 0',
+    'memengine generate my-adapter -p "Once" -n 40   # a LoRA adapter on its base, not merged',
 )
 
 

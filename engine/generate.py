@@ -176,13 +176,18 @@ class Decoder:
         `sampling` is given) the sampler."""
         E, Di, N, R, K, V = self.dims
         c, p = self.cfg, self.model.params
+        lora = self.model.lora
         eps = c.layer_norm_epsilon
         embedding_forward(rec, self.h, self.io.view((1,), 1), p.embeddings)
         for i, lp in enumerate(p.layers):
             rmsnorm_forward(rec, self.un, self.rstd, self.h, lp.norm_weight, eps)
             matvec(rec, self.xz, lp.in_proj_weight, self.un, lp.in_proj_bias, rows=2 * Di, K=E)
+            if lora is not None:  # a LoRA adapter, applied without merging
+                lora.step(rec, i, "in_proj", self.un, self.xz)
             conv_step(rec, self.xc, self.conv[i], self.xz, lp.conv1d_weight, lp.conv1d_bias, Di=Di, K=K)
             matvec(rec, self.xdbl, lp.x_proj_weight, self.xc, rows=R + 2 * N, K=Di)
+            if lora is not None:
+                lora.step(rec, i, "x_proj", self.xc, self.xdbl)
             if c.is_falcon:
                 for j, (col, w) in enumerate(((0, R), (R, N), (R + N, N))):
                     rmsnorm_forward(rec, self.xdbl_n, self.mixer_rstd.view((1,), j), self.xdbl,

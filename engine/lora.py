@@ -580,6 +580,22 @@ class LoraAdapter:
             scale_(rec, t, self.spec.scaling)
         linear_forward(rec, out, t, B, None, M=M, N=N, K=r, acc=True)
 
+    def step(self, rec, layer: int, target: str, x, out) -> None:
+        """Decoding, one token: out[out] += s * B (A x) for this layer's adapted `target`."""
+        from .ops.decode import matvec
+        from .ops.lora import scale_
+
+        key = (layer, target)
+        if key not in self._pair_set:
+            return
+        K, N = dims(self.cfg, target)
+        r = self.spec.r
+        t = self.rt.scratch(("lora.step", r), (r,))
+        matvec(rec, t, self.P.views[tensor_name(layer, target, "A")], x, rows=r, K=K)
+        if self.spec.scaling != 1.0:
+            scale_(rec, t, self.spec.scaling)
+        matvec(rec, out, self.P.views[tensor_name(layer, target, "B")], t, rows=N, K=r, acc=True)
+
     def backward(self, rec, ws, layer: int, target: str, dout, x, dx, *, ldx=None, x_col: int = 0,
                  lddx=None, dx_col: int = 0) -> None:
         """dx += the adapter's part of d(out)/dx; with training, dA and dB too (ACC)."""

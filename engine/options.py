@@ -492,6 +492,7 @@ class GenerateOptions(SamplingOptions):
     revision: Optional[str] = _revision()
     model_type: Optional[str] = _model_type()
     device: Optional[str] = _device()
+    base: Optional[str] = _base()
     tokenizer: Optional[str] = _tokenizer()
 
     def check_together(self) -> None:

@@ -108,15 +108,18 @@ def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbos
 
     listener = listener or Listener()
     o.validate()
-    ref = resolve(o.ckpt, o.revision, o.model_type)
+    ref = o.ckpt if lora.is_adapter(o.ckpt) else resolve(o.ckpt, o.revision, o.model_type)
     text = read_prompt(o.prompt)
-    c = open_checkpoint(ref, listener.on_warning)
-    tok = open_tokenizer(c, o.tokenizer)
+    opened = lora.open_source(ref, base=o.base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning)
+    c, ad = opened.ckpt, opened.adapter
+    tok = open_tokenizer(c, lora.adapter_tokenizer(ad, o.tokenizer))
     ids = prompt_ids(tok, text, c.config.vocab_size)
     rt = open_runtime(o.device, verbose)
     listener.on_adapter(rt.describe())
     check_prompt_fits(rt, c.config, ids.size)
     model = MambaModel.from_checkpoint(rt, c)
+    if ad is not None:  # applied on the GPU, not merged (prompt pass and every decoding step)
+        model.lora = lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)
     res = None
     try:
         with interrupts.deferred():
