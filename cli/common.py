@@ -22,6 +22,11 @@ from typing import Iterator
 import typer
 from typer.core import TyperGroup, TyperOption
 
+try:  # recent typer carries its own click; older ones use the click package
+    from typer import _click
+except ImportError:  # pragma: no cover - depends on the installed typer
+    import click as _click
+
 from memengine.engine import interrupts
 from memengine.engine.errors import MemengineError
 
@@ -51,7 +56,7 @@ class CommandGroup(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         _REPORTED["interrupt"] = False
-        ClickException = typer._click.exceptions.ClickException
+        ClickException = _click.exceptions.ClickException
         try:
             rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False,
                               **extra)
@@ -59,7 +64,7 @@ class CommandGroup(TyperGroup):
             if not standalone_mode:
                 raise
             sys.stderr.write(f"error: {usage_message(e)}\n")
-            sys.exit(2 if isinstance(e, typer._click.exceptions.UsageError) else (e.exit_code or 2))
+            sys.exit(2 if isinstance(e, _click.exceptions.UsageError) else (e.exit_code or 2))
         except (KeyboardInterrupt, typer.Abort):
             if not standalone_mode:
                 raise
@@ -76,12 +81,12 @@ def usage_message(e) -> str:
     """One line for a Click usage error, with where to look."""
     msg = " ".join(e.format_message().split())
     ctx = getattr(e, "ctx", None)
-    if ctx is not None and isinstance(e, typer._click.exceptions.UsageError):
+    if ctx is not None and isinstance(e, _click.exceptions.UsageError):
         msg += f" (see '{ctx.command_path} --help')"
     return msg
 
 
-_display_type_rich = TyperOption.display_type_rich
+_display_type_rich = getattr(TyperOption, "display_type_rich", None)   # typer's rich help (recent typer)
 
 
 def _no_bool_type(self, ctx):
@@ -91,7 +96,8 @@ def _no_bool_type(self, ctx):
     return _display_type_rich(self, ctx)
 
 
-TyperOption.display_type_rich = _no_bool_type
+if _display_type_rich is not None:
+    TyperOption.display_type_rich = _no_bool_type
 
 
 @contextlib.contextmanager
