@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import stat
 import sys
 from dataclasses import dataclass
@@ -16,18 +15,11 @@ import numpy as np
 
 from .errors import MemengineError
 from .hostmem import check_fits
-from .inputs import file_kind, loads_json
+from .inputs import decode_utf8, file_kind, loads_json, stat_input
 
 DEMO_TEXT = Path(__file__).resolve().parent / "data" / "demo.txt"
 IGNORE = -1
 
-
-def _decode(raw: bytes, source: str) -> str:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise MemengineError(f"{source}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at offset {e.start})") from None
-    return text[1:] if text.startswith("\ufeff") else text
 
 
 def _read_jsonl(text: str, source: str) -> list[str]:
@@ -52,12 +44,7 @@ def _check_data_file(path: Path, given: str) -> None:
     """Before reading a data file: a device (/dev/zero never ends), a socket or a directory
     is refused; a regular file must fit in host memory.  A FIFO is read: it is what a shell's
     `<(command)` gives."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise MemengineError(f"data file '{given}' not found") from None
-    except OSError as e:
-        raise MemengineError(f"data file '{given}': cannot read ({e.strerror or e})") from None
+    st = stat_input(given, "data file")
     if stat.S_ISREG(st.st_mode):
         check_fits(st.st_size, f"data file '{given}' ({st.st_size:,} bytes)",
                    "is it the right file? split it, or train on part of it")
@@ -85,7 +72,7 @@ def read_documents(paths: list[str] | str, stdin: BinaryIO | None = None) -> lis
                 raw = stream.read()
                 if isinstance(raw, str):
                     raw = raw.encode("utf-8")
-            found = [_decode(raw, src)]
+            found = [decode_utf8(raw, src)]
         else:
             path = Path(p)
             _check_data_file(path, p)
@@ -97,7 +84,7 @@ def read_documents(paths: list[str] | str, stdin: BinaryIO | None = None) -> lis
                 raise MemengineError(f"data file '{p}' is a directory") from None
             except OSError as e:
                 raise MemengineError(f"data file '{p}': cannot read ({e.strerror or e})") from None
-            text = _decode(raw, f"data file '{p}'")
+            text = decode_utf8(raw, f"data file '{p}'")
             found = _read_jsonl(text, p) if path.suffix.lower() == ".jsonl" else [text]
         if not any(found):
             raise MemengineError(f"{'stdin' if p == '-' else repr(p)}: no text (the data is empty)")

@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import MemengineError
-from .gpu import BindingError, Recorder, Runtime, Tensor, grid
+from .gpu import BindingError, Recorder, Runtime, Tensor, dispatch_groups
+from .inputs import decode_utf8
 from .ops.decode import conv_prefill, conv_step, matvec, pack_layer_constants, sample, ssm_prefill, ssm_step
 from .ops.embedding import embedding_forward
 from .ops.rmsnorm import rmsnorm_forward
@@ -94,10 +95,8 @@ class _Program(Recorder):
         self.dispatches = 0
 
     def dispatch(self, shader, entry, bindings, groups, constants=None):
-        if isinstance(groups, int):
-            groups = grid(groups)
-        groups = tuple(int(g) for g in groups) + (1,) * (3 - len(groups))
-        if min(groups) <= 0:
+        groups = dispatch_groups(groups)
+        if groups is None:
             return
         pl = self.rt.pipeline(shader, entry, constants)
         self.ops.append((pl, self.rt.bind_group(pl, bindings), groups))
@@ -363,12 +362,7 @@ def read_prompt(value: str, stdin=None) -> str:
     raw = stream.read()
     if isinstance(raw, str):
         raw = raw.encode("utf-8")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise MemengineError(f"--prompt -: stdin is not UTF-8 text (invalid byte 0x{raw[e.start]:02x} "
-                             f"at offset {e.start})") from None
-    return text[1:] if text.startswith("\ufeff") else text
+    return decode_utf8(raw, "--prompt -: stdin")
 
 
 def prompt_ids(tokenizer, text: str, vocab_size: int) -> np.ndarray:

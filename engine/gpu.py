@@ -635,6 +635,15 @@ def grid(n_groups: int) -> tuple[int, int, int]:
     return (x, y, 1)
 
 
+def dispatch_groups(groups) -> tuple | None:
+    """(x, y, z) workgroup counts of a dispatch (an int is folded by grid()); None when
+    there is nothing to run."""
+    if isinstance(groups, int):
+        groups = grid(groups)
+    groups = tuple(int(g) for g in groups) + (1,) * (3 - len(groups))
+    return groups if min(groups) > 0 else None
+
+
 def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -756,10 +765,8 @@ class Recorder:
             self._pass = None
 
     def dispatch(self, shader: str, entry: str, bindings: dict, groups, constants: dict | None = None):
-        if isinstance(groups, int):
-            groups = grid(groups)
-        groups = tuple(int(g) for g in groups) + (1,) * (3 - len(groups))
-        if min(groups) <= 0:
+        groups = dispatch_groups(groups)
+        if groups is None:
             return
         pl = self.rt.pipeline(shader, entry, constants)
         bg = self.rt.bind_group(pl, bindings)

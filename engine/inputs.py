@@ -46,17 +46,23 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def stat_input(path: str | Path, what: str = "file") -> os.stat_result:
+    """os.stat(path) (symlinks followed); a missing or unreadable path is one MemengineError
+    naming `what` ("model file", "data file", ...)."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        raise MemengineError(f"{what} '{path}' not found") from None
+    except OSError as e:
+        raise MemengineError(f"{what} '{path}': cannot read ({e.strerror or e})") from None
+
+
 def check_regular(path: str | Path, what: str = "file") -> os.stat_result:
     """The stat of `path`, which must be a regular file (a symlink to one is fine).
 
     `what` says what the file is for ("model file", "config file", ...) in the message."""
     p = Path(path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        raise MemengineError(f"{what} '{p}' not found") from None
-    except OSError as e:
-        raise MemengineError(f"{what} '{p}': cannot read ({e.strerror or e})") from None
+    st = stat_input(p, what)
     if not stat.S_ISREG(st.st_mode):
         raise MemengineError(f"{what} '{p}' is {file_kind(st.st_mode)}, not a regular file; give the path of a "
                              "regular file")
@@ -96,7 +102,7 @@ def decode_utf8(raw: bytes, source: str) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise MemengineError(f"{source}: not UTF-8 ({e.reason} at byte {e.start})") from None
+        raise MemengineError(f"{source}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at offset {e.start})") from None
     return text[1:] if text.startswith("\ufeff") else text
 
 
