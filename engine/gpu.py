@@ -417,6 +417,7 @@ class Runtime:
         }
 
     # ------------------------------------------------------------------ shaders
+    # Every module gets shaders/common.wgsl (sigmoid, silu, softplus) put in front of it.
     # A shader whose first line is this marker gets the subgroup helpers put in front of
     # it: shaders/subgroups.wgsl where the device has subgroups, else the stand-ins of
     # shaders/subgroups_off.wgsl (sg_size() == 1, so kernels take their workgroup path).
@@ -430,9 +431,14 @@ class Runtime:
                 code = path.read_text()
             except FileNotFoundError as e:
                 raise RuntimeError(f"shader file not found: shaders/{name}.wgsl") from e
+            prelude = [_wgsl_path("common").read_text()]
             if code.startswith(self.SUBGROUP_MARKER):
-                shim = "subgroups" if self.has_subgroups else "subgroups_off"
-                code = _wgsl_path(shim).read_text() + "\n" + code
+                prelude.append(_wgsl_path("subgroups" if self.has_subgroups else "subgroups_off").read_text())
+            lines = code.split("\n")
+            n = 0  # `enable ...;` directives must stay in front of every declaration
+            while n < len(lines) and lines[n].startswith("enable "):
+                n += 1
+            code = "\n".join(lines[:n] + prelude + lines[n:])
             try:
                 mod = self.device.create_shader_module(label=name, code=code)
             except Exception as e:

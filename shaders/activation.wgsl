@@ -15,7 +15,6 @@ struct Params { n: u32, o_a: u32, o_b: u32, o_c: u32 }
 @group(0) @binding(2) var<storage, read> xb: array<f32>;
 @group(0) @binding(3) var<uniform> PB: Params;
 
-fn sigmoid(v: f32) -> f32 { return 1.0 / (1.0 + exp(-v)); }
 
 // log(1 + e) for e in [0, 1] in plain arithmetic: GPU log() only guarantees an ABSOLUTE
 // error (~2^-21) near 1, which is a large relative error for small e.  With
@@ -38,8 +37,8 @@ fn log1p_unit(e: f32) -> f32 {
 
 // Stable softplus, torch semantics (beta = 1, threshold = 20):
 //   x > 20 -> x;  else log1p(exp(x)) = max(x, 0) + log1p(exp(-|x|))   (exp argument <= 0)
-// Fused kernels elsewhere should copy these two functions.
-fn softplus(v: f32) -> f32 {
+// (common.wgsl's softplus, which the fused kernels use, takes log() of 1 + e instead.)
+fn softplus_stable(v: f32) -> f32 {
     if (v > 20.0) { return v; }
     return max(v, 0.0) + log1p_unit(exp(-abs(v)));
 }
@@ -72,7 +71,7 @@ fn softplus_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
                     @builtin(local_invocation_id) lid: vec3<u32>) {
     let i = lin(wid, nwg, lid);
     if (i >= P.n) { return; }
-    out[P.o_a + i] = softplus(x[P.o_b + i]);
+    out[P.o_a + i] = softplus_stable(x[P.o_b + i]);
 }
 
 @compute @workgroup_size(256)

@@ -13,7 +13,6 @@
 struct Params { M: u32, L: u32, Di: u32, K: u32, ld: u32, has_bias: u32, rows_per_chunk: u32, nchunks: u32,
                 o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, pbase: u32, _p1: u32, _p2: u32 }
 
-fn sigmoid(v: f32) -> f32 { return 1.0 / (1.0 + exp(-v)); }
 fn dsilu(p: f32) -> f32 { let s = sigmoid(p); return s * (1.0 + p * (1.0 - s)); }
 
 fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {

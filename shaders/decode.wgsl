@@ -41,17 +41,6 @@ struct DP {
 @group(0) @binding(9) var<storage, read> delta: array<f32>;
 @group(0) @binding(10) var<storage, read> bias: array<f32>;
 
-fn sigmoid(v: f32) -> f32 { return 1.0 / (1.0 + exp(-v)); }
-fn silu(v: f32) -> f32 { return v * sigmoid(v); }
-
-// log1p(exp(x)), torch's threshold 20; Kahan's log1p (as in selective_scan.wgsl).
-fn softplus(x: f32) -> f32 {
-    if (x > 20.0) { return x; }
-    let e = exp(x);
-    let w = 1.0 + e;
-    if (w == 1.0) { return e; }
-    return log(w) * e / (w - 1.0);
-}
 
 fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.x + wid.y * nwg.x) * 256u + lid;

@@ -77,17 +77,6 @@ var<workgroup> ash: array<f32, 256>;   // [NG][DB]: A = -exp(A_log) of the block
 var<workgroup> red: array<vec4<f32>, 128>;  // [WG]: butterfly exchange without subgroups
 var<workgroup> qs_w: atomic<u32>;
 
-// log1p(exp(x)), torch's threshold 20; Kahan's log1p for accuracy at small exp(x).
-fn softplus(x: f32) -> f32 {
-    if (x > 20.0) { return x; }
-    let e = exp(x);
-    let w = 1.0 + e;
-    if (w == 1.0) { return e; }
-    return log(w) * e / (w - 1.0);
-}
-
-fn sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
-fn silu(x: f32) -> f32 { return x * sigmoid(x); }
 
 fn off_bias() -> u32 { return P.Di * P.N; }
 fn off_D() -> u32 { return P.Di * P.N + P.Di; }

@@ -1,0 +1,15 @@
+// Helpers every shader may use; the runtime puts this file in front of each module
+// (after its `enable` directives).  One definition each, so that kernels that must agree
+// (the selective scan and the decode step) compute the same values.
+
+fn sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
+fn silu(x: f32) -> f32 { return x * sigmoid(x); }
+
+// log1p(exp(x)), torch's threshold 20; Kahan's log1p for accuracy at small exp(x).
+fn softplus(x: f32) -> f32 {
+    if (x > 20.0) { return x; }
+    let e = exp(x);
+    let w = 1.0 + e;
+    if (w == 1.0) { return e; }
+    return log(w) * e / (w - 1.0);
+}
