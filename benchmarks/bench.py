@@ -59,6 +59,7 @@ MATMUL_VARIANTS = {
     "default": {},
     "no-split-K": {"mode": "nosplit"},
     "128x128": {"force": dict(BM=128, BN=128)},   # one tile shape for every product
+    "tiles": {"mode": "tiles"},   # matmul_fast where matmul_lanes runs (CPU adapters)
 }
 
 

@@ -1,4 +1,5 @@
-"""The matmul kernels against numpy, and the fast kernel against the plain reference."""
+"""The matmul kernels against numpy, and the fast kernels (matmul_fast's tiles; matmul_lanes
+where the adapter is a CPU with 8-lane subgroups) against the plain reference."""
 
 from __future__ import annotations
 
@@ -35,13 +36,16 @@ def test_fast_and_reference_match_numpy(rt, M, N, K, ta, tb):
     c0 = rng.standard_normal((M, N)).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32)
     ref = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b) + bias + c0
-    fast, _ = run(rt, "auto", a, b, c0, bias, M, N, K, ta, tb)
     plain, _ = run(rt, "reference", a, b, c0, bias, M, N, K, ta, tb)
-    e_fast = np.abs(fast - ref).max() / np.abs(ref).max()
     e_plain = np.abs(plain - ref).max() / np.abs(ref).max()
-    e_pair = np.abs(fast - plain).max() / np.abs(ref).max()
-    print(f"\n{M}x{N}x{K} ta={ta} tb={tb}: fast {e_fast:.1e} plain {e_plain:.1e} fast-vs-plain {e_pair:.1e}")
-    assert e_fast < 1e-5 and e_plain < 1e-5 and e_pair < 1e-5
+    assert e_plain < 1e-5
+    for mode in ("auto", "tiles"):   # auto: matmul_lanes where it runs, else the same tiles
+        fast, _ = run(rt, mode, a, b, c0, bias, M, N, K, ta, tb)
+        e_fast = np.abs(fast - ref).max() / np.abs(ref).max()
+        e_pair = np.abs(fast - plain).max() / np.abs(ref).max()
+        print(f"\n{M}x{N}x{K} ta={ta} tb={tb} {mode}: fast {e_fast:.1e} plain {e_plain:.1e} "
+              f"fast-vs-plain {e_pair:.1e}")
+        assert e_fast < 1e-5 and e_pair < 1e-5
 
 
 def test_fast_path_is_taken_for_aligned_shapes(rt):
@@ -52,8 +56,16 @@ def test_fast_path_is_taken_for_aligned_shapes(rt):
     rec = rt.recorder()
     mm.matmul(rec, C, A, B, M=64, N=16, K=32)
     rec.submit()
-    assert any(k[:2] == ("matmul", "matmul_fast") for k in rt._pipelines)
+    want = ("matmul_lanes", "matmul_lanes") if mm.lanes_ok(rt) else ("matmul", "matmul_fast")
+    assert any(k[:2] == want for k in rt._pipelines)
     np.testing.assert_allclose(rt.read(C), a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_lanes_kernel_runs_on_cpu_adapters(rt):
+    """On a CPU adapter with subgroups (lavapipe) the probe finds the 8 lanes matmul_lanes needs."""
+    if "cpu" not in rt.adapter_type.lower() or not rt.has_subgroups:
+        pytest.skip(f"matmul_lanes is for CPU adapters with subgroups; this is {rt.describe()}")
+    assert mm.lanes_ok(rt)
 
 
 def test_column_slices_and_strides(rt):
@@ -62,7 +74,7 @@ def test_column_slices_and_strides(rt):
     M, R, W, Di = 20, 8, 40, 12
     xdbl = rng.standard_normal((M, W)).astype(np.float32)
     w = rng.standard_normal((Di, R)).astype(np.float32)
-    for mode in ("auto", "reference"):
+    for mode in ("auto", "tiles", "reference"):
         mm._MODE = mode
         try:
             X, Wt, Y = rt.upload(xdbl), rt.upload(w), rt.empty((M, Di))
@@ -83,7 +95,7 @@ def test_split_k_matches_numpy_and_reference(rt, M, N, K, ta):
     c0 = rng.standard_normal((M, N)).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32)
     ref = (a.T if ta else a).astype(np.float64) @ b + bias + c0
-    split, _ = run(rt, "auto", a, b, c0, bias, M, N, K, ta, False)
+    split, _ = run(rt, "tiles", a, b, c0, bias, M, N, K, ta, False)
     assert ("matmul", "matmul_splitk_reduce", ()) in rt._pipelines
     whole, _ = run(rt, "nosplit", a, b, c0, bias, M, N, K, ta, False)
     plain, _ = run(rt, "reference", a, b, c0, bias, M, N, K, ta, False)
@@ -125,7 +137,7 @@ def test_every_tile_configuration_matches_numpy(rt, cfg):
             c0 = rng.standard_normal((M, N)).astype(np.float32)
             bias = rng.standard_normal(N).astype(np.float32)
             ref = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b) + bias + c0
-            got, _ = run(rt, "auto", a, b, c0, bias, M, N, K, ta, tb)
+            got, _ = run(rt, "tiles", a, b, c0, bias, M, N, K, ta, tb)
             assert ("matmul", "matmul_fast", tuple(sorted((k, int(v)) for k, v in cfg.items()))) in rt._pipelines
             assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5, (M, N, K, ta, tb)
     finally:

@@ -116,7 +116,7 @@ def _mixed_vs_oracle(rt, monkeypatch, m, cfg, name, kw, B, L, count):
         # every product of the step is f16 (f32 products only for the bias gradients' column sums)
         n_products = 3 * (4 * cfg.num_hidden_layers + 1)
         assert seen.count("matmul_f16") == n_products, seen
-        assert seen.count("matmul_fast") + seen.count("matmul_forward") == 2 * cfg.num_hidden_layers * kw["use_bias"]
+        assert seen.count("matmul_fast") + seen.count("matmul_lanes") + seen.count("matmul_forward") == 2 * cfg.num_hidden_layers * kw["use_bias"]
         monkeypatch.setattr(Recorder, "dispatch", orig)
     logits = ours.logits(ids)
     loss = ours.loss_and_grads(ids, targets)
