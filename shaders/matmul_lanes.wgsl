@@ -7,7 +7,7 @@
 // 4l..4l+3 of the A tile and columns 4l..4l+3 of the B tile, four steps of K at a time
 // (eight vec4 loads), then takes every row's four K values from its owner by subgroup
 // broadcast: 512 multiply-adds per lane for eight loads.  engine/ops/matmul.py uses it only
-// where the subgroup is these 8 lanes (checked on the device), and K is a multiple of 4.
+// where the subgroup is these 8 lanes (engine/ops/lanes.py), and K is a multiple of 4.
 
 struct FastParams {
     M: u32, N: u32, K: u32, flags: u32,
@@ -104,10 +104,3 @@ fn matmul_lanes(@builtin(local_invocation_index) l: u32, @builtin(workgroup_id) 
     lanes_store(row0 + 28u, c, c70); lanes_store(row0 + 29u, c, c71); lanes_store(row0 + 30u, c, c72); lanes_store(row0 + 31u, c, c73);
 }
 
-// C4[0] = (subgroup size, invocations of this 8-invocation workgroup in the subgroup): the
-// wrapper uses matmul_lanes only where both are 8
-@compute @workgroup_size(8)
-fn lanes_probe(@builtin(subgroup_size) n: u32, @builtin(local_invocation_index) l: u32) {
-    let live = subgroupAdd(1u);
-    if (l == 0u) { C4[0] = vec4<f32>(f32(n), f32(live), 0.0, 0.0); }
-}

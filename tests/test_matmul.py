@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from memengine.engine.ops import matmul as mm
+from memengine.engine.ops.lanes import cpu_lanes
 
 
 
@@ -56,7 +57,7 @@ def test_fast_path_is_taken_for_aligned_shapes(rt):
     rec = rt.recorder()
     mm.matmul(rec, C, A, B, M=64, N=16, K=32)
     rec.submit()
-    want = ("matmul_lanes", "matmul_lanes") if mm.lanes_ok(rt) else ("matmul", "matmul_fast")
+    want = ("matmul_lanes", "matmul_lanes") if cpu_lanes(rt) else ("matmul", "matmul_fast")
     assert any(k[:2] == want for k in rt._pipelines)
     np.testing.assert_allclose(rt.read(C), a @ b, rtol=1e-5, atol=1e-5)
 
@@ -65,7 +66,7 @@ def test_lanes_kernel_runs_on_cpu_adapters(rt):
     """On a CPU adapter with subgroups (lavapipe) the probe finds the 8 lanes matmul_lanes needs."""
     if "cpu" not in rt.adapter_type.lower() or not rt.has_subgroups:
         pytest.skip(f"matmul_lanes is for CPU adapters with subgroups; this is {rt.describe()}")
-    assert mm.lanes_ok(rt)
+    assert cpu_lanes(rt)
 
 
 def test_column_slices_and_strides(rt):

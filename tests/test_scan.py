@@ -17,6 +17,8 @@ SHAPES = [  # B, L, Di, N, R
     (2, 129, 33, 16, 3),    # last chunk of one step, odd Di (a partial channel block)
     (1, 70, 20, 21, 2),     # more states than one pass over workgroup memory holds (16)
     (1, 9, 17, 300, 2),     # state_size beyond any model's: scan.MAX_N is None
+    (2, 200, 13, 8, 2),     # selective_scan_lanes' state sizes (N <= 16, N % 4 == 0): 8 and 4,
+    (1, 65, 9, 4, 1),       # two blocks of 8 channels, the second with one live lane
 ]
 def make_inputs(B, L, Di, N, R, seed=0, scale_delta=1.0, bias_shift=0.0):
     rng = np.random.default_rng(seed)
@@ -84,8 +86,16 @@ def gpu_forward(rt, p, B, L, Di, N, R):
     return rt.read(y).astype(np.float64), t, states
 
 
+@pytest.fixture(params=["lanes", "parallel"])
+def forward_kernel(request, monkeypatch):
+    """selective_scan_lanes where it runs (CPU adapters with 8-lane subgroups, N <= 16 and
+    N % 4 == 0; elsewhere the parallel kernel again) and the parallel kernel."""
+    monkeypatch.setattr(scan_mod, "LANES", request.param == "lanes")
+    return request.param
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-def test_forward_vs_numpy(rt, shape):
+def test_forward_vs_numpy(rt, shape, forward_kernel):
     p = make_inputs(*shape, seed=sum(shape))
     want = oracle_forward(p, *shape)
     got, _, _ = gpu_forward(rt, p, *shape)
@@ -96,10 +106,21 @@ def test_forward_vs_numpy(rt, shape):
 
 @pytest.fixture(params=[True, False], ids=["subgroups", "workgroup-memory"])
 def subgroups(request, monkeypatch):
-    """The backward's channel sums through subgroup shuffles (where the adapter has them;
-    lavapipe's subgroups of 8 take the shuffles for 3 of the 4 butterfly stages) and
+    """The parallel backward's channel sums through subgroup shuffles (where the adapter has
+    them; lavapipe's subgroups of 8 take the shuffles for 3 of the 4 butterfly stages) and
     through workgroup memory only."""
+    monkeypatch.setattr(scan_mod, "LANES", False)
     monkeypatch.setattr(scan_mod, "SUBGROUPS", request.param)
+    return request.param
+
+
+@pytest.fixture(params=["lanes", "subgroups", "workgroup-memory"])
+def kernel(request, monkeypatch):
+    """Every backward: selective_scan_lanes (where it runs; elsewhere the next one again),
+    the parallel kernel with the channel sums through subgroup shuffles, and through
+    workgroup memory only."""
+    monkeypatch.setattr(scan_mod, "LANES", request.param == "lanes")
+    monkeypatch.setattr(scan_mod, "SUBGROUPS", request.param != "workgroup-memory")
     return request.param
 
 
@@ -146,15 +167,15 @@ def run_backward(rt, p, B, L, Di, N, R, seed=1, raw=False):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_backward_vs_torch(rt, shape, subgroups):
+def test_backward_vs_torch(rt, shape, kernel):
     p = make_inputs(*shape, seed=sum(shape) + 7)
     errs = run_backward(rt, p, *shape)
-    print(f"backward {shape} subgroups={subgroups}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    print(f"backward {shape} {kernel}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
     for k, v in errs.items():
         assert v < 2e-4, (k, v)
 
 
-def test_large_inputs_stable(rt, subgroups):
+def test_large_inputs_stable(rt, kernel):
     """delta+bias far above softplus' threshold (20) and far below zero."""
     shape = (2, 33, 21, 16, 3)
     B, L, Di, N, R = shape
@@ -218,7 +239,7 @@ def test_parameter_views_at_unaligned_offsets(rt):
 
 
 @pytest.mark.parametrize("shape", [(3, 300, 19, 5, 2), (2, 129, 33, 16, 3), (1, 70, 20, 21, 2)])
-def test_forward_saved_states(rt, shape):
+def test_forward_saved_states(rt, shape, forward_kernel):
     """The forward writes the true state before every chunk of CHUNK steps (the contract the
     backward and the decoder rely on)."""
     B, L, Di, N, R = shape
@@ -252,3 +273,19 @@ def test_butterfly_takes_subgroups_where_there_are_some(rt, subgroups):
         assert lanes in (2, 4, 8, 16)
     else:
         assert lanes == 1
+
+
+def test_lanes_kernels_run_on_cpu_adapters(rt, monkeypatch):
+    """On a CPU adapter with 8-lane subgroups (lavapipe) the scans of eligible state sizes
+    take selective_scan_lanes, forward and backward."""
+    from memengine.engine.gpu import Recorder
+    from memengine.engine.ops.lanes import cpu_lanes
+    if not cpu_lanes(rt):
+        pytest.skip(f"selective_scan_lanes is for CPU adapters with 8-lane subgroups; this is {rt.describe()}")
+    seen = []
+    inner = Recorder.dispatch
+    monkeypatch.setattr(Recorder, "dispatch", lambda self, sh, en, *a, **k: (seen.append(en), inner(self, sh, en, *a, **k)))
+    shape = (1, 9, 20, 16, 2)
+    run_backward(rt, make_inputs(*shape, seed=2), *shape, raw=True)
+    assert "scan_lanes_forward" in seen and "scan_lanes_backward" in seen, seen
+    assert "selective_scan_backward" not in seen

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import os
 
-import weakref
-
 from ..gpu import BindingError, Recorder, Tensor, bound, cdiv, fits_all, fmt_bytes, pack, span
+from .lanes import cpu_lanes
 
 # "reference" forces the plain kernel everywhere (the fast ones must match it); "nosplit"
 # turns split-K off; "tiles" keeps matmul_fast where matmul_lanes would run
@@ -53,29 +52,6 @@ def fast_config(rt, M: int, N: int, K: int) -> dict:
             c["BN"] = 64
     assert valid_config(c), c
     return c
-
-
-_LANES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def lanes_ok(rt) -> bool:
-    """Whether shaders/matmul_lanes.wgsl takes the aligned products on this device: a CPU
-    adapter (lavapipe: a workgroup runs as SIMD vectors, a per-lane load is a gather) whose
-    subgroups are exactly the kernel's 8 invocations, probed once per runtime.  On lavapipe
-    it multiplies about 10x faster than matmul_fast (benchmarks/README.md)."""
-    ok = _LANES.get(rt)
-    if ok is None:
-        ok = False
-        if getattr(rt, "has_subgroups", False) and "cpu" in str(getattr(rt, "adapter_type", "")).lower():
-            out = rt.zeros((4,))
-            rec = rt.recorder()
-            rec.dispatch("matmul_lanes", "lanes_probe", {0: out}, 1)
-            rec.submit()
-            got = rt.read(out)
-            rt.free(out)
-            ok = bool(got[0] == 8 and got[1] == 8)
-        _LANES[rt] = ok
-    return ok
 
 
 def _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tensors) -> bool:
@@ -177,7 +153,7 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     if shader == "matmul_f16" or _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col,
                                           (A, B, C, bias)):
         fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
-        if shader == "matmul" and _MODE != "tiles" and lanes_ok(rt):
+        if shader == "matmul" and _MODE != "tiles" and cpu_lanes(rt):
             u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
             rec.dispatch("matmul_lanes", "matmul_lanes",
                          {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},

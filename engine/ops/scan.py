@@ -17,7 +17,10 @@ entry [b, c, d, n] = s_{c*CHUNK - 1}[d, n] of batch row b, the state *before* st
 Kernels: a workgroup per (batch row, block of 16 channels); each chunk of CHUNK steps is
 split into 8 segments of 8 steps, one thread per (segment, channel), and the segments are
 joined by a parallel scan of (decay, state) pairs; the state dimension is in registers.
-The shader's header comment has the details.
+The shader's header comment has the details.  On CPU adapters with 8-lane subgroups
+(lavapipe) shaders/selective_scan_lanes.wgsl runs instead: a workgroup of one 8-lane
+subgroup per (batch row, 8 channels), each lane walking the sequence step by step (the same
+saved states and partial sums; `LANES = False` keeps the kernels above).
 
 Backward outputs: du, ddelta WRITE; ddt_bias, dA_log, dD ACC (+=; None: not computed); dxdbl
 WRITE on columns R..R+2N only; dxz WRITE on columns Di..2Di only.
@@ -34,8 +37,10 @@ from __future__ import annotations
 import functools
 
 from ..gpu import Recorder, Tensor, bound, cdiv, pack, span, split
+from .lanes import cpu_lanes
 
 SHADER = "selective_scan"
+LANE_SHADER = "selective_scan_lanes"
 CHUNK = 64   # steps per chunk: the saving interval of `states` (the shader's T = SEG * K)
 DB = 16      # channels per workgroup (the shader's DB)
 # the largest state_size the kernels run (None: no limit; checked before any upload): the
@@ -44,6 +49,14 @@ MAX_N = None
 # False: the backward's channel sums go through workgroup memory even where the adapter has
 # subgroups (the tests run both ways).
 SUBGROUPS = True
+# False: the kernels above even where selective_scan_lanes runs (the tests run both)
+LANES = True
+LANE_DB = 8      # channels per workgroup of selective_scan_lanes
+LANE_MAX_N = 16  # the state sizes it takes: N <= 16, N % 4 == 0
+
+
+def _lanes(rt, N: int) -> bool:
+    return LANES and N <= LANE_MAX_N and N % 4 == 0 and cpu_lanes(rt)
 
 
 def scan_state_shape(B, L, Di, N) -> tuple:
@@ -52,9 +65,9 @@ def scan_state_shape(B, L, Di, N) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(B, L, Di, N):
+def _layout(B, L, Di, N, db=DB):
     M = B * L
-    nblk = cdiv(Di, DB)
+    nblk = cdiv(Di, db)
     nchk = cdiv(L, CHUNK)
     off_st = Di * N + 2 * Di              # after the parameters: a copy of `states`
     off_hc = off_st + B * nchk * Di * N   # adjoint carried between chunks, per (b, d, n)
@@ -72,16 +85,18 @@ def sequence_windows(B, L, Di, N, R) -> list:
 
 
 @functools.lru_cache(maxsize=256)
-def sequence_scratch(B, L, Di, N, R) -> list:
+def sequence_scratch(B, L, Di, N, R, db=DB) -> list:
     """Bytes of the scan's own scratch for B sequences: the forward's parameter copy (the
-    same for any B), the backward's work buffer and its dB/dC partials."""
-    lay = _layout(B, L, Di, N)
+    same for any B), the backward's work buffer and its dB/dC partials (`db` channels per
+    workgroup: LANE_DB where selective_scan_lanes runs)."""
+    lay = _layout(B, L, Di, N, db)
     return [4 * (Di * N + 2 * Di), 4 * lay["work_size"], 8 * lay["pbc_half"]]
 
 
 def _sequences(rt, B, L, Di, N, R) -> list:
+    db = LANE_DB if _lanes(rt, N) else DB
     return split(rt, B, lambda nb: sequence_windows(nb, L, Di, N, R),
-                 scratch=lambda nb: sequence_scratch(nb, L, Di, N, R),
+                 scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db),
                  unit=f"one sequence of the selective scan (seq_len {L}; a smaller --seq-len helps)")
 
 
@@ -137,16 +152,20 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
         return
     _check(B, L, Di, N, R, y=y, u=u, delta=delta, xdbl=xdbl, xz=xz)
     assert states.numel == B * cdiv(L, CHUNK) * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
-    lay = _layout(B, L, Di, N)
+    lanes = _lanes(rt, N)
+    lay = _layout(B, L, Di, N, LANE_DB if lanes else DB)
     work = rt.scratch("selective_scan.params", (Di * N + 2 * Di,))
     _params(rec, work, dt_bias, A_log, D, Di, N)
     bt, offs = {}, {}
     for name, t in (("y", y), ("states", states), ("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz)):
         bt[name], offs[name] = bound(rt, t)
     uni = _uniform(rt, B, L, Di, N, R, lay, offs)
-    rec.dispatch(SHADER, "selective_scan_forward",
-                 {0: bt["y"], 1: bt["states"], 2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 5: bt["xz"],
-                  6: work, 14: uni}, B * lay["nblk"])
+    bindings = {0: bt["y"], 1: bt["states"], 2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 5: bt["xz"],
+                6: work, 14: uni}
+    if lanes:
+        rec.dispatch(LANE_SHADER, "scan_lanes_forward", bindings, B * lay["nblk"], {"NS": N})
+    else:
+        rec.dispatch(SHADER, "selective_scan_forward", bindings, B * lay["nblk"])
 
 
 def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxdbl, dxz, dy, states,
@@ -169,23 +188,27 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     _check(B, L, Di, N, R, du=du, ddelta=ddelta, dxdbl=dxdbl, dxz=dxz, dy=dy, u=u, delta=delta,
            xdbl=xdbl, xz=xz)
     assert states.numel == cdiv(L, CHUNK) * B * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
-    lay = _layout(B, L, Di, N)
+    lanes = _lanes(rt, N)
+    lay = _layout(B, L, Di, N, LANE_DB if lanes else DB)
     M = lay["M"]
     work = rt.scratch("selective_scan.bwd_work", (lay["work_size"],))
     pbc = rt.scratch("selective_scan.bwd_pbc", (2 * lay["pbc_half"],))
     _params(rec, work, dt_bias, A_log, D, Di, N)
-    # the saved states go into `work` too: the kernel then binds 8 storage buffers
-    rec.copy(states, work.view((states.numel,), lay["off_st"]))
     bt, offs = {}, {}
     for name, t in (("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz), ("dy", dy), ("du", du),
                     ("ddelta", ddelta), ("dxdbl", dxdbl), ("dxz", dxz)):
         bt[name], offs[name] = bound(rt, t)
+    # the saved states go into `work` too: the kernels then bind 8 storage buffers
+    rec.copy(states, work.view((states.numel,), lay["off_st"]))
     uni = _uniform(rt, B, L, Di, N, R, lay, offs)
-    rec.dispatch(SHADER, "selective_scan_backward_prep", {5: bt["xz"], 7: bt["dy"], 8: bt["du"], 10: bt["dxz"], 14: uni},
-                 cdiv(M * Di, 256))
-    rec.dispatch(SHADER, "selective_scan_backward",
-                 {2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 6: work, 8: bt["du"], 9: bt["ddelta"],
-                  10: bt["dxz"], 11: pbc, 14: uni}, B * lay["nblk"], _constants())
+    rec.dispatch(SHADER, "selective_scan_backward_prep",
+                 {5: bt["xz"], 7: bt["dy"], 8: bt["du"], 10: bt["dxz"], 14: uni}, cdiv(M * Di, 256))
+    bindings = {2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 6: work, 8: bt["du"], 9: bt["ddelta"],
+                10: bt["dxz"], 11: pbc, 14: uni}
+    if lanes:
+        rec.dispatch(LANE_SHADER, "scan_lanes_backward", bindings, B * lay["nblk"], {"NS": N})
+    else:
+        rec.dispatch(SHADER, "selective_scan_backward", bindings, B * lay["nblk"], _constants())
     rec.dispatch(SHADER, "selective_scan_backward_dbc", {11: pbc, 12: bt["dxdbl"], 14: uni}, cdiv(M * N, 256))
     for out, n, base, stride, scale_a in ((ddt_bias, Di, lay["off_pb"], Di, 0),
                                           (dD, Di, lay["off_pd"], Di, 0),
