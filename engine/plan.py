@@ -36,7 +36,8 @@ from .gpu import BindingError, binding_refusal, cdiv, env_bytes, fmt_bytes, spli
 from .model import logits_chunk_rows, store_layout, workspace_shapes
 from .ops import conv1d as _conv1d, rmsnorm as _rmsnorm
 from .ops.matmul import splitk_slices
-from .ops.scan import sequence_scratch, sequence_windows
+from .ops.lanes import cpu_lanes
+from .ops.scan import channels_per_workgroup, sequence_scratch, sequence_windows
 
 KINDS = ("eval", "train", "adapt")
 ENV_MAX_MEMORY = "MEMENGINE_MAX_MEMORY_BYTES"
@@ -53,6 +54,7 @@ class Limits:
     adapter_max_binding: int = 0
     memory: int | None = None        # bytes a run may use in all; None: not known
     memory_source: str = "unknown (a GPU reports no memory size)"
+    lanes: bool = False              # the 8-lane kernels run (ops/lanes.py: CPU adapters)
 
     def __post_init__(self):
         self.adapter_max_binding = self.adapter_max_binding or self.max_binding
@@ -60,7 +62,8 @@ class Limits:
     @classmethod
     def of(cls, rt) -> "Limits":
         memory, source = memory_budget(getattr(rt, "adapter_type", ""))
-        return cls(rt.max_buffer, rt.max_binding, rt.storage_align, rt.adapter_max_binding, memory, source)
+        return cls(rt.max_buffer, rt.max_binding, rt.storage_align, rt.adapter_max_binding, memory, source,
+                   cpu_lanes(rt))
 
     def to_dict(self) -> dict:
         return {"max_buffer_bytes": self.max_buffer, "max_binding_bytes": self.max_binding,
@@ -146,8 +149,11 @@ def _linears(cfg: MambaConfig) -> list:
 
 
 def _splitk_scratch(lim: Limits, products: set) -> int:
-    """Bytes of the split-K partial products (one scratch per product shape that splits)."""
+    """Bytes of the split-K partial products (one scratch per product shape that splits;
+    none where matmul_lanes takes the products)."""
     total = 0
+    if lim.lanes:
+        return 0
     for M, N, K in products:
         slices, _ = splitk_slices(lim, M, N, K)
         if slices > 1:
@@ -219,13 +225,14 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
 
     # -- kernels' scratch
     scratch = 0
+    db = channels_per_workgroup(lim.lanes, N)
     try:
         seqs = split(lim, B, lambda nb: sequence_windows(nb, L, Di, N, R),
-                     scratch=lambda nb: sequence_scratch(nb, L, Di, N, R))
+                     scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db))
     except BindingError:
         seqs = [(0, 1)]
     for nb in sorted({nb for _, nb in seqs}):
-        _, work, pbc = sequence_scratch(nb, L, Di, N, R)
+        _, work, pbc = sequence_scratch(nb, L, Di, N, R, db)
         scratch += (_buf(work) + _buf(pbc)) if grad else 0
     scratch += _buf(sequence_scratch(1, L, Di, N, R)[0])  # the forward's parameter copy, any B
     chunk = logits_chunk_rows(lim.max_binding, M, V)

@@ -133,10 +133,12 @@ def test_info_prints_the_plan(rt, tiny_ckpt_ro):
     assert r.returncode == 0 and "memory plan for batch 1 x 64" in r.stderr and "activations" in r.stderr
 
 
-def test_runs_refused_before_upload_with_the_flag_that_helps(tiny_ckpt_ro, sample_text, tmp_path):
+def test_runs_refused_before_upload_with_the_flag_that_helps(rt, tiny_ckpt_ro, sample_text, tmp_path):
     cfg = MambaConfig.from_dict(json.loads((tiny_ckpt_ro / "config.json").read_text()))
-    fixed = plan.estimate(cfg, 1, 1, "eval", _lim()).fixed  # the parameters
-    budget = plan.estimate(cfg, 1, 512, "train", _lim()).total + 1  # B=1 fits, B=8 does not
+    lim = _lim()
+    lim.lanes = plan.Limits.of(rt).lanes   # the kernels the runs below take (their scratch differs)
+    fixed = plan.estimate(cfg, 1, 1, "eval", lim).fixed  # the parameters
+    budget = plan.estimate(cfg, 1, 512, "train", lim).total + 1  # B=1 fits, B=8 does not
     r = run_proc("train", tiny_ckpt_ro, "--data", sample_text, "-o", tmp_path / "o", "--batch-size", "8",
                  env_extra={"MEMENGINE_MAX_MEMORY_BYTES": str(budget)})
     assert r.returncode == 2

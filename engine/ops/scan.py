@@ -55,8 +55,14 @@ LANE_DB = 8      # channels per workgroup of selective_scan_lanes
 LANE_MAX_N = 16  # the state sizes it takes: N <= 16, N % 4 == 0
 
 
+def channels_per_workgroup(lanes: bool, N: int) -> int:
+    """LANE_DB where selective_scan_lanes runs (`lanes`: the runtime takes the 8-lane
+    kernels, ops/lanes.py), else DB: it sizes the backward's dB/dC partials."""
+    return LANE_DB if LANES and lanes and N <= LANE_MAX_N and N % 4 == 0 else DB
+
+
 def _lanes(rt, N: int) -> bool:
-    return LANES and N <= LANE_MAX_N and N % 4 == 0 and cpu_lanes(rt)
+    return channels_per_workgroup(cpu_lanes(rt), N) == LANE_DB
 
 
 def scan_state_shape(B, L, Di, N) -> tuple:
@@ -94,7 +100,7 @@ def sequence_scratch(B, L, Di, N, R, db=DB) -> list:
 
 
 def _sequences(rt, B, L, Di, N, R) -> list:
-    db = LANE_DB if _lanes(rt, N) else DB
+    db = channels_per_workgroup(cpu_lanes(rt), N)
     return split(rt, B, lambda nb: sequence_windows(nb, L, Di, N, R),
                  scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db),
                  unit=f"one sequence of the selective scan (seq_len {L}; a smaller --seq-len helps)")
