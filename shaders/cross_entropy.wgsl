@@ -9,7 +9,9 @@
 // (stable: every exp argument is <= 0).
 // Each invocation reads and writes only its own strided columns; the target logit is
 // captured into workgroup memory by its owner before any write, so no storage race.
-const WG: u32 = 256u;
+// Invocations per row: a pipeline constant (engine/ops/lanes.py: 8, one SIMD vector, on CPU
+// adapters, where a barrier switches coroutines); a power of two, at most 256.
+override WG: u32 = 256u;
 
 struct Params { Mc: u32, V: u32, o_loss: u32, o_logits: u32, o_tgt: u32, o_scale: u32, o_top1: u32, o_top5: u32 }
 
@@ -22,7 +24,7 @@ struct Params { Mc: u32, V: u32, o_loss: u32, o_logits: u32, o_tgt: u32, o_scale
 // the loss scale (--precision mixed; 1 otherwise): the gradient is multiplied by lscale[0]
 @group(0) @binding(6) var<storage, read> lscale: array<f32>;
 
-var<workgroup> red: array<f32, WG>;
+var<workgroup> red: array<f32, 256>;
 var<workgroup> tlogit: f32;
 
 fn wg_max(v: f32, l: u32) -> f32 {
@@ -97,7 +99,7 @@ fn ce_row(row: u32, l: u32, want_grad: bool, want_rank: bool) -> f32 {
     return rank;
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn cross_entropy_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_id) lid: vec3<u32>) {
     let row = wid.x + wid.y * nwg.x;
@@ -105,7 +107,7 @@ fn cross_entropy_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
     ce_row(row, lid.x, false, false);
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                           @builtin(local_invocation_id) lid: vec3<u32>) {
     let row = wid.x + wid.y * nwg.x;
@@ -113,7 +115,7 @@ fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     ce_row(row, lid.x, true, false);
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn cross_entropy_eval(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_id) lid: vec3<u32>) {
     let row = wid.x + wid.y * nwg.x;

@@ -10,12 +10,14 @@
 // slice of a matrix: falcon_mamba's weightless dt/B/C norms pass a ones weight).
 // Matrices larger than one storage binding are processed in row ranges, each a call of its
 // own; a range's dweight partials go to chunks pbase .. of the partial buffer.
-const WG: u32 = 128u;
+// Invocations per row: a pipeline constant (engine/ops/lanes.py: 8, one SIMD vector, on CPU
+// adapters, where a barrier switches coroutines); a power of two, at most 256.
+override WG: u32 = 128u;
 
 struct Params { M: u32, E: u32, eps: f32, rows_per_chunk: u32,
                 o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, nchunks: u32, ld: u32, pbase: u32 }
 
-var<workgroup> red: array<f32, WG>;
+var<workgroup> red: array<f32, 256>;
 
 fn wg_sum(v: f32, l: u32) -> f32 {
     red[l] = v;
@@ -36,7 +38,7 @@ fn wg_sum(v: f32, l: u32) -> f32 {
 @group(0) @binding(3) var<storage, read> weight: array<f32>;
 @group(0) @binding(4) var<uniform> P: Params;
 
-@compute @workgroup_size(128)
+@compute @workgroup_size(WG)
 fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                    @builtin(local_invocation_id) lid: vec3<u32>) {
     let m = wid.x + wid.y * nwg.x;
@@ -60,7 +62,7 @@ fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
 @group(0) @binding(4) var<storage, read> rs: array<f32>;
 @group(0) @binding(5) var<uniform> PB: Params;
 
-@compute @workgroup_size(128)
+@compute @workgroup_size(WG)
 fn rmsnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                     @builtin(local_invocation_id) lid: vec3<u32>) {
     let m = wid.x + wid.y * nwg.x;

@@ -16,6 +16,7 @@ from memengine.engine.ops.activation import silu_backward, silu_forward, softplu
 from memengine.engine.ops.conv1d import conv1d_backward, conv1d_forward
 from memengine.engine.ops.cross_entropy import cross_entropy
 from memengine.engine.ops.embedding import EmbeddingBackward, embedding_forward
+from memengine.engine.ops import lanes
 from memengine.engine.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 
 SENTINEL = 12345.0
@@ -67,6 +68,14 @@ ACT_X = np.concatenate([
     [-100.0, -80.0, -30.0, -20.0, -17.0, -5.0, -1e-3, -1e-7, 0.0, 1e-7, 1e-3, 5.0, 19.99, 20.0, 20.01, 30.0, 88.0, 100.0],
 ]).astype(np.float32)
 
+
+
+@pytest.fixture(params=["cpu", "gpu"])
+def row_wg(request, monkeypatch):
+    """The invocations per row of rmsnorm and cross entropy as lanes.row_workgroup chooses
+    them on CPU adapters (8 up to rows of 2048) and elsewhere (the shaders' sizes)."""
+    monkeypatch.setattr(lanes, "ROW_WG", request.param)
+    return request.param
 
 @pytest.mark.parametrize("kind", ["silu", "softplus"])
 def test_activation_forward_backward(rt, kind):
@@ -159,7 +168,7 @@ def _rms_ref(X, W, G, eps):
 
 
 @pytest.mark.parametrize("M,E", [(70, 37), (1, 37), (513, 256), (5, 1000)])
-def test_rmsnorm(rt, M, E):
+def test_rmsnorm(rt, M, E, row_wg):
     r = _rng(M * 7 + E)
     eps = 1e-5
     X = (r.standard_normal((M, E)) * 2 + 0.3).astype(np.float32)
@@ -203,7 +212,7 @@ def test_rmsnorm_many_rows_grid_fold(rt):
 
 
 @pytest.mark.parametrize("M,ld,col,E", [(9, 23, 5, 4), (130, 300, 0, 37), (3, 11, 10, 1)])
-def test_rmsnorm_column_slice(rt, M, ld, col, E):
+def test_rmsnorm_column_slice(rt, M, ld, col, E, row_wg):
     """The norm over columns col..col+E of [M, ld] matrices (falcon_mamba's dt/B/C norms):
     only that slice of out and dx is touched."""
     r = _rng(M + ld + col)
@@ -290,7 +299,7 @@ def _ce_ref(X, T, scale):
 @pytest.mark.parametrize("Mc,V,shift,spread", [
     (9, 259, 0.0, 3.0), (3, 50280, 0.0, 4.0), (6, 259, 1e4, 5.0), (5, 1000, -3e4, 30.0), (2, 1, 0.0, 1.0),
 ])
-def test_cross_entropy(rt, Mc, V, shift, spread):
+def test_cross_entropy(rt, Mc, V, shift, spread, row_wg):
     r = _rng(Mc * 31 + V)
     X = (r.standard_normal((Mc, V)) * spread + shift).astype(np.float32)
     T = r.integers(0, V, Mc).astype(np.int32)
@@ -342,7 +351,7 @@ def test_cross_entropy_many_rows_grid_fold(rt):
 
 
 @pytest.mark.parametrize("Mc,V", [(9, 259), (4, 50280), (7, 3)])
-def test_cross_entropy_eval_top_k(rt, Mc, V):
+def test_cross_entropy_eval_top_k(rt, Mc, V, row_wg):
     """cross_entropy_eval: the same loss rows, and top-1/top-5 hits as torch.topk gives them
     (random logits have no ties), 0 for ignored rows; the hit views sit in one buffer at
     unaligned offsets, as the evaluation's per-chunk views do."""

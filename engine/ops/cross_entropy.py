@@ -8,6 +8,7 @@ loss_rows times scale (1 / number of valid targets in the whole batch).
 from __future__ import annotations
 
 from ..gpu import Recorder, Tensor, bound, pack, rows, split
+from .lanes import row_workgroup
 
 
 def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Tensor, scale: Tensor,
@@ -51,4 +52,4 @@ def cross_entropy(rec: Recorder, loss_rows: Tensor, logits: Tensor, targets: Ten
     bindings[4] = u
     entry = "cross_entropy_eval" if hits is not None else (
         "cross_entropy_backward" if want_grad else "cross_entropy_forward")
-    rec.dispatch("cross_entropy", entry, bindings, Mc)
+    rec.dispatch("cross_entropy", entry, bindings, Mc, row_workgroup(rt, V, 256))

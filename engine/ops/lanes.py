@@ -1,8 +1,9 @@
-"""Adapter choice for the 8-lane kernels (shaders/matmul_lanes.wgsl,
-shaders/selective_scan_lanes.wgsl): CPU adapters such as lavapipe run a workgroup as SIMD
-vectors, so a load whose address differs between lanes is a gather and a barrier switches
-coroutines; kernels made of one 8-lane subgroup that share operands by subgroup operations
-run several times faster there than the GPU kernels (benchmarks/README.md)."""
+"""Kernel choices for CPU adapters.  lavapipe (llvmpipe) runs a workgroup on one CPU thread
+as SIMD vectors of 8 invocations: a load whose address differs between lanes is a gather,
+and a barrier switches coroutines, one per vector.  So there the 8-lane kernels
+(shaders/matmul_lanes.wgsl, shaders/selective_scan_lanes.wgsl: one 8-lane subgroup per
+workgroup, operands shared by subgroup operations) replace the GPU kernels, and the
+row reductions run with few invocations per row (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,22 @@ def cpu_lanes(rt) -> bool:
             ok = bool(got[0] == 8 and got[1] == 8)
         _OK[rt] = ok
     return ok
+
+
+# None: row_workgroup decides by the adapter; "cpu" / "gpu" force either choice (tests)
+ROW_WG = None
+
+
+def row_workgroup(rt, n: int, default: int) -> dict | None:
+    """Pipeline constants of the kernels that reduce one row of `n` values per workgroup
+    (rmsnorm, cross entropy; `default` invocations otherwise).  On a CPU adapter as few
+    invocations as keep each one's serial sum at 256 terms or less (the default's precision
+    at n = 65536), at least 8 (one SIMD vector, whose barriers switch no coroutines:
+    rmsnorm at E 64 3.7x faster on lavapipe than with 128)."""
+    cpu = "cpu" in str(getattr(rt, "adapter_type", "")).lower() if ROW_WG is None else ROW_WG == "cpu"
+    if not cpu:
+        return None
+    wg = 8
+    while wg < default and wg * 256 < n:
+        wg *= 2
+    return {"WG": wg}

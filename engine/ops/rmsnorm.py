@@ -11,6 +11,7 @@ Matrices larger than one storage binding are processed in row ranges (`gpu.split
 from __future__ import annotations
 
 from ..gpu import Recorder, Tensor, bound, cdiv, pack, rows, split
+from .lanes import row_workgroup
 
 
 def _chunks(rt, M: int, E: int) -> tuple[int, int]:
@@ -48,7 +49,8 @@ def rmsnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, x: Tensor, weight:
         (bo, oo), (br, orr), (bx, ox), (bw, ow) = (
             bound(rt, t) for t in (rows(out, r0, n, ld), rows(rstd, r0, n, 1), rows(x, r0, n, ld), weight))
         u = rt.uniform(pack("IIfI8I", n, E, float(eps), 0, oo + col, orr, ox + col, ow, 0, 0, ld, 0))
-        rec.dispatch("rmsnorm", "rmsnorm_forward", {0: bo, 1: br, 2: bx, 3: bw, 4: u}, n)
+        rec.dispatch("rmsnorm", "rmsnorm_forward", {0: bo, 1: br, 2: bx, 3: bw, 4: u}, n,
+                     row_workgroup(rt, E, 128))
 
 
 def rmsnorm_backward(rec: Recorder, dx: Tensor, dweight: Tensor, dout: Tensor, x: Tensor,
@@ -76,7 +78,8 @@ def rmsnorm_backward(rec: Recorder, dx: Tensor, dweight: Tensor, dout: Tensor, x
             (bg, og), (bx, ox), (br, orr) = bind_rows(r0, n)
             bd, od = bound(rt, rows(dx, r0, n, ld))
             u = rt.uniform(pack("IIfI8I", n, E, 0.0, rpc, od + col, og, ox, ow, orr, cdiv(n, rpc), ld, 0))
-            rec.dispatch("rmsnorm", "rmsnorm_backward", {0: bd, 1: bg, 2: bx, 3: bw, 4: br, 5: u}, n)
+            rec.dispatch("rmsnorm", "rmsnorm_backward", {0: bd, 1: bg, 2: bx, 3: bw, 4: br, 5: u}, n,
+                         row_workgroup(rt, E, 128))
     if dweight is not None:
         assert dweight.numel == E
         bdw, odw = bound(rt, dweight)
