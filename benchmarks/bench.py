@@ -63,7 +63,9 @@ MATMUL_VARIANTS = {
 }
 
 
-SCAN_VARIANTS = {"default": True, "workgroup-memory": False}   # scan.SUBGROUPS
+# module settings of engine/ops/scan.py per variant (parallel: the GPU kernels where the
+# 8-lane scan would run)
+SCAN_VARIANTS = {"default": {}, "workgroup-memory": {"SUBGROUPS": False}, "parallel": {"LANES": False}}
 
 
 def _rate(tflops):
@@ -189,15 +191,19 @@ def bench_scan(rt, B, L, Di, N, R, variants=("default",)):
     t_end = time.perf_counter() + 1.0   # an idle GPU clocks up first (seen: 3.5x on the first timing)
     while time.perf_counter() < t_end:
         rec = rt.recorder(); fwd(rec); bwd(rec); rec.submit(); rt.sync()
+    saved = {k: getattr(scan_mod, k) for k in ("SUBGROUPS", "LANES")}
     for v in variants:
-        scan_mod.SUBGROUPS = SCAN_VARIANTS[v]
+        for k, val in {**saved, **SCAN_VARIANTS[v]}.items():
+            setattr(scan_mod, k, val)
         out[v] = {}
         for name, fn in (("forward", fwd), ("backward", bwd)):
             r = _gpu_ms(rt, fn)
             r["gbps"] = nbytes[name] / (r["ms"] * 1e-3) / 1e9
             out[v][name] = r
-        out[v]["butterfly_lanes"] = scan_mod.butterfly_lanes(rt, B, L, Di, N)
-    scan_mod.SUBGROUPS = True
+        # (the 8-lane scan has no butterfly: None)
+        out[v]["butterfly_lanes"] = None if scan_mod._lanes(rt, N) else scan_mod.butterfly_lanes(rt, B, L, Di, N)
+    for k, val in saved.items():
+        setattr(scan_mod, k, val)
     for t in (u, delta, xdbl, xz, dt_bias, A_log, D, y, states, dy, du, ddelta, ddt, dA, dD, dxdbl, dxz):
         rt.free(t)
     rt.trim()
@@ -857,7 +863,8 @@ def main(argv=None):
             r = res["scan"][v]
             print(f"scan {v}: forward {r['forward']['ms']:.3f} ms ({r['forward']['gbps']:.0f} GB/s), "
                   f"backward {r['backward']['ms']:.3f} ms ({r['backward']['gbps']:.0f} GB/s), "
-                  f"butterfly over {r['butterfly_lanes']} subgroup lanes", flush=True)
+                  + ("the 8-lane kernel" if r["butterfly_lanes"] is None
+                     else f"butterfly over {r['butterfly_lanes']} subgroup lanes"), flush=True)
         save()
 
     if "matmul" in suites:
