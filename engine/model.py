@@ -596,6 +596,20 @@ class MambaModel:
             out.append(self.lora.G)
         return out
 
+    def norm_views(self, trainable: set) -> list:
+        """The tensors whose squares the gradient norm sums for a step over `trainable`:
+        each gradient store whose every view trains as its whole segments (one reduction
+        each instead of one per view; the alignment padding between views is zeros, as the
+        store is cleared every step), the trained views of any other store."""
+        out = []
+        for store in self._grad_stores(trainable):
+            names = set(store.views)
+            if names <= trainable:
+                out += store.segments
+            else:
+                out += [store.views[n] for n in sorted(names & trainable)]
+        return out
+
     def trainable_views(self, names: list) -> tuple[dict, dict]:
         """(parameter views, gradient views) of `names`: the base's, or the adapter's."""
         params, grads = {}, {}

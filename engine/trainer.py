@@ -122,7 +122,8 @@ class Trainer:
                 rec.clear(self.step_loss)
             model.record_gradients(rec, ws, b.ids, self.trainable, self.step_loss, clear=(i == 0))
             if i == len(micro) - 1:
-                self.clipper.record(rec, list(self.grads.values()), self.options.max_grad_norm, self.scaler)
+                self.clipper.record(rec, model.norm_views(self.trainable), self.options.max_grad_norm,
+                                    self.scaler)
                 rec.copy(self.step_loss, self.trace.view((1,), j))
                 rec.copy(self.clipper.norm, self.trace.view((1,), self.capacity + j))
                 skip = None
