@@ -596,18 +596,26 @@ class MambaModel:
             out.append(self.lora.G)
         return out
 
+    def whole_stores(self, trainable: set) -> list:
+        """(parameter store, gradient store) pairs of a step over `trainable` whose every
+        view trains (the base's in full training, the adapter's with LoRA): the optimizer
+        and the gradient norm take them as whole segments, one dispatch each instead of one
+        per tensor (the alignment padding between views holds zeros and keeps them)."""
+        out = []
+        if set(self.P.views) <= trainable:
+            out.append((self.P, self.G))
+        if self.lora is not None and self.lora.G is not None and set(self.lora.P.views) <= trainable:
+            out.append((self.lora.P, self.lora.G))
+        return out
+
     def norm_views(self, trainable: set) -> list:
         """The tensors whose squares the gradient norm sums for a step over `trainable`:
-        each gradient store whose every view trains as its whole segments (one reduction
-        each instead of one per view; the alignment padding between views is zeros, as the
-        store is cleared every step), the trained views of any other store."""
-        out = []
+        the segments of the whole stores, the trained views of any other store."""
+        whole = self.whole_stores(trainable)
+        out = [t for _, G in whole for t in G.segments]
         for store in self._grad_stores(trainable):
-            names = set(store.views)
-            if names <= trainable:
-                out += store.segments
-            else:
-                out += [store.views[n] for n in sorted(names & trainable)]
+            if not any(store is G for _, G in whole):
+                out += [store.views[n] for n in sorted(set(store.views) & trainable)]
         return out
 
     def trainable_views(self, names: list) -> tuple[dict, dict]:

@@ -7,7 +7,9 @@
 * `AdamW` – one fused kernel dispatch per parameter (shaders/adamw.wgsl), moments keyed by
   parameter NAME (SPEC section 4), per-step uniforms in one persistent uniform buffer.
   A parameter larger than one storage binding is stepped in element ranges (one dispatch
-  and one uniform slot each).
+  and one uniform slot each).  A whole parameter store that trains (every view) steps as
+  its segments instead, one dispatch per segment, its moments one flat pair per segment
+  (the names' moments are views into them).
 
 Typical step (one `Recorder`, one submit per step)::
 
@@ -139,6 +141,8 @@ class AdamW:
         self._uniforms: dict[int, Uniform] = {}
         self._ones: Tensor | None = None
         self._last_encoder = None
+        self._flat: dict = {}          # id(parameter segment buffer) -> (exp_avg, exp_avg_sq) flat pair
+        self._flat_names: set = set()  # names whose moments are views into a flat pair
         self.uniform_buffers_created = 0  # for tests / diagnostics
 
     # ------------------------------------------------------------------ state
@@ -152,6 +156,32 @@ class AdamW:
             raise ValueError(f"AdamW: parameter {name!r} has {p.numel} elements but its moments "
                              f"have {mv[0].numel}")
         return mv
+
+    def _flat_moments(self, P, seg: int) -> tuple[Tensor, Tensor]:
+        """The flat moment pair of segment `seg` of parameter store `P`, made on first use;
+        the moments of its names become views into it (moments made or loaded before are
+        copied in and freed: read back once, so nothing queued still uses them)."""
+        pseg = P.segments[seg]
+        pair = self._flat.get(id(pseg.buffer))
+        if pair is not None:
+            return pair
+        pair = (self.rt.zeros(pseg.shape, name=f"{pseg.name}.exp_avg"),
+                self.rt.zeros(pseg.shape, name=f"{pseg.name}.exp_avg_sq"))
+        self._flat[id(pseg.buffer)] = pair
+        for name, (s_, off) in P.where.items():
+            if s_ != seg:
+                continue
+            shape = P.shapes[name]
+            views = tuple(Tensor(t.buffer, shape, "f32", 4 * off, f"{name}.{k}")
+                          for t, k in zip(pair, ("exp_avg", "exp_avg_sq")))
+            old = self.moments.get(name)
+            if old is not None and name not in self._flat_names:
+                for o, v in zip(old, views):
+                    self.rt.write(v, self.rt.read(o))
+                    self.rt.free(o)
+            self.moments[name] = views
+            self._flat_names.add(name)
+        return pair
 
     def _ranges(self, p: Tensor) -> list:
         """Element ranges of a parameter whose four bound views (p, g, m, v) fit a binding;
@@ -191,8 +221,11 @@ class AdamW:
 
     # ------------------------------------------------------------------ step
     def record_step(self, rec, params: dict[str, Tensor], grads: dict[str, Tensor],
-                    clip_factor: Tensor | None = None, skip: Tensor | None = None) -> None:
+                    clip_factor: Tensor | None = None, skip: Tensor | None = None, whole=()) -> None:
         """Record one AdamW step for every parameter in `params` (grads by the same names).
+        `whole`: (parameter store, gradient store) pairs (model.FlatStore, one layout) whose
+        every view is in `params`: they step as their segments (the padding between views
+        holds zeros and stays zero), one dispatch per segment range instead of per name.
         `clip_factor`: a [1] f32 tensor multiplied into every gradient (None: 1).  `skip`:
         a tensor whose element 0, when non-zero at run time, leaves every parameter and
         moment unchanged (LossScaler.amp; None: never); the bias correction then uses
@@ -205,7 +238,21 @@ class AdamW:
         if missing:
             raise KeyError(f"AdamW: no gradient for {missing}")
         al = rt.storage_align
+        fused = []   # (slot key, p, g, m, v) of whole segments
+        for P, G in whole:
+            if not set(P.views) <= set(params) or P.where != G.where:
+                raise ValueError("AdamW: a whole store must train every view and share the gradients' layout")
+            for seg, (ps, gs) in enumerate(zip(P.segments, G.segments)):
+                m, v = self._flat_moments(P, seg)
+                fused.append((("__segment__", id(ps.buffer)), ps, gs, m, v))
+        in_fused = {n for P, _ in whole for n in P.views}
+        params = {n: p for n, p in params.items() if n not in in_fused}
         ranges = {}
+        for _, ps, _, _, _ in fused:
+            ranges[id(ps.buffer)] = [(0, ps.numel)] if rt.unsplit else self._ranges(ps)
+        for key, ps, _, _, _ in fused:
+            for i in range(len(ranges[id(ps.buffer)])):
+                self._slot(key if i == 0 else (key, i))
         for name, p in params.items():
             g = grads[name]
             if p.numel != g.numel:
@@ -228,9 +275,11 @@ class AdamW:
         # (computed in double), so v / (1 - b2^t) stays unbiased for the betas actually used.
         b1, b2 = (float(np.float32(b)) for b in self.betas)
         data = bytearray(len(self._slots) * self._stride)
-        for name in params:
-            for i, (_, n) in enumerate(ranges[name]):
-                struct.pack_into(_ADAM_FMT, data, self._slots[name if i == 0 else (name, i)] * self._stride,
+        keyed = [(name, ranges[name]) for name in params]
+        keyed += [(key, ranges[id(ps.buffer)]) for key, ps, *_ in fused]
+        for key, parts in keyed:
+            for i, (_, n) in enumerate(parts):
+                struct.pack_into(_ADAM_FMT, data, self._slots[key if i == 0 else (key, i)] * self._stride,
                                  n, self.lr, b1, b2, self.eps, self.weight_decay,
                                  b1 ** t, b2 ** t, self.max_delta, 0 if skip is None else 1, 0.0, 0.0)
         rt.device.queue.write_buffer(self._ubuf, 0, bytes(data))
@@ -243,12 +292,11 @@ class AdamW:
                 skip_t.filled = True
         else:
             skip_t = skip
-        for name, p in params.items():
+        work = [(name, p, grads[name], *self.moments[name], ranges[name]) for name, p in params.items()]
+        work += [(key, ps, gs, m, v, ranges[id(ps.buffer)]) for key, ps, gs, m, v in fused]
+        for name, p, g, m, v, parts in work:
             if p.numel == 0:
                 continue
-            m, v = self.moments[name]
-            g = grads[name]
-            parts = ranges[name]
             for i, (s0, n) in enumerate(parts):
                 views = (p, g, m, v) if len(parts) == 1 else (span(t, s0, n) for t in (p, g, m, v))
                 bp, bg, bm, bv = views
@@ -291,11 +339,17 @@ class AdamW:
                 raise ValueError(f"optimizer state: unexpected entry {key!r}")
         for name in list(self.moments):
             if name not in new:
+                if name in self._flat_names:   # a view into a flat pair: back to zeros
+                    for t in self.moments[name]:
+                        self.rt.write(t, np.zeros(t.shape, np.float32))
+                    continue
                 m, v = self.moments.pop(name)
                 self.rt.free(m)
                 self.rt.free(v)
         for name, (a, sq) in new.items():
             cur = self.moments.get(name)
+            if name in self._flat_names and cur[0].numel != a.size:
+                raise ValueError(f"optimizer state: {name} has {a.size} values, the parameter {cur[0].numel}")
             if cur is None or cur[0].numel != a.size:
                 if cur is not None:
                     self.rt.free(cur[0])

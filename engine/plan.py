@@ -204,9 +204,15 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     a_store = _buf(4 * sum(-(-n // (lim.storage_align // 4)) * (lim.storage_align // 4) for n in a_sizes))
     plan.parts["parameters"] = store + (a_store if a_sizes else 0)
     plan.parts["gradients"] = (a_store if a_sizes else 0) if kind == "lora" else (store if grad else 0)
-    plan.parts["moments"] = sum(2 * _buf(4 * _numel(shapes[n])) for n in _trainable(kind, list(shapes)))
+    # a store that trains whole has one flat moment pair per segment (optim.AdamW), else one
+    # pair per trained tensor
+    trained = _trainable(kind, list(shapes))
+    if len(trained) == len(shapes):
+        plan.parts["moments"] = 2 * store
+    else:
+        plan.parts["moments"] = sum(2 * _buf(4 * _numel(shapes[n])) for n in trained)
     if kind == "lora":
-        plan.parts["moments"] = sum(2 * _buf(4 * n) for n in a_sizes)
+        plan.parts["moments"] = 2 * a_store
 
     # -- activations (adapt also evaluates before training: a light workspace as well)
     acts = 0

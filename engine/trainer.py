@@ -76,6 +76,7 @@ class Trainer:
         self.names = model.trainable_names(wsla)
         self.trainable = set(self.names)
         self.params, self.grads = model.trainable_views(self.names)
+        self._whole = model.whole_stores(self.trainable)
         self.scaler = None
         if model.mixed:
             self.scaler = LossScaler(rt, growth_interval=getattr(options, "loss_scale_growth", 2000))
@@ -130,7 +131,8 @@ class Trainer:
                 if self.scaler is not None:
                     skip = self.scaler.amp
                     rec.copy(skip.view((1,)), self.trace.view((1,), 2 * self.capacity + j))
-                self.opt.record_step(rec, self.params, self.grads, self.clipper.factor, skip)
+                self.opt.record_step(rec, self.params, self.grads, self.clipper.factor, skip,
+                                     whole=self._whole)
             self.fence.mark(rec)
             rec.submit()
             tokens += int(b.n_tokens)

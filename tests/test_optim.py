@@ -451,3 +451,60 @@ def test_clip_then_adamw_step_equals_reference(lim):
     for k in shapes:
         np.testing.assert_allclose(rt.read(params[k]), cur[k], rtol=1e-5, atol=2e-6)
     np.testing.assert_allclose(opt.state_dict()["a.exp_avg"], ref.m["a"], rtol=1e-5, atol=1e-8)
+
+
+def test_whole_store_steps_equal_per_name_steps(lim):
+    """A store that trains every view steps as its segments (one dispatch each, moments one
+    flat pair): parameters and moments bit-identical to stepping name by name, also after
+    moments loaded before the first step (a resume); the padding stays zero."""
+    from memengine.engine.gpu import Recorder
+    from memengine.engine.model import FlatStore
+
+    rt = lim
+    shapes = {"a": (5, 7), "b": (300,), "c": (3, 4, 9)}
+    rng = np.random.default_rng(11)
+    p0 = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    gs = [{n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()} for _ in range(3)]
+    loaded = {f"{n}.{k}": np.abs(rng.standard_normal(s)).astype(np.float32) for n, s in shapes.items()
+              for k in ("exp_avg", "exp_avg_sq")}
+    loaded["__step__"] = np.array([4], np.int64)
+
+    def run(whole, resume):
+        P, G = FlatStore(rt, shapes, "tp"), FlatStore(rt, shapes, "tg")
+        P.write(p0)
+        opt = AdamW(rt, lr=1e-2, weight_decay=0.1)
+        if resume:
+            opt.load_state_dict(loaded)
+        seen = []
+        inner = Recorder.dispatch
+
+        def counted(self, sh, en, *a, **k):
+            seen.append(en)
+            return inner(self, sh, en, *a, **k)
+
+        Recorder.dispatch = counted
+        try:
+            for g in gs:
+                G.write(g)
+                rec = rt.recorder()
+                opt.record_step(rec, P.views, G.views, whole=[(P, G)] if whole else ())
+                rec.submit()
+        finally:
+            Recorder.dispatch = inner
+        flat = rt.read(P.segments[0])
+        return P.read(), opt.state_dict(), flat, seen.count("adamw_step")
+
+    for resume in (False, True):
+        pn, sn, _, n_names = run(False, resume)
+        pw, sw, flat, n_whole = run(True, resume)
+        for n in shapes:
+            np.testing.assert_array_equal(pw[n], pn[n])
+        assert sn.keys() == sw.keys()
+        for k in sn:
+            np.testing.assert_array_equal(sw[k], sn[k])
+        used = np.zeros(flat.size, bool)
+        P = FlatStore(rt, shapes, "tp2")
+        for n, (_, off) in P.where.items():
+            used[off:off + int(np.prod(shapes[n]))] = True
+        assert np.all(flat[~used] == 0)
+        assert n_whole < n_names, (n_whole, n_names)   # one dispatch per segment, not per name
