@@ -73,6 +73,83 @@ fn conv1d_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     dxz[PB.o_a + m * PB.ld + c] = acc;
 }
 
+// ---------------------------------------------------------------- CPU adapters
+// The forward and dx again for CPU adapters (engine/ops/lanes.py): a workgroup of 8 lanes
+// over 8 consecutive channels, each lane walking SEQ_T steps of one sequence with its K taps
+// and a ring of the window in registers, so an output costs one load of x (two of dout and
+// pre) instead of 2K, and the sums run in the same order as above (the same bits).
+const SEQ_T: u32 = 64u;
+
+struct SeqLane { b: u32, c: u32, t0: u32, t1: u32, ok: bool }
+
+fn seq_lane(wid: vec3<u32>, nwg: vec3<u32>, l: u32, M: u32, L: u32, Di: u32) -> SeqLane {
+    let nc = (Di + 7u) / 8u;
+    let nt = (L + SEQ_T - 1u) / SEQ_T;
+    let g = wid.x + wid.y * nwg.x;
+    let c = (g % nc) * 8u + l;
+    let t0 = ((g / nc) % nt) * SEQ_T;
+    let b = g / (nc * nt);
+    return SeqLane(b, c, t0, min(L, t0 + SEQ_T), b * L < M && c < Di);
+}
+
+@compute @workgroup_size(8)
+fn conv1d_forward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_id) lid: vec3<u32>) {
+    let q = seq_lane(wid, nwg, lid.x, P.M, P.L, P.Di);
+    if (!q.ok) { return; }
+    let row0 = q.b * P.L;
+    var w: array<f32, 8>;
+    for (var k = 0u; k < P.K; k = k + 1u) { w[k] = weight[P.o_d + q.c * P.K + k]; }
+    var ring: array<f32, 8>;   // ring[t % 8] = x at step t
+    for (var t = q.t0 - min(q.t0, P.K - 1u); t < q.t0; t = t + 1u) {
+        ring[t % 8u] = xz[P.o_c + (row0 + t) * P.ld + q.c];
+    }
+    var bv = 0.0;
+    if (P.has_bias != 0u) { bv = bias[P.o_e + q.c]; }
+    for (var t = q.t0; t < q.t1; t = t + 1u) {
+        let m = row0 + t;
+        ring[t % 8u] = xz[P.o_c + m * P.ld + q.c];
+        var acc = bv;
+        for (var k = 0u; k < P.K; k = k + 1u) {
+            let back = P.K - 1u - k;
+            if (t >= back) { acc = acc + w[k] * ring[(t - back) % 8u]; }
+        }
+        pre[P.o_b + m * P.Di + q.c] = acc;
+        out[P.o_a + m * P.Di + q.c] = acc * sigmoid(acc);
+    }
+}
+
+@compute @workgroup_size(8)
+fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                       @builtin(local_invocation_id) lid: vec3<u32>) {
+    let q = seq_lane(wid, nwg, lid.x, PB.M, PB.L, PB.Di);
+    if (!q.ok) { return; }
+    let row0 = q.b * PB.L;
+    var w: array<f32, 8>;
+    for (var k = 0u; k < PB.K; k = k + 1u) { w[k] = wb[PB.o_d + q.c * PB.K + k]; }
+    var rg: array<f32, 8>;   // dout at step t' in [t' % 8]
+    var rs: array<f32, 8>;   // silu'(pre) likewise
+    for (var t = q.t0; t < min(PB.L, q.t0 + PB.K - 1u); t = t + 1u) {
+        let j = (row0 + t) * PB.Di + q.c;
+        rg[t % 8u] = dout[PB.o_b + j];
+        rs[t % 8u] = dsilu(preb[PB.o_c + j]);
+    }
+    for (var t = q.t0; t < q.t1; t = t + 1u) {
+        let ta = t + PB.K - 1u;   // the step entering the window
+        if (ta < PB.L) {
+            let j = (row0 + ta) * PB.Di + q.c;
+            rg[ta % 8u] = dout[PB.o_b + j];
+            rs[ta % 8u] = dsilu(preb[PB.o_c + j]);
+        }
+        var acc = 0.0;
+        for (var k = 0u; k < PB.K; k = k + 1u) {
+            let fwd = PB.K - 1u - k;
+            if (t + fwd < PB.L) { acc = acc + w[k] * rg[(t + fwd) % 8u] * rs[(t + fwd) % 8u]; }
+        }
+        dxz[PB.o_a + (row0 + t) * PB.ld + q.c] = acc;
+    }
+}
+
 // ---------------------------------------------------------------- backward: dw, dbias
 // partial[(p * Di + c) * (K+1) + k]: k < K weight taps, k = K the bias.
 @group(0) @binding(0) var<storage, read_write> partial: array<f32>;

@@ -240,10 +240,19 @@ def test_rmsnorm_column_slice(rt, M, ld, col, E, row_wg):
 
 
 # ----------------------------------------------------------------------------- conv1d
+@pytest.fixture(params=["seq", "flat"])
+def conv_kernels(request, monkeypatch):
+    """conv1d's forward and dx as a lane per channel walking the sequence (CPU adapters'
+    choice) and as a thread per output."""
+    monkeypatch.setattr(lanes, "SEQ_CONV", request.param == "seq")
+    return request.param
+
+
 @pytest.mark.parametrize("B,L,Di,K,bias", [
     (2, 5, 75, 4, True), (3, 1, 75, 3, False), (2, 33, 40, 4, True), (1, 2, 7, 4, False), (4, 129, 16, 3, True),
+    (2, 200, 9, 7, True),   # windows across the 64-step pieces of the sequential kernels, the largest K
 ])
-def test_conv1d(rt, B, L, Di, K, bias):
+def test_conv1d(rt, B, L, Di, K, bias, conv_kernels):
     M = B * L
     r = _rng(B * 1000 + L * 10 + K)
     XZ = r.standard_normal((M, 2 * Di)).astype(np.float32)

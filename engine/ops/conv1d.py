@@ -9,6 +9,7 @@ Activations larger than one storage binding are processed in ranges of whole seq
 from __future__ import annotations
 
 from ..gpu import Recorder, Tensor, bound, cdiv, pack, span, split
+from .lanes import seq_conv
 
 MAX_K = 7
 
@@ -30,6 +31,11 @@ def _sequences(rt, B: int, L: int, Di: int, K: int) -> list:
     """Ranges of whole sequences (batch rows) whose [rows, Di] and xz [rows, 2Di] windows fit."""
     return split(rt, B, lambda nb: (8 * nb * L * Di, 4 * Di * (K + 1)),
                  unit=f"one sequence of the conv1d input ({L} x {2 * Di} values; a smaller --seq-len helps)")
+
+
+def _seq_groups(B: int, L: int, Di: int) -> int:
+    """Workgroups of conv1d_forward_seq / conv1d_backward_seq: (sequence, 64 steps, 8 channels)."""
+    return B * cdiv(L, 64) * cdiv(Di, 8)
 
 
 def _seq_view(t: Tensor, b0: int, nb: int, per_seq: int) -> Tensor:
@@ -58,7 +64,11 @@ def conv1d_forward(rec: Recorder, out: Tensor, pre: Tensor, xz: Tensor, weight: 
     else:
         bb, ob = bw, 0  # bound but never read (has_bias = 0)
     u = rt.uniform(_params(M, L, Di, K, int(bias is not None), 0, 0, oo, op, ox, ow, ob))
-    rec.dispatch("conv1d", "conv1d_forward", {0: bo, 1: bp, 2: bx, 3: bw, 4: bb, 5: u}, cdiv(M * Di, 256))
+    bindings = {0: bo, 1: bp, 2: bx, 3: bw, 4: bb, 5: u}
+    if seq_conv(rt):
+        rec.dispatch("conv1d", "conv1d_forward_seq", bindings, _seq_groups(B, L, Di))
+    else:
+        rec.dispatch("conv1d", "conv1d_forward", bindings, cdiv(M * Di, 256))
 
 
 def conv1d_backward(rec: Recorder, dxz: Tensor, dweight: Tensor, dbias: Tensor | None, dout: Tensor,
@@ -87,7 +97,11 @@ def conv1d_backward(rec: Recorder, dxz: Tensor, dweight: Tensor, dbias: Tensor |
             g, p, _, d = views(b0, nb)
             (bg, og), (bp, op), (bd, od) = (bound(rt, t) for t in (g, p, d))
             u = rt.uniform(_params(nb * L, L, Di, K, 0, rpc, cdiv(nb * L, rpc), od, og, op, ow))
-            rec.dispatch("conv1d", "conv1d_backward", {0: bd, 1: bg, 2: bp, 3: bw, 4: u}, cdiv(nb * L * Di, 256))
+            bindings = {0: bd, 1: bg, 2: bp, 3: bw, 4: u}
+            if seq_conv(rt):
+                rec.dispatch("conv1d", "conv1d_backward_seq", bindings, _seq_groups(nb, L, Di))
+            else:
+                rec.dispatch("conv1d", "conv1d_backward", bindings, cdiv(nb * L * Di, 256))
     if dweight is not None or dbias is not None:
         nch = sum(cdiv(nb * L, rpc) for _, nb in parts)
         split(rt, 1, lambda _: (4 * nch * Di * (K + 1),), unit=f"the conv1d weight-gradient partials ({nch} x {Di})")

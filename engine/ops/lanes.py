@@ -2,8 +2,9 @@
 as SIMD vectors of 8 invocations: a load whose address differs between lanes is a gather,
 and a barrier switches coroutines, one per vector.  So there the 8-lane kernels
 (shaders/matmul_lanes.wgsl, shaders/selective_scan_lanes.wgsl: one 8-lane subgroup per
-workgroup, operands shared by subgroup operations) replace the GPU kernels, and the
-row reductions run with few invocations per row (benchmarks/README.md)."""
+workgroup, operands shared by subgroup operations) replace the GPU kernels, the row
+reductions run with few invocations per row, and conv1d walks each sequence per lane
+(benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ def cpu_lanes(rt) -> bool:
 
 # None: row_workgroup decides by the adapter; "cpu" / "gpu" force either choice (tests)
 ROW_WG = None
+# None: the sequential conv1d where the adapter is a CPU; True / False force it (tests)
+SEQ_CONV = None
+
+
+def is_cpu(rt) -> bool:
+    return "cpu" in str(getattr(rt, "adapter_type", "")).lower()
+
+
+def seq_conv(rt) -> bool:
+    """Whether conv1d's forward and dx run as conv1d_forward_seq / conv1d_backward_seq (a
+    lane per channel walking the sequence: one load per output instead of 2K)."""
+    return is_cpu(rt) if SEQ_CONV is None else bool(SEQ_CONV)
 
 
 def row_workgroup(rt, n: int, default: int) -> dict | None:
@@ -40,7 +53,7 @@ def row_workgroup(rt, n: int, default: int) -> dict | None:
     invocations as keep each one's serial sum at 256 terms or less (the default's precision
     at n = 65536), at least 8 (one SIMD vector, whose barriers switch no coroutines:
     rmsnorm at E 64 3.7x faster on lavapipe than with 128)."""
-    cpu = "cpu" in str(getattr(rt, "adapter_type", "")).lower() if ROW_WG is None else ROW_WG == "cpu"
+    cpu = is_cpu(rt) if ROW_WG is None else ROW_WG == "cpu"
     if not cpu:
         return None
     wg = 8
