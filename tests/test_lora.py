@@ -344,3 +344,50 @@ def test_memory_plan_of_a_lora_run():
     # the adapter's gradient store is its parameter store's size; the base has none
     assert lo.parts["gradients"] == lo.parts["parameters"] - full.parts["parameters"]
     assert lo.parts["moments"] < full.parts["moments"] / 5
+
+
+def test_mixed_precision_lora_gradients_within_bound_of_peft(rt, tmp_path):
+    """--lora-rank with --precision mixed: the base's products take f16 operands, the
+    adapter's stay f32; loss and adapter gradients within the mixed path's bound of PEFT's
+    float64 autograd (depth x 2u, u = 2^-11, as tests/test_mixed.py argues), and the f16
+    rounding really in the path."""
+    if not rt.has_f16:
+        pytest.skip(f"mixed precision needs shader-f16; this is {rt.describe()}")
+    kw = dict(vocab_size=256, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4,
+              use_bias=False, use_conv_bias=True, tie_word_embeddings=True, time_step_rank=4)
+    m = hf_base(kw)
+    cfg, sd = save_base(m, tmp_path / "base")
+    spec = el.LoraSpec(r=4, alpha=8.0, targets=("in_proj", "x_proj"), base=str(tmp_path / "base"))
+    tensors = random_adapter(cfg, spec)
+    el.write_adapter(tmp_path / "ad", spec, tensors)
+    pm = peft_model(tmp_path / "base", tmp_path / "ad", trainable=True)
+    rng = np.random.default_rng(3)
+    B, L = 2, 24
+    ids = rng.integers(0, cfg.vocab_size, size=(B, L + 1))
+    x, y = torch.tensor(ids[:, :-1]), torch.tensor(ids[:, 1:])
+    loss = torch.nn.functional.cross_entropy(pm(input_ids=x).logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
+    loss.backward()
+    want = {n[len("base_model.model."):].replace(".default", ""): p.grad.numpy()
+            for n, p in pm.named_parameters() if p.requires_grad}
+
+    def run(precision):
+        model = MambaModel(rt, cfg, sd)
+        model.set_precision(precision)
+        S = 1024.0 if precision == "mixed" else 1.0
+        if precision == "mixed":
+            model.loss_scale = rt.upload(np.array([S], np.float32))
+        model.lora = el.LoraAdapter(rt, cfg, spec, tensors, train=True)
+        got = model.loss_and_grads(ids[:, :-1], ids[:, 1:], trainable=set(model.lora.names))
+        return got, {n: g / S for n, g in model.lora.grad_dict().items()}
+
+    u16 = 2.0 ** -11
+    depth_fwd = 4 * cfg.num_hidden_layers + 1
+    bound_fwd, bound_grad = depth_fwd * 2 * u16, 2 * depth_fwd * 2 * u16
+    got, grads = run("mixed")
+    f32_loss, f32_grads = run("fp32")
+    assert rel(got, loss.item()) < bound_fwd
+    errs = {n: rel(grads[n], want[n]) for n in tensors}
+    print("\nmixed LoRA gradient rel errors: " + ", ".join(f"{n.split('.')[-2]} {e:.1e}" for n, e in errs.items()))
+    assert max(errs.values()) < bound_grad, errs
+    # the f16 path really differs from the fp32 one (which is within 1e-4 of PEFT)
+    assert max(rel(grads[n], f32_grads[n]) for n in tensors) > 1e-6
