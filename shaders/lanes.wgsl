@@ -1,6 +1,6 @@
 // requires: subgroups
 // out[0] = (subgroup size, invocations of this 8-invocation workgroup in the subgroup):
-// engine/ops/lanes.py uses the 8-lane kernels (matmul_lanes, selective_scan_lanes) only
+// engine/ops/lanes.py uses the 8-lane kernels (matmul_lanes, scan_lanes_*) only
 // where both are 8.
 @group(0) @binding(0) var<storage, read_write> out: array<vec4<f32>>;
 

@@ -1,3 +1,4 @@
+// requires: subgroups
 // matmul: C[M,N] (+)= op(A)[M,K] @ op(B)[K,N] (+ bias[N]).
 //
 // Every operand is addressed through (offset, row stride, column stride), so one kernel
@@ -331,3 +332,86 @@ fn matmul_splitk_reduce(@builtin(global_invocation_id) gid: vec3<u32>,
     if ((F.flags & 1u) != 0u) { v += C4[idx]; }
     C4[idx] = v;
 }
+
+// ---------------------------------------------------------------------------------------
+// matmul_lanes: matmul_fast's product (the same parameters, bindings, flags and alignment
+// requirements; no split-K) for CPU adapters such as lavapipe, where a workgroup runs as
+// SIMD vectors of 8 lanes and every load whose address differs between the lanes is a
+// gather costing tens of cycles, from workgroup memory as much as from a buffer.  A 32x32
+// tile of C per workgroup of one 8-lane subgroup: lane l loads rows 4l..4l+3 of the A tile
+// and columns 4l..4l+3 of the B tile, four steps of K at a time (eight vec4 loads), then
+// takes every row's four K values from its owner by subgroup shuffle: 512 multiply-adds
+// per lane for eight loads.  engine/ops/matmul.py uses it only where the subgroup is these
+// 8 lanes (engine/ops/lanes.py).
+
+// The layouts are pipeline constants, so each pipeline keeps only its own loads.
+override TA: bool = false;   // A stored [K, lda] (M contiguous); else [M, lda] (K contiguous)
+override TB: bool = false;   // B stored [N, ldb] (K contiguous); else [K, ldb] (N contiguous)
+
+// a row (or column) past the matrix reads as zeros (the load itself stays inside the binding
+// or is clamped by the runtime)
+fn lanes_load(v: vec4<f32>, ok: bool) -> vec4<f32> { return select(vec4<f32>(0.0), v, ok); }
+
+// column j: the K values k..k+3 of row r0 + j (r0 = the lane's first row of the tile)
+fn lanes_a(r0: u32, k: u32) -> mat4x4<f32> {
+    if (TA) {   // four K rows of four consecutive rows, transposed
+        if (r0 >= F.M) { return mat4x4<f32>(); }
+        let i = (F.a_off + k * F.lda + r0) / 4u;
+        let q = F.lda / 4u;
+        return transpose(mat4x4<f32>(A4[i], A4[i + q], A4[i + 2u * q], A4[i + 3u * q]));
+    }
+    let i = (F.a_off + r0 * F.lda + k) / 4u;
+    let q = F.lda / 4u;
+    return mat4x4<f32>(lanes_load(A4[i], r0 < F.M), lanes_load(A4[i + q], r0 + 1u < F.M),
+                       lanes_load(A4[i + 2u * q], r0 + 2u < F.M), lanes_load(A4[i + 3u * q], r0 + 3u < F.M));
+}
+
+// column q: the K values k..k+3 of column c0 + q of op(B)
+fn lanes_b(c0: u32, k: u32) -> mat4x4<f32> {
+    if (!TB) {
+        if (c0 >= F.N) { return mat4x4<f32>(); }
+        let i = (F.b_off + k * F.ldb + c0) / 4u;
+        let q = F.ldb / 4u;
+        return transpose(mat4x4<f32>(B4[i], B4[i + q], B4[i + 2u * q], B4[i + 3u * q]));
+    }
+    let i = (F.b_off + c0 * F.ldb + k) / 4u;
+    let q = F.ldb / 4u;
+    return mat4x4<f32>(lanes_load(B4[i], c0 < F.N), lanes_load(B4[i + q], c0 + 1u < F.N),
+                       lanes_load(B4[i + 2u * q], c0 + 2u < F.N), lanes_load(B4[i + 3u * q], c0 + 3u < F.N));
+}
+
+@compute @workgroup_size(8)
+fn matmul_lanes(@builtin(local_invocation_index) l: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let row0 = wid.y * 32u;
+    let c = wid.x * 32u + 4u * l;
+    // c{L}{j}: row row0 + 4L + j, columns c..c+3
+    var c00 = vec4<f32>(0.0); var c01 = vec4<f32>(0.0); var c02 = vec4<f32>(0.0); var c03 = vec4<f32>(0.0);
+    var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0); var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0);
+    var c20 = vec4<f32>(0.0); var c21 = vec4<f32>(0.0); var c22 = vec4<f32>(0.0); var c23 = vec4<f32>(0.0);
+    var c30 = vec4<f32>(0.0); var c31 = vec4<f32>(0.0); var c32 = vec4<f32>(0.0); var c33 = vec4<f32>(0.0);
+    var c40 = vec4<f32>(0.0); var c41 = vec4<f32>(0.0); var c42 = vec4<f32>(0.0); var c43 = vec4<f32>(0.0);
+    var c50 = vec4<f32>(0.0); var c51 = vec4<f32>(0.0); var c52 = vec4<f32>(0.0); var c53 = vec4<f32>(0.0);
+    var c60 = vec4<f32>(0.0); var c61 = vec4<f32>(0.0); var c62 = vec4<f32>(0.0); var c63 = vec4<f32>(0.0);
+    var c70 = vec4<f32>(0.0); var c71 = vec4<f32>(0.0); var c72 = vec4<f32>(0.0); var c73 = vec4<f32>(0.0);
+    for (var k = 0u; k < F.K; k += 4u) {
+        let am = lanes_a(row0 + 4u * l, k);
+        let bm = lanes_b(c, k);
+        c00 += sg_shuffle4(am[0], 0u) * bm; c01 += sg_shuffle4(am[1], 0u) * bm; c02 += sg_shuffle4(am[2], 0u) * bm; c03 += sg_shuffle4(am[3], 0u) * bm;
+        c10 += sg_shuffle4(am[0], 1u) * bm; c11 += sg_shuffle4(am[1], 1u) * bm; c12 += sg_shuffle4(am[2], 1u) * bm; c13 += sg_shuffle4(am[3], 1u) * bm;
+        c20 += sg_shuffle4(am[0], 2u) * bm; c21 += sg_shuffle4(am[1], 2u) * bm; c22 += sg_shuffle4(am[2], 2u) * bm; c23 += sg_shuffle4(am[3], 2u) * bm;
+        c30 += sg_shuffle4(am[0], 3u) * bm; c31 += sg_shuffle4(am[1], 3u) * bm; c32 += sg_shuffle4(am[2], 3u) * bm; c33 += sg_shuffle4(am[3], 3u) * bm;
+        c40 += sg_shuffle4(am[0], 4u) * bm; c41 += sg_shuffle4(am[1], 4u) * bm; c42 += sg_shuffle4(am[2], 4u) * bm; c43 += sg_shuffle4(am[3], 4u) * bm;
+        c50 += sg_shuffle4(am[0], 5u) * bm; c51 += sg_shuffle4(am[1], 5u) * bm; c52 += sg_shuffle4(am[2], 5u) * bm; c53 += sg_shuffle4(am[3], 5u) * bm;
+        c60 += sg_shuffle4(am[0], 6u) * bm; c61 += sg_shuffle4(am[1], 6u) * bm; c62 += sg_shuffle4(am[2], 6u) * bm; c63 += sg_shuffle4(am[3], 6u) * bm;
+        c70 += sg_shuffle4(am[0], 7u) * bm; c71 += sg_shuffle4(am[1], 7u) * bm; c72 += sg_shuffle4(am[2], 7u) * bm; c73 += sg_shuffle4(am[3], 7u) * bm;
+    }
+    store_fast(F.c_off, row0 + 0u, c, c00); store_fast(F.c_off, row0 + 1u, c, c01); store_fast(F.c_off, row0 + 2u, c, c02); store_fast(F.c_off, row0 + 3u, c, c03);
+    store_fast(F.c_off, row0 + 4u, c, c10); store_fast(F.c_off, row0 + 5u, c, c11); store_fast(F.c_off, row0 + 6u, c, c12); store_fast(F.c_off, row0 + 7u, c, c13);
+    store_fast(F.c_off, row0 + 8u, c, c20); store_fast(F.c_off, row0 + 9u, c, c21); store_fast(F.c_off, row0 + 10u, c, c22); store_fast(F.c_off, row0 + 11u, c, c23);
+    store_fast(F.c_off, row0 + 12u, c, c30); store_fast(F.c_off, row0 + 13u, c, c31); store_fast(F.c_off, row0 + 14u, c, c32); store_fast(F.c_off, row0 + 15u, c, c33);
+    store_fast(F.c_off, row0 + 16u, c, c40); store_fast(F.c_off, row0 + 17u, c, c41); store_fast(F.c_off, row0 + 18u, c, c42); store_fast(F.c_off, row0 + 19u, c, c43);
+    store_fast(F.c_off, row0 + 20u, c, c50); store_fast(F.c_off, row0 + 21u, c, c51); store_fast(F.c_off, row0 + 22u, c, c52); store_fast(F.c_off, row0 + 23u, c, c53);
+    store_fast(F.c_off, row0 + 24u, c, c60); store_fast(F.c_off, row0 + 25u, c, c61); store_fast(F.c_off, row0 + 26u, c, c62); store_fast(F.c_off, row0 + 27u, c, c63);
+    store_fast(F.c_off, row0 + 28u, c, c70); store_fast(F.c_off, row0 + 29u, c, c71); store_fast(F.c_off, row0 + 30u, c, c72); store_fast(F.c_off, row0 + 31u, c, c73);
+}
+

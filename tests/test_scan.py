@@ -17,7 +17,7 @@ SHAPES = [  # B, L, Di, N, R
     (2, 129, 33, 16, 3),    # last chunk of one step, odd Di (a partial channel block)
     (1, 70, 20, 21, 2),     # more states than one pass over workgroup memory holds (16)
     (1, 9, 17, 300, 2),     # state_size beyond any model's: scan.MAX_N is None
-    (2, 200, 13, 8, 2),     # selective_scan_lanes' state sizes (N <= 16, N % 4 == 0): 8 and 4,
+    (2, 200, 13, 8, 2),     # the 8-lane scan's state sizes (N <= 16, N % 4 == 0): 8 and 4,
     (1, 65, 9, 4, 1),       # two blocks of 8 channels, the second with one live lane
 ]
 def make_inputs(B, L, Di, N, R, seed=0, scale_delta=1.0, bias_shift=0.0):
@@ -88,7 +88,7 @@ def gpu_forward(rt, p, B, L, Di, N, R):
 
 @pytest.fixture(params=["lanes", "parallel"])
 def forward_kernel(request, monkeypatch):
-    """selective_scan_lanes where it runs (CPU adapters with 8-lane subgroups, N <= 16 and
+    """the 8-lane scan (scan_lanes_*) where it runs (CPU adapters with 8-lane subgroups, N <= 16 and
     N % 4 == 0; elsewhere the parallel kernel again) and the parallel kernel."""
     monkeypatch.setattr(scan_mod, "LANES", request.param == "lanes")
     return request.param
@@ -116,7 +116,7 @@ def subgroups(request, monkeypatch):
 
 @pytest.fixture(params=["lanes", "subgroups", "workgroup-memory"])
 def kernel(request, monkeypatch):
-    """Every backward: selective_scan_lanes (where it runs; elsewhere the next one again),
+    """Every backward: the 8-lane scan (where it runs; elsewhere the next one again),
     the parallel kernel with the channel sums through subgroup shuffles, and through
     workgroup memory only."""
     monkeypatch.setattr(scan_mod, "LANES", request.param == "lanes")
@@ -277,11 +277,11 @@ def test_butterfly_takes_subgroups_where_there_are_some(rt, subgroups):
 
 def test_lanes_kernels_run_on_cpu_adapters(rt, monkeypatch):
     """On a CPU adapter with 8-lane subgroups (lavapipe) the scans of eligible state sizes
-    take selective_scan_lanes, forward and backward."""
+    take the 8-lane scan, forward and backward."""
     from memengine.engine.gpu import Recorder
     from memengine.engine.ops.lanes import cpu_lanes
     if not cpu_lanes(rt):
-        pytest.skip(f"selective_scan_lanes is for CPU adapters with 8-lane subgroups; this is {rt.describe()}")
+        pytest.skip(f"the 8-lane scan is for CPU adapters with 8-lane subgroups; this is {rt.describe()}")
     seen = []
     inner = Recorder.dispatch
     monkeypatch.setattr(Recorder, "dispatch", lambda self, sh, en, *a, **k: (seen.append(en), inner(self, sh, en, *a, **k)))

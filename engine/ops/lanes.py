@@ -1,7 +1,7 @@
 """Kernel choices for CPU adapters.  lavapipe (llvmpipe) runs a workgroup on one CPU thread
 as SIMD vectors of 8 invocations: a load whose address differs between lanes is a gather,
 and a barrier switches coroutines, one per vector.  So there the 8-lane kernels
-(shaders/matmul_lanes.wgsl, shaders/selective_scan_lanes.wgsl: one 8-lane subgroup per
+(matmul_lanes in shaders/matmul.wgsl, scan_lanes_* in shaders/selective_scan.wgsl: one 8-lane subgroup per
 workgroup, operands shared by subgroup operations) replace the GPU kernels, the row
 reductions run with few invocations per row, and conv1d walks each sequence per lane
 (benchmarks/README.md)."""

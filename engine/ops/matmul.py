@@ -155,7 +155,7 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
         if shader == "matmul" and _MODE != "tiles" and cpu_lanes(rt):
             u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
-            rec.dispatch("matmul_lanes", "matmul_lanes",
+            rec.dispatch("matmul", "matmul_lanes",
                          {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
                          (cdiv(N, 32), cdiv(M, 32), 1), {"TA": int(trans_a), "TB": int(trans_b)})
             return

@@ -18,7 +18,7 @@ Kernels: a workgroup per (batch row, block of 16 channels); each chunk of CHUNK 
 split into 8 segments of 8 steps, one thread per (segment, channel), and the segments are
 joined by a parallel scan of (decay, state) pairs; the state dimension is in registers.
 The shader's header comment has the details.  On CPU adapters with 8-lane subgroups
-(lavapipe) shaders/selective_scan_lanes.wgsl runs instead: a workgroup of one 8-lane
+(lavapipe) the shader's scan_lanes_forward / scan_lanes_backward run instead: a workgroup of one 8-lane
 subgroup per (batch row, 8 channels), each lane walking the sequence step by step (the same
 saved states and partial sums; `LANES = False` keeps the kernels above).
 
@@ -40,7 +40,6 @@ from ..gpu import Recorder, Tensor, bound, cdiv, pack, span, split
 from .lanes import cpu_lanes
 
 SHADER = "selective_scan"
-LANE_SHADER = "selective_scan_lanes"
 CHUNK = 64   # steps per chunk: the saving interval of `states` (the shader's T = SEG * K)
 DB = 16      # channels per workgroup (the shader's DB)
 # the largest state_size the kernels run (None: no limit; checked before any upload): the
@@ -49,14 +48,14 @@ MAX_N = None
 # False: the backward's channel sums go through workgroup memory even where the adapter has
 # subgroups (the tests run both ways).
 SUBGROUPS = True
-# False: the kernels above even where selective_scan_lanes runs (the tests run both)
+# False: the kernels above even where the 8-lane scan runs (the tests run both)
 LANES = True
-LANE_DB = 8      # channels per workgroup of selective_scan_lanes
+LANE_DB = 8      # channels per workgroup of the 8-lane scan
 LANE_MAX_N = 16  # the state sizes it takes: N <= 16, N % 4 == 0
 
 
 def channels_per_workgroup(lanes: bool, N: int) -> int:
-    """LANE_DB where selective_scan_lanes runs (`lanes`: the runtime takes the 8-lane
+    """LANE_DB where the 8-lane scan runs (`lanes`: the runtime takes the 8-lane
     kernels, ops/lanes.py), else DB: it sizes the backward's dB/dC partials."""
     return LANE_DB if LANES and lanes and N <= LANE_MAX_N and N % 4 == 0 else DB
 
@@ -94,7 +93,7 @@ def sequence_windows(B, L, Di, N, R) -> list:
 def sequence_scratch(B, L, Di, N, R, db=DB) -> list:
     """Bytes of the scan's own scratch for B sequences: the forward's parameter copy (the
     same for any B), the backward's work buffer and its dB/dC partials (`db` channels per
-    workgroup: LANE_DB where selective_scan_lanes runs)."""
+    workgroup: LANE_DB where the 8-lane scan runs)."""
     lay = _layout(B, L, Di, N, db)
     return [4 * (Di * N + 2 * Di), 4 * lay["work_size"], 8 * lay["pbc_half"]]
 
@@ -169,7 +168,7 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
     bindings = {0: bt["y"], 1: bt["states"], 2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 5: bt["xz"],
                 6: work, 14: uni}
     if lanes:
-        rec.dispatch(LANE_SHADER, "scan_lanes_forward", bindings, B * lay["nblk"], {"NS": N})
+        rec.dispatch(SHADER, "scan_lanes_forward", bindings, B * lay["nblk"], {"NS": N})
     else:
         rec.dispatch(SHADER, "selective_scan_forward", bindings, B * lay["nblk"])
 
@@ -212,7 +211,7 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     bindings = {2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 6: work, 8: bt["du"], 9: bt["ddelta"],
                 10: bt["dxz"], 11: pbc, 14: uni}
     if lanes:
-        rec.dispatch(LANE_SHADER, "scan_lanes_backward", bindings, B * lay["nblk"], {"NS": N})
+        rec.dispatch(SHADER, "scan_lanes_backward", bindings, B * lay["nblk"], {"NS": N})
     else:
         rec.dispatch(SHADER, "selective_scan_backward", bindings, B * lay["nblk"], _constants())
     rec.dispatch(SHADER, "selective_scan_backward_dbc", {11: pbc, 12: bt["dxdbl"], 14: uni}, cdiv(M * N, 256))
