@@ -614,13 +614,23 @@ fn selective_scan_accumulate(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
 override NS: u32 = 16u;   // the state size N
 const SMAX: u32 = 16u;
 
-struct Lane { b: u32, blk: u32, d: u32, dc: u32, live: bool }
+// lane l's batch row, channel block, channel (dc: clamped into range for loads), whether the
+// channel exists, and its dt_bias and D
+struct Lane { b: u32, blk: u32, d: u32, dc: u32, live: bool, bias: f32, D: f32 }
 
 fn lane_of(wid: vec3<u32>, nwg: vec3<u32>, l: u32) -> Lane {
     let wg = wid.x + wid.y * nwg.x;
     let blk = wg % P.nblk;
     let d = blk * 8u + l;
-    return Lane(wg / P.nblk, blk, d, min(d, P.Di - 1u), d < P.Di && wg < P.B * P.nblk);
+    let dc = min(d, P.Di - 1u);
+    return Lane(wg / P.nblk, blk, d, dc, d < P.Di && wg < P.B * P.nblk,
+                work[P.Di * P.N + dc], work[P.Di * P.N + P.Di + dc]);
+}
+
+fn lane_A(dc: u32) -> array<f32, SMAX> {   // A = -exp(A_log) of the lane's channel
+    var a: array<f32, SMAX>;
+    for (var n = 0u; n < NS; n++) { a[n] = -exp(work[dc * NS + n]); }
+    return a;
 }
 
 // Bm (q = 0) or Cm (q = 1) of row m, state n: lane l holds entries 8i + l of the row's 2NS
@@ -635,13 +645,10 @@ fn bc_get(v: vec4<f32>, i: u32) -> f32 {   // entry i (0 <= i < 2NS) of the row,
 @compute @workgroup_size(8)
 fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) l: u32) {
-    let ln = lane_of(wid, nwg, l);
     if (wid.x + wid.y * nwg.x >= P.B * P.nblk) { return; }
-    let bias = work[P.Di * P.N + ln.dc];
-    let Dd = work[P.Di * P.N + P.Di + ln.dc];
-    var a: array<f32, SMAX>;
+    let ln = lane_of(wid, nwg, l);
+    let a = lane_A(ln.dc);
     var s: array<f32, SMAX>;
-    for (var n = 0u; n < NS; n++) { a[n] = -exp(work[ln.dc * NS + n]); s[n] = 0.0; }
     for (var t = 0u; t < P.L; t++) {
         let m = ln.b * P.L + t;
         if (t % T == 0u && ln.live) {
@@ -649,7 +656,7 @@ fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
             for (var n = 0u; n < NS; n++) { states[base + n] = s[n]; }
         }
         let e = m * P.Di + ln.dc;
-        let dt = softplus(delta[P.o_delta + e] + bias);
+        let dt = softplus(delta[P.o_delta + e] + ln.bias);
         let uu = u[P.o_u + e];
         let bc = bc_load(m, l);
         var yp = 0.0;
@@ -658,7 +665,7 @@ fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
             yp = fma(s[n], bc_get(bc, NS + n), yp);
         }
         if (ln.live) {
-            y[P.o_y + m * P.Di + ln.d] = fma(Dd, uu, yp) * silu(xz[P.o_xz + m * 2u * P.Di + P.Di + ln.d]);
+            y[P.o_y + m * P.Di + ln.d] = fma(ln.D, uu, yp) * silu(xz[P.o_xz + m * 2u * P.Di + P.Di + ln.d]);
         }
     }
 }
@@ -670,16 +677,13 @@ fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 @compute @workgroup_size(8)
 fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_index) l: u32) {
-    let ln = lane_of(wid, nwg, l);
     if (wid.x + wid.y * nwg.x >= P.B * P.nblk) { return; }
-    let bias = work[P.Di * P.N + ln.dc];
-    let Dd = work[P.Di * P.N + P.Di + ln.dc];
-    var a: array<f32, SMAX>;
+    let ln = lane_of(wid, nwg, l);
+    let a = lane_A(ln.dc);
     var s: array<f32, SMAX>;
     var h: array<f32, SMAX>;    // adjoint of the state, entering from the right
     var da: array<f32, SMAX>;   // sum of h * dt * exp(dt*A) * s_prev   (-> dA_log)
     var hist: array<f32, 1040>; // [T + 1][SMAX]: the chunk's states, row 0 the one before it
-    for (var n = 0u; n < NS; n++) { a[n] = -exp(work[ln.dc * NS + n]); h[n] = 0.0; da[n] = 0.0; }
     var sumb = 0.0;   // sum of ddelta (-> dt_bias)
     var sumd = 0.0;   // sum of dy'*u (-> D)
     for (var cc = 0u; cc < P.nchk; cc++) {
@@ -691,7 +695,7 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         for (var k = 0u; k < nt; k++) {
             let m = ln.b * P.L + t0 + k;
             let e = m * P.Di + ln.dc;
-            let dt = softplus(delta[P.o_delta + e] + bias);
+            let dt = softplus(delta[P.o_delta + e] + ln.bias);
             let uu = u[P.o_u + e];
             let bc = bc_load(m, l);
             for (var n = 0u; n < NS; n++) {
@@ -703,7 +707,7 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             let k = nt - 1u - kk;
             let m = ln.b * P.L + t0 + k;
             let e = m * P.Di + ln.dc;
-            let draw = delta[P.o_delta + e] + bias;
+            let draw = delta[P.o_delta + e] + ln.bias;
             let dt = softplus(draw);
             let uu = select(0.0, u[P.o_u + e], ln.live);
             let g = select(0.0, du[P.o_du + e], ln.live);   // dy' = dy * silu(z), from the prep pass
@@ -734,11 +738,11 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
                 h[n] = hn * ex;
             }
             if (ln.live) {
-                du[P.o_du + e] = fma(dt, dus, Dd * g);
+                du[P.o_du + e] = fma(dt, dus, ln.D * g);
                 let dd = ddt * sigmoid(draw);
                 ddelta[P.o_ddelta + e] = dd;
                 let zi = P.o_dxz + m * 2u * P.Di + P.Di + ln.d;
-                dxz[zi] = dxz[zi] * fma(Dd, uu, yp);   // (dy * silu'(z) from the prep pass) * y_pre
+                dxz[zi] = dxz[zi] * fma(ln.D, uu, yp);   // (dy * silu'(z) from the prep pass) * y_pre
                 sumb += dd;
                 sumd += g * uu;
             }
