@@ -1,10 +1,10 @@
 """Kernel choices for CPU adapters.  lavapipe (llvmpipe) runs a workgroup on one CPU thread
 as SIMD vectors of 8 invocations: a load whose address differs between lanes is a gather,
 and a barrier switches coroutines, one per vector.  So there the 8-lane kernels
-(matmul_lanes in shaders/matmul.wgsl, scan_lanes_* in shaders/selective_scan.wgsl: one 8-lane subgroup per
-workgroup, operands shared by subgroup operations) replace the GPU kernels, the row
-reductions run with few invocations per row, and conv1d walks each sequence per lane
-(benchmarks/README.md)."""
+(matmul_lanes in shaders/matmul.wgsl, scan_lanes_* in shaders/selective_scan.wgsl: one
+8-lane subgroup per workgroup, operands shared by subgroup operations) replace the GPU
+kernels, the row reductions run with few invocations per row, and conv1d walks each
+sequence per lane (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,17 @@ import weakref
 _OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def is_cpu(rt) -> bool:
+    return "cpu" in str(getattr(rt, "adapter_type", "")).lower()
+
+
 def cpu_lanes(rt) -> bool:
     """Whether this runtime takes the 8-lane kernels: a CPU adapter with subgroups whose
     subgroup is exactly a workgroup of 8 invocations (probed once per runtime)."""
     ok = _OK.get(rt)
     if ok is None:
         ok = False
-        if getattr(rt, "has_subgroups", False) and "cpu" in str(getattr(rt, "adapter_type", "")).lower():
+        if getattr(rt, "has_subgroups", False) and is_cpu(rt):
             out = rt.zeros((4,))
             rec = rt.recorder()
             rec.dispatch("lanes", "lanes_probe", {0: out}, 1)
@@ -35,10 +39,6 @@ def cpu_lanes(rt) -> bool:
 ROW_WG = None
 # None: the sequential conv1d where the adapter is a CPU; True / False force it (tests)
 SEQ_CONV = None
-
-
-def is_cpu(rt) -> bool:
-    return "cpu" in str(getattr(rt, "adapter_type", "")).lower()
 
 
 def seq_conv(rt) -> bool:
