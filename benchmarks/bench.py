@@ -456,20 +456,26 @@ def _torch_step(torch, model, fwd, V, ids, tg, prec, steps, warmup=2):
                 peak_bytes=torch.cuda.max_memory_allocated() if cuda else None)
 
 
-def bench_peer_train(torch, shape, B, L, prec, steps):
-    """mamba-ssm's MambaLMHeadModel (selective-scan CUDA kernel; causal-conv1d's kernel when
-    it is installed, else torch's conv1d), fp32 with TF32 off, or bf16 autocast."""
+def _mamba_ssm_model(torch, shape):
+    """mamba-ssm's MambaLMHeadModel of a bench shape, fp32 on CUDA, weights from seed 0."""
     from mamba_ssm.models.config_mamba import MambaConfig
     from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     c = SHAPES[shape]
     cfg = MambaConfig(d_model=c["hidden_size"], n_layer=c["num_hidden_layers"], vocab_size=c["vocab_size"],
                       ssm_cfg={"layer": "Mamba1", "d_state": c["state_size"]}, rms_norm=True,
                       residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8)
     torch.manual_seed(0)
-    model = MambaLMHeadModel(cfg, device="cuda", dtype=torch.float32).train()
+    return MambaLMHeadModel(cfg, device="cuda", dtype=torch.float32)
+
+
+def bench_peer_train(torch, shape, B, L, prec, steps):
+    """mamba-ssm's MambaLMHeadModel (selective-scan CUDA kernel; causal-conv1d's kernel when
+    it is installed, else torch's conv1d), fp32 with TF32 off, or bf16 autocast."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    c = SHAPES[shape]
+    model = _mamba_ssm_model(torch, shape).train()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c["vocab_size"], (B, L), generator=g).cuda()
     tg = torch.randint(0, c["vocab_size"], (B, L), generator=g).cuda()
@@ -684,15 +690,7 @@ def bench_decode_transformers(torch, device, shape, prompt_len, new_tokens, reps
 def bench_decode_peer(torch, shape, prompt_len, new_tokens, reps=3):
     """mamba-ssm's MambaLMHeadModel.generate with CUDA graphs (cg=True), greedy (top_k 1),
     fp32; per-token times from its streamer."""
-    from mamba_ssm.models.config_mamba import MambaConfig
-    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
-
-    c = SHAPES[shape]
-    cfg = MambaConfig(d_model=c["hidden_size"], n_layer=c["num_hidden_layers"], vocab_size=c["vocab_size"],
-                      ssm_cfg={"layer": "Mamba1", "d_state": c["state_size"]}, rms_norm=True,
-                      residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8)
-    torch.manual_seed(0)
-    m = MambaLMHeadModel(cfg, device="cuda", dtype=torch.float32).eval()
+    m = _mamba_ssm_model(torch, shape).eval()
     ids = torch.tensor(_decode_ids(shape, prompt_len)[None], dtype=torch.long, device="cuda")
     runs = []
     for rep in range(reps + 1):

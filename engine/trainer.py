@@ -76,7 +76,8 @@ class Trainer:
         self.names = model.trainable_names(wsla)
         self.trainable = set(self.names)
         self.params, self.grads = model.trainable_views(self.names)
-        self._whole = model.whole_stores(self.trainable)
+        self._whole = model.whole_stores(self.trainable)      # stepped as whole segments
+        self._norm_views = model.norm_views(self.trainable)   # what the gradient norm sums
         self.scaler = None
         if model.mixed:
             self.scaler = LossScaler(rt, growth_interval=getattr(options, "loss_scale_growth", 2000))
@@ -123,8 +124,7 @@ class Trainer:
                 rec.clear(self.step_loss)
             model.record_gradients(rec, ws, b.ids, self.trainable, self.step_loss, clear=(i == 0))
             if i == len(micro) - 1:
-                self.clipper.record(rec, model.norm_views(self.trainable), self.options.max_grad_norm,
-                                    self.scaler)
+                self.clipper.record(rec, self._norm_views, self.options.max_grad_norm, self.scaler)
                 rec.copy(self.step_loss, self.trace.view((1,), j))
                 rec.copy(self.clipper.norm, self.trace.view((1,), self.capacity + j))
                 skip = None

@@ -116,6 +116,14 @@ fn in_u(b: u32, t: u32, d: u32, ok: bool) -> f32 {
     if (ok && t < P.L) { return u[P.o_u + (b * P.L + t) * P.Di + d]; }
     return 0.0;
 }
+// the same for the four steps t .. t+3
+fn in_dt4(b: u32, t: u32, d: u32, ok: bool, bias: f32) -> vec4<f32> {
+    return vec4<f32>(in_dt(b, t, d, ok, bias), in_dt(b, t + 1u, d, ok, bias),
+                     in_dt(b, t + 2u, d, ok, bias), in_dt(b, t + 3u, d, ok, bias));
+}
+fn in_u4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
+    return vec4<f32>(in_u(b, t, d, ok), in_u(b, t + 1u, d, ok), in_u(b, t + 2u, d, ok), in_u(b, t + 3u, d, ok));
+}
 
 // the state after 4 steps from s (decays e, inputs p = dt*u*Bm), and the 4 states after each
 fn walk4(s: f32, e: vec4<f32>, p: vec4<f32>) -> vec4<f32> {
@@ -129,11 +137,19 @@ fn walk4(s: f32, e: vec4<f32>, p: vec4<f32>) -> vec4<f32> {
 // ---------------------------------------------------------------- forward
 // grid: B * nblk workgroups.  y WRITE; states[b, c] = the state before chunk c WRITE.
 
-// owner of (channel d, state n) in phase B: the start state of each segment from the state
-// entering the chunk (s); returns the state leaving the chunk
-fn fwd_carry(n: u32, dl: u32, a: f32, s_in: f32) -> f32 {
-    let e0 = exp(a * vec4<f32>(ssum[dl], ssum[DB + dl], ssum[2u * DB + dl], ssum[3u * DB + dl]));
-    let e1 = exp(a * vec4<f32>(ssum[4u * DB + dl], ssum[5u * DB + dl], ssum[6u * DB + dl], ssum[7u * DB + dl]));
+// exp(A * sum of dt) of each of the 8 segments for channel lane dl (segment sums in ssum):
+// segments 0..3 and 4..7
+fn seg_decay0(dl: u32, a: f32) -> vec4<f32> {
+    return exp(a * vec4<f32>(ssum[dl], ssum[DB + dl], ssum[2u * DB + dl], ssum[3u * DB + dl]));
+}
+fn seg_decay1(dl: u32, a: f32) -> vec4<f32> {
+    return exp(a * vec4<f32>(ssum[4u * DB + dl], ssum[5u * DB + dl], ssum[6u * DB + dl], ssum[7u * DB + dl]));
+}
+
+// owner of (channel d, state n) in phase B: the start state of each segment (into xs, over
+// its end state from a zero start) from the state entering the chunk; returns the state
+// leaving the chunk.  e0, e1: the segments' decays.
+fn carry_states(n: u32, dl: u32, e0: vec4<f32>, e1: vec4<f32>, s_in: f32) -> f32 {
     let r = n * XS + dl;
     var s = s_in;
     var x = xs[r];            xs[r] = s;            s = fma(e0.x, s, x);
@@ -145,6 +161,10 @@ fn fwd_carry(n: u32, dl: u32, a: f32, s_in: f32) -> f32 {
     x = xs[r + 6u * DB];      xs[r + 6u * DB] = s;  s = fma(e1.z, s, x);
     x = xs[r + 7u * DB];      xs[r + 7u * DB] = s;  s = fma(e1.w, s, x);
     return s;
+}
+
+fn fwd_carry(n: u32, dl: u32, a: f32, s_in: f32) -> f32 {
+    return carry_states(n, dl, seg_decay0(dl, a), seg_decay1(dl, a), s_in);
 }
 
 @compute @workgroup_size(128)
@@ -167,12 +187,10 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     var car1 = 0.0;
     for (var c = 0u; c < P.nchk; c++) {
         let t0 = c * T + j * K;
-        let dt0 = vec4<f32>(in_dt(b, t0, d, live, bias), in_dt(b, t0 + 1u, d, live, bias),
-                            in_dt(b, t0 + 2u, d, live, bias), in_dt(b, t0 + 3u, d, live, bias));
-        let dt1 = vec4<f32>(in_dt(b, t0 + 4u, d, live, bias), in_dt(b, t0 + 5u, d, live, bias),
-                            in_dt(b, t0 + 6u, d, live, bias), in_dt(b, t0 + 7u, d, live, bias));
-        let u0 = vec4<f32>(in_u(b, t0, d, live), in_u(b, t0 + 1u, d, live), in_u(b, t0 + 2u, d, live), in_u(b, t0 + 3u, d, live));
-        let u1 = vec4<f32>(in_u(b, t0 + 4u, d, live), in_u(b, t0 + 5u, d, live), in_u(b, t0 + 6u, d, live), in_u(b, t0 + 7u, d, live));
+        let dt0 = in_dt4(b, t0, d, live, bias);
+        let dt1 = in_dt4(b, t0 + 4u, d, live, bias);
+        let u0 = in_u4(b, t0, d, live);
+        let u1 = in_u4(b, t0 + 4u, d, live);
         let du0 = dt0 * u0;
         let du1 = dt1 * u1;
         let sdt = dot(dt0 + dt1, vec4<f32>(1.0));
@@ -271,20 +289,12 @@ fn selective_scan_backward_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
 // saved state s, and the adjoint entering each segment from the right from hc (what the
 // next chunk passes in); returns what this chunk passes to the previous one
 fn bwd_carry(n: u32, dl: u32, a: f32, s_in: f32, hc_in: f32) -> f32 {
-    let e0 = exp(a * vec4<f32>(ssum[dl], ssum[DB + dl], ssum[2u * DB + dl], ssum[3u * DB + dl]));
-    let e1 = exp(a * vec4<f32>(ssum[4u * DB + dl], ssum[5u * DB + dl], ssum[6u * DB + dl], ssum[7u * DB + dl]));
+    let e0 = seg_decay0(dl, a);
+    let e1 = seg_decay1(dl, a);
+    carry_states(n, dl, e0, e1, s_in);   // (what leaves the chunk is the next chunk's saved state)
     let r = n * XS + dl;
-    var s = s_in;
-    var x = xs[r];            xs[r] = s;            s = fma(e0.x, s, x);
-    x = xs[r + DB];           xs[r + DB] = s;       s = fma(e0.y, s, x);
-    x = xs[r + 2u * DB];      xs[r + 2u * DB] = s;  s = fma(e0.z, s, x);
-    x = xs[r + 3u * DB];      xs[r + 3u * DB] = s;  s = fma(e0.w, s, x);
-    x = xs[r + 4u * DB];      xs[r + 4u * DB] = s;  s = fma(e1.x, s, x);
-    x = xs[r + 5u * DB];      xs[r + 5u * DB] = s;  s = fma(e1.y, s, x);
-    x = xs[r + 6u * DB];      xs[r + 6u * DB] = s;      s = fma(e1.z, s, x);
-    xs[r + 7u * DB] = s;      // (the state leaving the chunk is the next chunk's saved one)
     var h = hc_in;
-    x = hs[r + 7u * DB];      hs[r + 7u * DB] = h;  h = fma(e1.w, h, x);
+    var x = hs[r + 7u * DB];  hs[r + 7u * DB] = h;  h = fma(e1.w, h, x);
     x = hs[r + 6u * DB];      hs[r + 6u * DB] = h;  h = fma(e1.z, h, x);
     x = hs[r + 5u * DB];      hs[r + 5u * DB] = h;  h = fma(e1.y, h, x);
     x = hs[r + 4u * DB];      hs[r + 4u * DB] = h;  h = fma(e1.x, h, x);
@@ -381,14 +391,12 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     for (var cc = 0u; cc < P.nchk; cc++) {
         let c = P.nchk - 1u - cc;
         let t0 = c * T + j * K;
-        let dt0 = vec4<f32>(in_dt(b, t0, d, live, bias), in_dt(b, t0 + 1u, d, live, bias),
-                            in_dt(b, t0 + 2u, d, live, bias), in_dt(b, t0 + 3u, d, live, bias));
-        let dt1 = vec4<f32>(in_dt(b, t0 + 4u, d, live, bias), in_dt(b, t0 + 5u, d, live, bias),
-                            in_dt(b, t0 + 6u, d, live, bias), in_dt(b, t0 + 7u, d, live, bias));
-        let u0 = vec4<f32>(in_u(b, t0, d, live), in_u(b, t0 + 1u, d, live), in_u(b, t0 + 2u, d, live), in_u(b, t0 + 3u, d, live));
-        let u1 = vec4<f32>(in_u(b, t0 + 4u, d, live), in_u(b, t0 + 5u, d, live), in_u(b, t0 + 6u, d, live), in_u(b, t0 + 7u, d, live));
-        let g0 = vec4<f32>(in_g(b, t0, d, live), in_g(b, t0 + 1u, d, live), in_g(b, t0 + 2u, d, live), in_g(b, t0 + 3u, d, live));
-        let g1 = vec4<f32>(in_g(b, t0 + 4u, d, live), in_g(b, t0 + 5u, d, live), in_g(b, t0 + 6u, d, live), in_g(b, t0 + 7u, d, live));
+        let dt0 = in_dt4(b, t0, d, live, bias);
+        let dt1 = in_dt4(b, t0 + 4u, d, live, bias);
+        let u0 = in_u4(b, t0, d, live);
+        let u1 = in_u4(b, t0 + 4u, d, live);
+        let g0 = in_g4(b, t0, d, live);
+        let g1 = in_g4(b, t0 + 4u, d, live);
         let du0 = dt0 * u0;
         let du1 = dt1 * u1;
         let sdt = dot(dt0 + dt1, vec4<f32>(1.0));
@@ -549,6 +557,9 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
 fn in_g(b: u32, t: u32, d: u32, ok: bool) -> f32 {   // dy' from the prep pass
     if (ok && t < P.L) { return du[P.o_du + (b * P.L + t) * P.Di + d]; }
     return 0.0;
+}
+fn in_g4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
+    return vec4<f32>(in_g(b, t, d, ok), in_g(b, t + 1u, d, ok), in_g(b, t + 2u, d, ok), in_g(b, t + 3u, d, ok));
 }
 
 fn out_bwd(b: u32, t: u32, d: u32, ok: bool, bias: f32, Dd: f32, dt: f32, gb: f32, gd: f32, yp: f32,

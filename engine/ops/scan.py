@@ -18,9 +18,9 @@ Kernels: a workgroup per (batch row, block of 16 channels); each chunk of CHUNK 
 split into 8 segments of 8 steps, one thread per (segment, channel), and the segments are
 joined by a parallel scan of (decay, state) pairs; the state dimension is in registers.
 The shader's header comment has the details.  On CPU adapters with 8-lane subgroups
-(lavapipe) the shader's scan_lanes_forward / scan_lanes_backward run instead: a workgroup of one 8-lane
-subgroup per (batch row, 8 channels), each lane walking the sequence step by step (the same
-saved states and partial sums; `LANES = False` keeps the kernels above).
+(lavapipe) the shader's scan_lanes_forward / scan_lanes_backward run instead: a workgroup
+of one 8-lane subgroup per (batch row, 8 channels), each lane walking the sequence step by
+step (the same saved states and partial sums; `LANES = False` keeps the kernels above).
 
 Backward outputs: du, ddelta WRITE; ddt_bias, dA_log, dD ACC (+=; None: not computed); dxdbl
 WRITE on columns R..R+2N only; dxz WRITE on columns Di..2Di only.
