@@ -613,8 +613,9 @@ fn selective_scan_accumulate(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
 // too) for CPU adapters such as lavapipe, where a workgroup runs as one SIMD
 // vector of 8 lanes, a barrier switches coroutines and every load whose address differs
 // between lanes is a gather.  A workgroup is one 8-lane subgroup, lane l owns channel
-// blk*8 + l of batch row b and walks the sequence step by step with its NS states in
-// registers (the loops over states are unrolled: NS is a pipeline constant, the state size):
+// blk*8 + l of batch row b and walks the sequence step by step with its NS states in four
+// vec4 variables (NS is a pipeline constant: the groups past it compile away; a loop over a
+// state array ran 2-6x slower on lavapipe where the driver kept the array in memory):
 //   s_t = exp(dt_t*A) s_{t-1} + dt_t*Bm_t*u_t ;  y_t = (sum_n s_t*Cm_t + D*u_t) * silu(z_t)
 // Bm_t and Cm_t are the same for every lane: each lane loads 2NS/8 of them and takes the rest
 // by subgroup shuffle.  The forward saves the state before every chunk of T steps; the
@@ -622,8 +623,7 @@ fn selective_scan_accumulate(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
 // the adjoint h_t = Cm_t*dy'_t + exp(dt_{t+1}A) h_{t+1} backwards through them.
 // engine/ops/scan.py uses it where the subgroup is these 8 lanes and NS <= 16, NS % 4 == 0.
 
-override NS: u32 = 16u;   // the state size N
-const SMAX: u32 = 16u;
+override NS: u32 = 16u;   // the state size N: 4, 8, 12 or 16 (states in four vec4 groups)
 
 // lane l's batch row, channel block, channel (dc: clamped into range for loads), whether the
 // channel exists, and its dt_bias and D
@@ -638,12 +638,6 @@ fn lane_of(wid: vec3<u32>, nwg: vec3<u32>, l: u32) -> Lane {
                 work[P.Di * P.N + dc], work[P.Di * P.N + P.Di + dc]);
 }
 
-fn lane_A(dc: u32) -> array<f32, SMAX> {   // A = -exp(A_log) of the lane's channel
-    var a: array<f32, SMAX>;
-    for (var n = 0u; n < NS; n++) { a[n] = -exp(work[dc * NS + n]); }
-    return a;
-}
-
 // Bm (q = 0) or Cm (q = 1) of row m, state n: lane l holds entries 8i + l of the row's 2NS
 fn bc_load(m: u32, l: u32) -> vec4<f32> {
     let row = P.o_xdbl + m * P.ldx + P.R + l;
@@ -653,30 +647,56 @@ fn bc_get(v: vec4<f32>, i: u32) -> f32 {   // entry i (0 <= i < 2NS) of the row,
     return sg_shuffle1(v[i / 8u], i % 8u);
 }
 
+// the lane's A = -exp(A_log), states 4q..4q+3 (zeros past NS)
+fn lane_A4(dc: u32, q: u32) -> vec4<f32> {
+    if (4u * q >= NS) { return vec4<f32>(0.0); }
+    let i = dc * NS + 4u * q;
+    return -exp(vec4<f32>(work[i], work[i + 1u], work[i + 2u], work[i + 3u]));
+}
+// entries i..i+3 of the row's Bm|Cm (see bc_get)
+fn bc_get4(v: vec4<f32>, i: u32) -> vec4<f32> {
+    return vec4<f32>(bc_get(v, i), bc_get(v, i + 1u), bc_get(v, i + 2u), bc_get(v, i + 3u));
+}
+fn save4(base: u32, q: u32, s: vec4<f32>) {
+    if (4u * q < NS) {
+        let i = base + 4u * q;
+        states[i] = s.x; states[i + 1u] = s.y; states[i + 2u] = s.z; states[i + 3u] = s.w;
+    }
+}
+
 @compute @workgroup_size(8)
 fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) l: u32) {
     if (wid.x + wid.y * nwg.x >= P.B * P.nblk) { return; }
     let ln = lane_of(wid, nwg, l);
-    let a = lane_A(ln.dc);
-    var s: array<f32, SMAX>;
+    let a0 = lane_A4(ln.dc, 0u); let a1 = lane_A4(ln.dc, 1u); let a2 = lane_A4(ln.dc, 2u); let a3 = lane_A4(ln.dc, 3u);
+    var s0 = vec4<f32>(0.0); var s1 = vec4<f32>(0.0); var s2 = vec4<f32>(0.0); var s3 = vec4<f32>(0.0);
     for (var t = 0u; t < P.L; t++) {
         let m = ln.b * P.L + t;
         if (t % T == 0u && ln.live) {
             let base = P.o_states + ((ln.b * P.nchk + t / T) * P.Di + ln.d) * NS;
-            for (var n = 0u; n < NS; n++) { states[base + n] = s[n]; }
+            save4(base, 0u, s0); save4(base, 1u, s1); save4(base, 2u, s2); save4(base, 3u, s3);
         }
         let e = m * P.Di + ln.dc;
         let dt = softplus(delta[P.o_delta + e] + ln.bias);
-        let uu = u[P.o_u + e];
+        let du = dt * u[P.o_u + e];
         let bc = bc_load(m, l);
-        var yp = 0.0;
-        for (var n = 0u; n < NS; n++) {
-            s[n] = fma(exp(dt * a[n]), s[n], dt * uu * bc_get(bc, n));
-            yp = fma(s[n], bc_get(bc, NS + n), yp);
+        s0 = fma(exp(dt * a0), s0, du * bc_get4(bc, 0u));
+        var yp = dot(s0, bc_get4(bc, NS));
+        if (NS > 4u) {
+            s1 = fma(exp(dt * a1), s1, du * bc_get4(bc, 4u));
+            yp += dot(s1, bc_get4(bc, NS + 4u));
+        }
+        if (NS > 8u) {
+            s2 = fma(exp(dt * a2), s2, du * bc_get4(bc, 8u));
+            yp += dot(s2, bc_get4(bc, NS + 8u));
+        }
+        if (NS > 12u) {
+            s3 = fma(exp(dt * a3), s3, du * bc_get4(bc, 12u));
+            yp += dot(s3, bc_get4(bc, NS + 12u));
         }
         if (ln.live) {
-            y[P.o_y + m * P.Di + ln.d] = fma(ln.D, uu, yp) * silu(xz[P.o_xz + m * 2u * P.Di + P.Di + ln.d]);
+            y[P.o_y + m * P.Di + ln.d] = fma(ln.D, u[P.o_u + e], yp) * silu(xz[P.o_xz + m * 2u * P.Di + P.Di + ln.d]);
         }
     }
 }
@@ -685,34 +705,61 @@ fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 // states copied into work at off_st: du, ddelta WRITE; dxz[:, Di..] WRITE; dBm/dCm partial
 // sums of the 8 channels -> pbc [2][M][nblk][N]; dA_log (over A), dt_bias and D partials of
 // (b, d) into work.
+// states 4q..4q+3 of a saved state row at `base` of work (zeros past NS)
+fn load4(base: u32, q: u32) -> vec4<f32> {
+    if (4u * q >= NS) { return vec4<f32>(0.0); }
+    let i = base + 4u * q;
+    return vec4<f32>(work[i], work[i + 1u], work[i + 2u], work[i + 3u]);
+}
+
+// one step of the adjoint for states 4q..4q+3 (bn, cn: their Bm, Cm; sn, sp: the state after
+// and before the step; h: the adjoint entering from the right)
+struct Adj { h: vec4<f32>, da: vec4<f32>, rb: vec4<f32>, rc: vec4<f32>, sums: vec3<f32> }
+fn adjoint4(bn: vec4<f32>, cn: vec4<f32>, sn: vec4<f32>, sp: vec4<f32>, h: vec4<f32>, a: vec4<f32>,
+            dt: f32, uu: f32, g: f32) -> Adj {
+    let hn = fma(cn, vec4<f32>(g), h);
+    let ex = exp(dt * a);
+    let q = ex * sp;
+    return Adj(hn * ex, hn * dt * q, sg_add4(hn * (dt * uu)), sg_add4(sn * g),
+               vec3<f32>(dot(hn, fma(a, q, bn * uu)), dot(hn, bn), dot(sn, cn)));
+}
+
+// entry l (0..7) of the eight values lo | hi
+fn lane_pick(lo: vec4<f32>, hi: vec4<f32>, l: u32) -> f32 {
+    return select(hi, lo, l < 4u)[l % 4u];
+}
+
 @compute @workgroup_size(8)
 fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_index) l: u32) {
     if (wid.x + wid.y * nwg.x >= P.B * P.nblk) { return; }
     let ln = lane_of(wid, nwg, l);
-    let a = lane_A(ln.dc);
-    var s: array<f32, SMAX>;
-    var h: array<f32, SMAX>;    // adjoint of the state, entering from the right
-    var da: array<f32, SMAX>;   // sum of h * dt * exp(dt*A) * s_prev   (-> dA_log)
-    var hist: array<f32, 1040>; // [T + 1][SMAX]: the chunk's states, row 0 the one before it
+    let a0 = lane_A4(ln.dc, 0u); let a1 = lane_A4(ln.dc, 1u); let a2 = lane_A4(ln.dc, 2u); let a3 = lane_A4(ln.dc, 3u);
+    // the adjoint of the state entering from the right; sums of h * dt * exp(dt*A) * s_prev (-> dA_log)
+    var h0 = vec4<f32>(0.0); var h1 = vec4<f32>(0.0); var h2 = vec4<f32>(0.0); var h3 = vec4<f32>(0.0);
+    var da0 = vec4<f32>(0.0); var da1 = vec4<f32>(0.0); var da2 = vec4<f32>(0.0); var da3 = vec4<f32>(0.0);
+    var hist: array<vec4<f32>, 260>; // [T + 1][4]: the chunk's states, row 0 the one before it
     var sumb = 0.0;   // sum of ddelta (-> dt_bias)
     var sumd = 0.0;   // sum of dy'*u (-> D)
+    let z = Adj(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec3<f32>(0.0));
     for (var cc = 0u; cc < P.nchk; cc++) {
         let c = P.nchk - 1u - cc;
         let t0 = c * T;
         let nt = min(T, P.L - t0);
         let base = P.off_st + ((ln.b * P.nchk + c) * P.Di + ln.dc) * NS;   // the states' copy
-        for (var n = 0u; n < NS; n++) { s[n] = work[base + n]; hist[n] = s[n]; }
+        var s0 = load4(base, 0u); var s1 = load4(base, 1u); var s2 = load4(base, 2u); var s3 = load4(base, 3u);
+        hist[0] = s0; hist[1] = s1; hist[2] = s2; hist[3] = s3;
         for (var k = 0u; k < nt; k++) {
             let m = ln.b * P.L + t0 + k;
             let e = m * P.Di + ln.dc;
             let dt = softplus(delta[P.o_delta + e] + ln.bias);
-            let uu = u[P.o_u + e];
+            let du = dt * u[P.o_u + e];
             let bc = bc_load(m, l);
-            for (var n = 0u; n < NS; n++) {
-                s[n] = fma(exp(dt * a[n]), s[n], dt * uu * bc_get(bc, n));
-                hist[(k + 1u) * SMAX + n] = s[n];
-            }
+            let r = (k + 1u) * 4u;
+            s0 = fma(exp(dt * a0), s0, du * bc_get4(bc, 0u)); hist[r] = s0;
+            if (NS > 4u) { s1 = fma(exp(dt * a1), s1, du * bc_get4(bc, 4u)); hist[r + 1u] = s1; }
+            if (NS > 8u) { s2 = fma(exp(dt * a2), s2, du * bc_get4(bc, 8u)); hist[r + 2u] = s2; }
+            if (NS > 12u) { s3 = fma(exp(dt * a3), s3, du * bc_get4(bc, 12u)); hist[r + 3u] = s3; }
         }
         for (var kk = 0u; kk < nt; kk++) {
             let k = nt - 1u - kk;
@@ -723,52 +770,40 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             let uu = select(0.0, u[P.o_u + e], ln.live);
             let g = select(0.0, du[P.o_du + e], ln.live);   // dy' = dy * silu(z), from the prep pass
             let bc = bc_load(m, l);
-            var ddt = 0.0;
-            var dus = 0.0;
-            var yp = 0.0;
-            var wb = vec2<f32>(0.0);   // this lane's share of the channel sums: dBm, dCm entries l, 8 + l
-            var wc = vec2<f32>(0.0);
-            for (var n = 0u; n < NS; n++) {
-                let bn = bc_get(bc, n);
-                let cn = bc_get(bc, NS + n);
-                let sn = hist[(k + 1u) * SMAX + n];
-                let sp = hist[k * SMAX + n];
-                let hn = fma(cn, g, h[n]);
-                let ex = exp(dt * a[n]);
-                let q = ex * sp;
-                ddt = fma(hn, fma(a[n], q, bn * uu), ddt);
-                dus = fma(hn, bn, dus);
-                da[n] = fma(hn * dt, q, da[n]);
-                yp = fma(sn, cn, yp);
-                let rb = sg_add1(hn * dt * uu);
-                let rc = sg_add1(sn * g);
-                if (n % 8u == l) {
-                    wb[n / 8u] = rb;
-                    wc[n / 8u] = rc;
-                }
-                h[n] = hn * ex;
-            }
+            let r = k * 4u;
+            let j0 = adjoint4(bc_get4(bc, 0u), bc_get4(bc, NS), hist[r + 4u], hist[r], h0, a0, dt, uu, g);
+            var j1 = z; var j2 = z; var j3 = z;
+            if (NS > 4u) { j1 = adjoint4(bc_get4(bc, 4u), bc_get4(bc, NS + 4u), hist[r + 5u], hist[r + 1u], h1, a1, dt, uu, g); }
+            if (NS > 8u) { j2 = adjoint4(bc_get4(bc, 8u), bc_get4(bc, NS + 8u), hist[r + 6u], hist[r + 2u], h2, a2, dt, uu, g); }
+            if (NS > 12u) { j3 = adjoint4(bc_get4(bc, 12u), bc_get4(bc, NS + 12u), hist[r + 7u], hist[r + 3u], h3, a3, dt, uu, g); }
+            h0 = j0.h; h1 = j1.h; h2 = j2.h; h3 = j3.h;
+            da0 += j0.da; da1 += j1.da; da2 += j2.da; da3 += j3.da;
+            let sums = j0.sums + j1.sums + j2.sums + j3.sums;   // ddt, dus, yp
             if (ln.live) {
-                du[P.o_du + e] = fma(dt, dus, ln.D * g);
-                let dd = ddt * sigmoid(draw);
+                du[P.o_du + e] = fma(dt, sums.y, ln.D * g);
+                let dd = sums.x * sigmoid(draw);
                 ddelta[P.o_ddelta + e] = dd;
                 let zi = P.o_dxz + m * 2u * P.Di + P.Di + ln.d;
-                dxz[zi] = dxz[zi] * fma(ln.D, uu, yp);   // (dy * silu'(z) from the prep pass) * y_pre
+                dxz[zi] = dxz[zi] * fma(ln.D, uu, sums.z);   // (dy * silu'(z) from the prep pass) * y_pre
                 sumb += dd;
                 sumd += g * uu;
             }
+            // the channel sums of dBm and dCm: lane l keeps entries l and 8 + l
             let pb = (m * P.nblk + ln.blk) * NS;
-            for (var i = 0u; i < 2u; i++) {
-                if (i * 8u + l < NS) {
-                    pbc[pb + i * 8u + l] = wb[i];
-                    pbc[P.pbc_half + pb + i * 8u + l] = wc[i];
-                }
+            if (l < NS) {
+                pbc[pb + l] = lane_pick(j0.rb, j1.rb, l);
+                pbc[P.pbc_half + pb + l] = lane_pick(j0.rc, j1.rc, l);
+            }
+            if (8u + l < NS) {
+                pbc[pb + 8u + l] = lane_pick(j2.rb, j3.rb, l);
+                pbc[P.pbc_half + pb + 8u + l] = lane_pick(j2.rc, j3.rc, l);
             }
         }
     }
     if (ln.live) {
         let pa = P.off_pa + (ln.b * P.Di + ln.d) * NS;
-        for (var n = 0u; n < NS; n++) { work[pa + n] = da[n]; }
+        let d4 = array<vec4<f32>, 4>(da0, da1, da2, da3);
+        for (var n = 0u; n < NS; n++) { work[pa + n] = d4[n / 4u][n % 4u]; }
         work[P.off_pb + ln.b * P.Di + ln.d] = sumb;
         work[P.off_pd + ln.b * P.Di + ln.d] = sumd;
     }

@@ -15,3 +15,4 @@ fn sg_shuffle4(v: vec4<f32>, lane: u32) -> vec4<f32> { return subgroupShuffle(v,
 fn sg_shuffle1(v: f32, lane: u32) -> f32 { return subgroupShuffle(v, lane); }
 // the sum over the subgroup's invocations
 fn sg_add1(v: f32) -> f32 { return subgroupAdd(v); }
+fn sg_add4(v: vec4<f32>) -> vec4<f32> { return subgroupAdd(v); }

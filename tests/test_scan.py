@@ -19,6 +19,7 @@ SHAPES = [  # B, L, Di, N, R
     (1, 9, 17, 300, 2),     # state_size beyond any model's: scan.MAX_N is None
     (2, 200, 13, 8, 2),     # the 8-lane scan's state sizes (N <= 16, N % 4 == 0): 8 and 4,
     (1, 65, 9, 4, 1),       # two blocks of 8 channels, the second with one live lane
+    (1, 70, 11, 12, 2),     # 12: three of the 8-lane scan's four groups of states
 ]
 def make_inputs(B, L, Di, N, R, seed=0, scale_delta=1.0, bias_shift=0.0):
     rng = np.random.default_rng(seed)
