@@ -4,7 +4,8 @@
   reduction, shaders/reduce.wgsl) and the clip factor.
 * `LossScaler` – dynamic loss scaling for --precision mixed (torch.amp.GradScaler's rule,
   decided on the GPU: a non-finite gradient skips the step without a readback).
-* `AdamW` – one fused kernel dispatch per parameter (shaders/adamw.wgsl), moments keyed by
+* `AdamW` – one fused kernel dispatch per parameter (shaders/adamw.wgsl, four elements per
+  invocation; a second dispatch for the last 1-3 of a size not divisible by 4), moments keyed by
   parameter NAME (SPEC section 4), per-step uniforms in one persistent uniform buffer.
   A parameter larger than one storage binding is stepped in element ranges (one dispatch
   and one uniform slot each).  A whole parameter store that trains (every view) steps as
@@ -300,10 +301,12 @@ class AdamW:
             for i, (s0, n) in enumerate(parts):
                 views = (p, g, m, v) if len(parts) == 1 else (span(t, s0, n) for t in (p, g, m, v))
                 bp, bg, bm, bv = views
-                rec.dispatch("adamw", "adamw_step",
-                             {0: bp, 1: bg, 2: bm, 3: bv, 4: clip,
-                              5: self._uniform(self._slots[name if i == 0 else (name, i)]), 6: skip_t},
-                             grid(cdiv(n, 256)))
+                binds = {0: bp, 1: bg, 2: bm, 3: bv, 4: clip,
+                         5: self._uniform(self._slots[name if i == 0 else (name, i)]), 6: skip_t}
+                if n >= 4:
+                    rec.dispatch("adamw", "adamw_step", binds, grid(cdiv(n // 4, 256)))
+                if n % 4:
+                    rec.dispatch("adamw", "adamw_tail", binds, 1)
         self._last_encoder = rec.encoder
 
     # ------------------------------------------------------------------ persistence

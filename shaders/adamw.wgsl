@@ -29,10 +29,12 @@ struct Adam {
     _p2: f32,
 }
 
-@group(0) @binding(0) var<storage, read_write> p: array<f32>;
-@group(0) @binding(1) var<storage, read> g: array<f32>;
-@group(0) @binding(2) var<storage, read_write> m: array<f32>;
-@group(0) @binding(3) var<storage, read_write> v: array<f32>;
+// Four elements per invocation: adamw_step takes the whole vec4s of U.count elements,
+// adamw_tail the (at most three) elements after them.
+@group(0) @binding(0) var<storage, read_write> p: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> g: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> m: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> v: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> clip: array<f32>;
 @group(0) @binding(5) var<uniform> U: Adam;
 // skip[0] != 0: leave p, m and v as they are (a step skipped by loss scaling, computed on
@@ -41,22 +43,18 @@ struct Adam {
 // optimizer.step(), so a skipped step does not advance t).
 @group(0) @binding(6) var<storage, read> skip: array<f32>;
 
-fn is_finite(x: f32) -> bool {
-    return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
+fn is_finite(x: vec4<f32>) -> vec4<bool> {
+    return (bitcast<vec4<u32>>(x) & vec4<u32>(0x7f800000u)) != vec4<u32>(0x7f800000u);
 }
 
-@compute @workgroup_size(256)
-fn adamw_step(@builtin(local_invocation_index) lid: u32,
-              @builtin(workgroup_id) wid: vec3<u32>,
-              @builtin(num_workgroups) nwg: vec3<u32>) {
-    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (i >= U.count || skip[0] != 0.0) {
-        return;
-    }
-    let gi = g[i] * clip[0];
-    let m1 = U.b1 * m[i] + (1.0 - U.b1) * gi;
-    let v1 = U.b2 * v[i] + (1.0 - U.b2) * (gi * gi);
-    let ok = is_finite(m1) && is_finite(v1);
+struct Moved { p: vec4<f32>, m: vec4<f32>, v: vec4<f32> }
+
+// the update of four elements (each on its own: the same result as one at a time)
+fn adamw4(pi: vec4<f32>, gr: vec4<f32>, mi: vec4<f32>, vi: vec4<f32>) -> Moved {
+    let gi = gr * clip[0];
+    let m1 = U.b1 * mi + (1.0 - U.b1) * gi;
+    let v1 = U.b2 * vi + (1.0 - U.b2) * (gi * gi);
+    let ok = is_finite(m1) & is_finite(v1);
     var b1t = U.b1t;
     var b2t = U.b2t;
     if (U.gpu_t != 0u) {
@@ -64,17 +62,44 @@ fn adamw_step(@builtin(local_invocation_index) lid: u32,
         b2t = pow(U.b2, skip[3]);
     }
     var step = U.lr * (m1 / (1.0 - b1t)) / (sqrt(v1 / (1.0 - b2t)) + U.eps);
-    if (!ok || !is_finite(step)) {
-        step = 0.0;
-    }
-    if (ok) {
-        m[i] = m1;
-        v[i] = v1;
-    }
-    let pi = p[i];
+    step = select(vec4<f32>(0.0), step, ok & is_finite(step));
     step = step + U.lr * U.wd * pi;
     if (U.max_delta > 0.0) {
-        step = clamp(step, -U.max_delta, U.max_delta);
+        step = clamp(step, vec4<f32>(-U.max_delta), vec4<f32>(U.max_delta));
     }
-    p[i] = pi - step;
+    return Moved(pi - step, select(mi, m1, ok), select(vi, v1, ok));
+}
+
+// elements 4i..4i+3 (whole vec4s only)
+@compute @workgroup_size(256)
+fn adamw_step(@builtin(local_invocation_index) lid: u32,
+              @builtin(workgroup_id) wid: vec3<u32>,
+              @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (4u * i + 3u >= U.count || skip[0] != 0.0) {
+        return;
+    }
+    let r = adamw4(p[i], g[i], m[i], v[i]);
+    p[i] = r.p;
+    m[i] = r.m;
+    v[i] = r.v;
+}
+
+// the elements past the last whole vec4 (at most three), through the same update: the same
+// bindings seen as f32 arrays
+@group(0) @binding(0) var<storage, read_write> p1: array<f32>;
+@group(0) @binding(1) var<storage, read> g1: array<f32>;
+@group(0) @binding(2) var<storage, read_write> m1: array<f32>;
+@group(0) @binding(3) var<storage, read_write> v1: array<f32>;
+
+@compute @workgroup_size(4)
+fn adamw_tail(@builtin(local_invocation_index) j: u32) {
+    let e = U.count / 4u * 4u + j;
+    if (e >= U.count || skip[0] != 0.0) {
+        return;
+    }
+    let r = adamw4(vec4<f32>(p1[e]), vec4<f32>(g1[e]), vec4<f32>(m1[e]), vec4<f32>(v1[e]));
+    p1[e] = r.p.x;
+    m1[e] = r.m.x;
+    v1[e] = r.v.x;
 }
