@@ -158,6 +158,8 @@ fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
 @group(0) @binding(3) var<storage, read> xz2: array<f32>;
 @group(0) @binding(4) var<uniform> P2: Params;
 
+// The K taps (K <= 8) as two vec4 sums: the window of inputs x[t-K+1 .. t] (zeros before the
+// sequence) shifts along in two vec4 registers, so every row loads one input, not K.
 @compute @workgroup_size(64)
 fn conv1d_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                           @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -168,20 +170,33 @@ fn conv1d_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     if (p >= P2.nchunks || c >= P2.Di) { return; }
     let m0 = p * P2.rows_per_chunk;
     let m1 = min(P2.M, m0 + P2.rows_per_chunk);
-    var acc: array<f32, 8>;
-    for (var k = 0u; k < 8u; k = k + 1u) { acc[k] = 0.0; }
-    for (var m = m0; m < m1; m = m + 1u) {
-        let j = m * P2.Di + c;
-        let dp = dout2[P2.o_b + j] * dsilu(pre2[P2.o_c + j]);
-        let t = m % P2.L;
-        for (var k = 0u; k < P2.K; k = k + 1u) {
-            let back = P2.K - 1u - k;
-            if (t >= back) { acc[k] = acc[k] + dp * xz2[P2.o_d + (m - back) * P2.ld + c]; }
+    let kq = vec4<u32>(0u, 1u, 2u, 3u);
+    var a0 = vec4<f32>(0.0);   // taps 0..3: sum of dp_t * x[t - (K-1) + k]
+    var a1 = vec4<f32>(0.0);   // taps 4..7
+    var ab = 0.0;              // the bias: sum of dp_t
+    var w0 = vec4<f32>(0.0);   // the window: w[k] = x[t - (K-1) + k], k < K; zeros from K on
+    var w1 = vec4<f32>(0.0);
+    // the K-1 rows before the chunk (of the same sequence) only fill the window
+    let mw = m0 - min(m0 % P2.L, P2.K - 1u);
+    for (var m = mw; m < m1; m = m + 1u) {
+        if (m % P2.L == 0u) { w0 = vec4<f32>(0.0); w1 = vec4<f32>(0.0); }
+        let x = xz2[P2.o_d + m * P2.ld + c];
+        // shift by one and put x at K-1
+        let s0 = vec4<f32>(w0.y, w0.z, w0.w, w1.x);
+        let s1 = vec4<f32>(w1.y, w1.z, w1.w, 0.0);
+        w0 = select(s0, vec4<f32>(x), kq == vec4<u32>(P2.K - 1u));
+        w1 = select(s1, vec4<f32>(x), kq + 4u == vec4<u32>(P2.K - 1u));
+        if (m >= m0) {
+            let j = m * P2.Di + c;
+            let dp = dout2[P2.o_b + j] * dsilu(pre2[P2.o_c + j]);
+            a0 = a0 + dp * w0;
+            a1 = a1 + dp * w1;
+            ab = ab + dp;
         }
-        acc[P2.K] = acc[P2.K] + dp;
     }
     let base = ((P2.pbase + p) * P2.Di + c) * (P2.K + 1u);
-    for (var k = 0u; k <= P2.K; k = k + 1u) { partial[base + k] = acc[k]; }
+    for (var k = 0u; k < P2.K; k = k + 1u) { partial[base + k] = select(a1[k % 4u], a0[k % 4u], k < 4u); }
+    partial[base + P2.K] = ab;
 }
 
 @group(0) @binding(0) var<storage, read_write> dweight: array<f32>;
