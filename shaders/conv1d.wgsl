@@ -92,30 +92,46 @@ fn seq_lane(wid: vec3<u32>, nwg: vec3<u32>, l: u32, M: u32, L: u32, Di: u32) -> 
     return SeqLane(b, c, t0, min(L, t0 + SEQ_T), b * L < M && c < Di);
 }
 
+// the K (<= 8) taps of channel c as two vec4s, zeros from K on
+fn taps(wt: u32, K: u32) -> array<vec4<f32>, 2> {
+    var w = array<vec4<f32>, 2>(vec4<f32>(0.0), vec4<f32>(0.0));
+    for (var k = 0u; k < K; k = k + 1u) { w[k / 4u][k % 4u] = weight[wt + k]; }
+    return w;
+}
+
+// sum over the 8 slots, slot 0 first: the order of a loop over k
+fn sum8(a: vec4<f32>, b: vec4<f32>, init: f32) -> f32 {
+    return init + a.x + a.y + a.z + a.w + b.x + b.y + b.z + b.w;
+}
+
+// The windows of both kernels shift along in two vec4 registers (no per-step array indexing):
+// slot k of the forward's window holds x at step t - (K-1) + k (zeros before the sequence and
+// from slot K on), slot k of the backward's holds step t + (K-1) - k.
 @compute @workgroup_size(8)
 fn conv1d_forward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_id) lid: vec3<u32>) {
     let q = seq_lane(wid, nwg, lid.x, P.M, P.L, P.Di);
     if (!q.ok) { return; }
     let row0 = q.b * P.L;
-    var w: array<f32, 8>;
-    for (var k = 0u; k < P.K; k = k + 1u) { w[k] = weight[P.o_d + q.c * P.K + k]; }
-    var ring: array<f32, 8>;   // ring[t % 8] = x at step t
-    for (var t = q.t0 - min(q.t0, P.K - 1u); t < q.t0; t = t + 1u) {
-        ring[t % 8u] = xz[P.o_c + (row0 + t) * P.ld + q.c];
-    }
+    let w = taps(P.o_d + q.c * P.K, P.K);
+    let kq = vec4<u32>(0u, 1u, 2u, 3u);
+    let at0 = kq == vec4<u32>(P.K - 1u);
+    let at1 = kq + 4u == vec4<u32>(P.K - 1u);
+    var x0 = vec4<f32>(0.0);
+    var x1 = vec4<f32>(0.0);
     var bv = 0.0;
     if (P.has_bias != 0u) { bv = bias[P.o_e + q.c]; }
-    for (var t = q.t0; t < q.t1; t = t + 1u) {
+    for (var t = q.t0 - min(q.t0, P.K - 1u); t < q.t1; t = t + 1u) {
         let m = row0 + t;
-        ring[t % 8u] = xz[P.o_c + m * P.ld + q.c];
-        var acc = bv;
-        for (var k = 0u; k < P.K; k = k + 1u) {
-            let back = P.K - 1u - k;
-            if (t >= back) { acc = acc + w[k] * ring[(t - back) % 8u]; }
+        let x = xz[P.o_c + m * P.ld + q.c];
+        let s0 = vec4<f32>(x0.y, x0.z, x0.w, x1.x);
+        x1 = select(vec4<f32>(x1.y, x1.z, x1.w, 0.0), vec4<f32>(x), at1);
+        x0 = select(s0, vec4<f32>(x), at0);
+        if (t >= q.t0) {
+            let acc = sum8(w[0] * x0, w[1] * x1, bv);
+            pre[P.o_b + m * P.Di + q.c] = acc;
+            out[P.o_a + m * P.Di + q.c] = acc * sigmoid(acc);
         }
-        pre[P.o_b + m * P.Di + q.c] = acc;
-        out[P.o_a + m * P.Di + q.c] = acc * sigmoid(acc);
     }
 }
 
@@ -125,28 +141,29 @@ fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let q = seq_lane(wid, nwg, lid.x, PB.M, PB.L, PB.Di);
     if (!q.ok) { return; }
     let row0 = q.b * PB.L;
-    var w: array<f32, 8>;
-    for (var k = 0u; k < PB.K; k = k + 1u) { w[k] = wb[PB.o_d + q.c * PB.K + k]; }
-    var rg: array<f32, 8>;   // dout at step t' in [t' % 8]
-    var rs: array<f32, 8>;   // silu'(pre) likewise
-    for (var t = q.t0; t < min(PB.L, q.t0 + PB.K - 1u); t = t + 1u) {
-        let j = (row0 + t) * PB.Di + q.c;
-        rg[t % 8u] = dout[PB.o_b + j];
-        rs[t % 8u] = dsilu(preb[PB.o_c + j]);
-    }
-    for (var t = q.t0; t < q.t1; t = t + 1u) {
-        let ta = t + PB.K - 1u;   // the step entering the window
+    var w = array<vec4<f32>, 2>(vec4<f32>(0.0), vec4<f32>(0.0));
+    for (var k = 0u; k < PB.K; k = k + 1u) { w[k / 4u][k % 4u] = wb[PB.o_d + q.c * PB.K + k]; }
+    var g0 = vec4<f32>(0.0);   // dout
+    var g1 = vec4<f32>(0.0);
+    var s0 = vec4<f32>(0.0);   // silu'(pre)
+    var s1 = vec4<f32>(0.0);
+    // the window enters at step t + K - 1; the first K - 1 steps only fill it
+    for (var ta = q.t0; ta < q.t1 + PB.K - 1u; ta = ta + 1u) {
+        var gn = 0.0;
+        var sn = 0.0;
         if (ta < PB.L) {
             let j = (row0 + ta) * PB.Di + q.c;
-            rg[ta % 8u] = dout[PB.o_b + j];
-            rs[ta % 8u] = dsilu(preb[PB.o_c + j]);
+            gn = dout[PB.o_b + j];
+            sn = dsilu(preb[PB.o_c + j]);
         }
-        var acc = 0.0;
-        for (var k = 0u; k < PB.K; k = k + 1u) {
-            let fwd = PB.K - 1u - k;
-            if (t + fwd < PB.L) { acc = acc + w[k] * rg[(t + fwd) % 8u] * rs[(t + fwd) % 8u]; }
+        g1 = vec4<f32>(g0.w, g1.x, g1.y, g1.z);
+        g0 = vec4<f32>(gn, g0.x, g0.y, g0.z);
+        s1 = vec4<f32>(s0.w, s1.x, s1.y, s1.z);
+        s0 = vec4<f32>(sn, s0.x, s0.y, s0.z);
+        if (ta + 1u >= q.t0 + PB.K) {
+            let t = ta + 1u - PB.K;
+            dxz[PB.o_a + (row0 + t) * PB.ld + q.c] = sum8(w[0] * g0 * s0, w[1] * g1 * s1, 0.0);
         }
-        dxz[PB.o_a + (row0 + t) * PB.ld + q.c] = acc;
     }
 }
 
