@@ -201,7 +201,7 @@ def bench_scan(rt, B, L, Di, N, R, variants=("default",)):
             r["gbps"] = nbytes[name] / (r["ms"] * 1e-3) / 1e9
             out[v][name] = r
         # (the 8-lane scan has no butterfly: None)
-        out[v]["butterfly_lanes"] = None if scan_mod._lanes(rt, N) else scan_mod.butterfly_lanes(rt, B, L, Di, N)
+        out[v]["butterfly_lanes"] = None if scan_mod._lanes(rt, N, R, 0) else scan_mod.butterfly_lanes(rt, B, L, Di, N)
     for k, val in saved.items():
         setattr(scan_mod, k, val)
     for t in (u, delta, xdbl, xz, dt_bias, A_log, D, y, states, dy, du, ddelta, ddt, dA, dD, dxdbl, dxz):

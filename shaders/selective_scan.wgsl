@@ -638,13 +638,17 @@ fn lane_of(wid: vec3<u32>, nwg: vec3<u32>, l: u32) -> Lane {
                 work[P.Di * P.N + dc], work[P.Di * P.N + P.Di + dc]);
 }
 
-// Bm (q = 0) or Cm (q = 1) of row m, state n: lane l holds entries 8i + l of the row's 2NS
+// The same bindings seen as vec4 arrays (only these kernels use them: engine/ops/scan.py runs
+// them where the Bm|Cm columns of xdbl start at a multiple of 4).
+@group(0) @binding(4) var<storage, read> xdbl4: array<vec4<f32>>;
+@group(0) @binding(11) var<storage, read_write> pbc4: array<vec4<f32>>;
+
+// Bm|Cm of row m: lane l holds entries 4l..4l+3 of the row's 2NS (one load)
 fn bc_load(m: u32, l: u32) -> vec4<f32> {
-    let row = P.o_xdbl + m * P.ldx + P.R + l;
-    return vec4<f32>(xdbl[row], xdbl[row + 8u], xdbl[row + 16u], xdbl[row + 24u]);
+    return xdbl4[(P.o_xdbl + m * P.ldx + P.R) / 4u + l];
 }
 fn bc_get(v: vec4<f32>, i: u32) -> f32 {   // entry i (0 <= i < 2NS) of the row, from its owner
-    return sg_shuffle1(v[i / 8u], i % 8u);
+    return sg_shuffle1(v[i % 4u], i / 4u);
 }
 
 // the lane's A = -exp(A_log), states 4q..4q+3 (zeros past NS)
@@ -724,9 +728,10 @@ fn adjoint4(bn: vec4<f32>, cn: vec4<f32>, sn: vec4<f32>, sp: vec4<f32>, h: vec4<
                vec3<f32>(dot(hn, fma(a, q, bn * uu)), dot(hn, bn), dot(sn, cn)));
 }
 
-// entry l (0..7) of the eight values lo | hi
-fn lane_pick(lo: vec4<f32>, hi: vec4<f32>, l: u32) -> f32 {
-    return select(hi, lo, l < 4u)[l % 4u];
+// of four uniform vectors, the one of lane l % 4
+fn lane_quad(v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>, l: u32) -> vec4<f32> {
+    let q = l % 4u;
+    return select(select(v3, v2, q == 2u), select(v1, v0, q == 0u), q < 2u);
 }
 
 @compute @workgroup_size(8)
@@ -788,15 +793,13 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
                 sumb += dd;
                 sumd += g * uu;
             }
-            // the channel sums of dBm and dCm: lane l keeps entries l and 8 + l
+            // the channel sums of dBm and dCm (the same in every lane): lane l < 4 stores dBm's
+            // entries 4l..4l+3, lane 4 + q dCm's 4q..4q+3
             let pb = (m * P.nblk + ln.blk) * NS;
-            if (l < NS) {
-                pbc[pb + l] = lane_pick(j0.rb, j1.rb, l);
-                pbc[P.pbc_half + pb + l] = lane_pick(j0.rc, j1.rc, l);
-            }
-            if (8u + l < NS) {
-                pbc[pb + 8u + l] = lane_pick(j2.rb, j3.rb, l);
-                pbc[P.pbc_half + pb + 8u + l] = lane_pick(j2.rc, j3.rc, l);
+            if (4u * (l % 4u) < NS) {
+                let isc = l >= 4u;
+                pbc4[(select(0u, P.pbc_half, isc) + pb) / 4u + l % 4u] = select(
+                    lane_quad(j0.rb, j1.rb, j2.rb, j3.rb, l), lane_quad(j0.rc, j1.rc, j2.rc, j3.rc, l), isc);
             }
         }
     }

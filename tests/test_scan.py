@@ -11,15 +11,15 @@ from memengine.engine.ops.scan import CHUNK, scan_state_shape, selective_scan_ba
 
 SHAPES = [  # B, L, Di, N, R
     (1, 1, 37, 5, 3),
-    (2, 7, 37, 16, 3),
+    (2, 7, 37, 16, 4),
     (3, 300, 19, 5, 2),     # several chunks, a partial last one
-    (1, 130, 40, 16, 1),
-    (2, 129, 33, 16, 3),    # last chunk of one step, odd Di (a partial channel block)
+    (1, 130, 40, 16, 1),    # R % 4 != 0: the 8-lane scan reads Bm|Cm as vec4s, so other kernels run
+    (2, 129, 33, 16, 8),    # last chunk of one step, odd Di (a partial channel block)
     (1, 70, 20, 21, 2),     # more states than one pass over workgroup memory holds (16)
     (1, 9, 17, 300, 2),     # state_size beyond any model's: scan.MAX_N is None
-    (2, 200, 13, 8, 2),     # the 8-lane scan's state sizes (N <= 16, N % 4 == 0): 8 and 4,
-    (1, 65, 9, 4, 1),       # two blocks of 8 channels, the second with one live lane
-    (1, 70, 11, 12, 2),     # 12: three of the 8-lane scan's four groups of states
+    (2, 200, 13, 8, 4),     # the 8-lane scan's state sizes (N <= 16, N % 4 == 0): 8 and 4,
+    (1, 65, 9, 4, 4),       # two blocks of 8 channels, the second with one live lane
+    (1, 70, 11, 12, 4),     # 12: three of the 8-lane scan's four groups of states
 ]
 def make_inputs(B, L, Di, N, R, seed=0, scale_delta=1.0, bias_shift=0.0):
     rng = np.random.default_rng(seed)
@@ -286,7 +286,11 @@ def test_lanes_kernels_run_on_cpu_adapters(rt, monkeypatch):
     seen = []
     inner = Recorder.dispatch
     monkeypatch.setattr(Recorder, "dispatch", lambda self, sh, en, *a, **k: (seen.append(en), inner(self, sh, en, *a, **k)))
-    shape = (1, 9, 20, 16, 2)
+    shape = (1, 9, 20, 16, 4)
     run_backward(rt, make_inputs(*shape, seed=2), *shape, raw=True)
     assert "scan_lanes_forward" in seen and "scan_lanes_backward" in seen, seen
     assert "selective_scan_backward" not in seen
+    seen.clear()   # Bm|Cm not at a multiple of 4 (R = 2): the other kernels
+    shape = (1, 9, 20, 16, 2)
+    run_backward(rt, make_inputs(*shape, seed=2), *shape, raw=True)
+    assert "selective_scan_backward" in seen and "scan_lanes_backward" not in seen, seen

@@ -21,6 +21,8 @@ The shader's header comment has the details.  On CPU adapters with 8-lane subgro
 (lavapipe) the shader's scan_lanes_forward / scan_lanes_backward run instead: a workgroup
 of one 8-lane subgroup per (batch row, 8 channels), each lane walking the sequence step by
 step (the same saved states and partial sums; `LANES = False` keeps the kernels above).
+They read Bm|Cm as vec4s, so they take time_step_rank values divisible by 4 (that of every
+released Mamba checkpoint); other calls take the kernels above.
 
 Backward outputs: du, ddelta WRITE; ddt_bias, dA_log, dD ACC (+=; None: not computed); dxdbl
 WRITE on columns R..R+2N only; dxz WRITE on columns Di..2Di only.
@@ -55,13 +57,16 @@ LANE_MAX_N = 16  # the state sizes it takes: N <= 16, N % 4 == 0
 
 
 def channels_per_workgroup(lanes: bool, N: int) -> int:
-    """LANE_DB where the 8-lane scan runs (`lanes`: the runtime takes the 8-lane
-    kernels, ops/lanes.py), else DB: it sizes the backward's dB/dC partials."""
+    """LANE_DB where the 8-lane scan may run (`lanes`: the runtime takes the 8-lane
+    kernels, ops/lanes.py), else DB: it sizes the backward's dB/dC partials (the larger
+    size where a call may still take the other kernels, see `_lanes`)."""
     return LANE_DB if LANES and lanes and N <= LANE_MAX_N and N % 4 == 0 else DB
 
 
-def _lanes(rt, N: int) -> bool:
-    return channels_per_workgroup(cpu_lanes(rt), N) == LANE_DB
+def _lanes(rt, N: int, R: int, xdbl_off: int) -> bool:
+    """Whether this call runs the 8-lane scan: it reads Bm|Cm as vec4s, so their columns
+    must start at a multiple of 4 (time_step_rank R, and xdbl's element offset)."""
+    return channels_per_workgroup(cpu_lanes(rt), N) == LANE_DB and R % 4 == 0 and (xdbl_off + R) % 4 == 0
 
 
 def scan_state_shape(B, L, Di, N) -> tuple:
@@ -157,13 +162,13 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
         return
     _check(B, L, Di, N, R, y=y, u=u, delta=delta, xdbl=xdbl, xz=xz)
     assert states.numel == B * cdiv(L, CHUNK) * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
-    lanes = _lanes(rt, N)
-    lay = _layout(B, L, Di, N, LANE_DB if lanes else DB)
-    work = rt.scratch("selective_scan.params", (Di * N + 2 * Di,))
-    _params(rec, work, dt_bias, A_log, D, Di, N)
     bt, offs = {}, {}
     for name, t in (("y", y), ("states", states), ("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz)):
         bt[name], offs[name] = bound(rt, t)
+    lanes = _lanes(rt, N, R, offs["xdbl"])
+    lay = _layout(B, L, Di, N, LANE_DB if lanes else DB)
+    work = rt.scratch("selective_scan.params", (Di * N + 2 * Di,))
+    _params(rec, work, dt_bias, A_log, D, Di, N)
     uni = _uniform(rt, B, L, Di, N, R, lay, offs)
     bindings = {0: bt["y"], 1: bt["states"], 2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 5: bt["xz"],
                 6: work, 14: uni}
@@ -193,16 +198,16 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     _check(B, L, Di, N, R, du=du, ddelta=ddelta, dxdbl=dxdbl, dxz=dxz, dy=dy, u=u, delta=delta,
            xdbl=xdbl, xz=xz)
     assert states.numel == cdiv(L, CHUNK) * B * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
-    lanes = _lanes(rt, N)
+    bt, offs = {}, {}
+    for name, t in (("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz), ("dy", dy), ("du", du),
+                    ("ddelta", ddelta), ("dxdbl", dxdbl), ("dxz", dxz)):
+        bt[name], offs[name] = bound(rt, t)
+    lanes = _lanes(rt, N, R, offs["xdbl"])
     lay = _layout(B, L, Di, N, LANE_DB if lanes else DB)
     M = lay["M"]
     work = rt.scratch("selective_scan.bwd_work", (lay["work_size"],))
     pbc = rt.scratch("selective_scan.bwd_pbc", (2 * lay["pbc_half"],))
     _params(rec, work, dt_bias, A_log, D, Di, N)
-    bt, offs = {}, {}
-    for name, t in (("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz), ("dy", dy), ("du", du),
-                    ("ddelta", ddelta), ("dxdbl", dxdbl), ("dxz", dxz)):
-        bt[name], offs[name] = bound(rt, t)
     # the saved states go into `work` too: the kernels then bind 8 storage buffers
     rec.copy(states, work.view((states.numel,), lay["off_st"]))
     uni = _uniform(rt, B, L, Di, N, R, lay, offs)
