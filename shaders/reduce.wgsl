@@ -78,6 +78,36 @@ fn reduce_partial(@builtin(local_invocation_index) lid: u32,
     }
 }
 
+// The same chunks where n and base are multiples of 4 (per_thread is): a thread sums vec4
+// number (start / 4 + k * 256 + lid) of x, then its four lanes.
+@group(0) @binding(0) var<storage, read> x4: array<vec4<f32>>;
+
+@compute @workgroup_size(256)
+fn reduce_partial4(@builtin(local_invocation_index) lid: u32,
+                   @builtin(workgroup_id) wid: vec3<u32>,
+                   @builtin(num_workgroups) nwg: vec3<u32>) {
+    let w = wid.x + wid.y * nwg.x;
+    let start = w * 256u * P.per_thread;
+    var acc = vec4<f32>(0.0);
+    if (start < P.n) {
+        for (var k = 0u; k < P.per_thread / 4u; k = k + 1u) {
+            let i = start / 4u + k * 256u + lid;
+            if (4u * i < P.n) {
+                let v = x4[P.base / 4u + i];
+                if (P.square != 0u) {
+                    acc = acc + v * v;
+                } else {
+                    acc = acc + v;
+                }
+            }
+        }
+    }
+    let total = fold(lid, (acc.x + acc.y) + (acc.z + acc.w));
+    if (lid == 0u && start < P.n) {
+        partials[P.pbase + w] = total;
+    }
+}
+
 fn sum_partials(lid: u32) -> f32 {
     var acc = 0.0;
     for (var i = lid; i < P.n; i = i + 256u) {

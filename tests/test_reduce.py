@@ -6,7 +6,7 @@ import pytest
 from memengine.engine.gpu import Tensor
 from memengine.engine.ops.reduce import sum_into, sumsq_into
 
-SIZES = [1, 2, 255, 256, 257, 65537, 1_000_003]
+SIZES = [1, 2, 255, 256, 257, 65536, 65537, 1_000_003]   # multiples of 4 take reduce_partial4
 
 
 

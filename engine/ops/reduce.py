@@ -3,7 +3,8 @@
 Two stages, no atomics, no racing writes:
 
 1. ``reduce_partial``: workgroup ``w`` reduces a fixed chunk of ``256 * per_thread`` elements
-   and writes its own slot ``partials[pbase + w]`` (a persistent ``rt.scratch`` buffer).
+   and writes its own slot ``partials[pbase + w]`` (a persistent ``rt.scratch`` buffer);
+   ``reduce_partial4`` the same chunks as vec4 where the count and offset are multiples of 4.
 2. ``reduce_finish``: one workgroup folds all partials and one thread does ``out[i] += ...``.
 
 The chunking depends only on the element count, so a given input always produces the same
@@ -25,6 +26,7 @@ Lower-level pieces (used by the gradient clipper): ``plan``, ``record_partials``
 from __future__ import annotations
 
 from ..gpu import Tensor, bound, cdiv, grid, pack, span, split
+from .lanes import is_cpu
 
 SHADER = "reduce"
 WG = 256
@@ -32,9 +34,21 @@ MIN_PER_THREAD = 8
 MAX_PARTIALS = 32768  # per reduction; stage 2 folds at most this many per 256 threads
 
 
-def plan(n: int) -> tuple[int, int]:
-    """(per_thread, groups) of stage 1 for n elements; groups <= MAX_PARTIALS."""
-    per_thread = max(MIN_PER_THREAD, cdiv(n, WG * MAX_PARTIALS))
+# On a CPU adapter a workgroup's fold costs more than its loads (lavapipe runs the 256
+# invocations as 32 coroutines switched at each of its 9 barriers): fewer, longer chunks.
+# A small step's gradient norm: 7.6 ms at 8 per thread, 3.0 at 64, 1.8 at 256 (each
+# thread's serial sum stays at 256 terms, the row reductions' bound, see ops/lanes.py).
+CPU_MIN_PER_THREAD = 256
+
+
+def min_per_thread(rt) -> int:
+    return CPU_MIN_PER_THREAD if is_cpu(rt) else MIN_PER_THREAD
+
+
+def plan(n: int, least: int = MIN_PER_THREAD) -> tuple[int, int]:
+    """(per_thread, groups) of stage 1 for n elements (`least`: min_per_thread(rt));
+    groups <= MAX_PARTIALS; per_thread a multiple of 4 (reduce_partial4)."""
+    per_thread = cdiv(max(least, cdiv(n, WG * MAX_PARTIALS)), 4) * 4
     return per_thread, cdiv(n, WG * per_thread)
 
 
@@ -48,7 +62,7 @@ def _pieces(rt, x: Tensor):
 
 
 def count_partials(rt, x: Tensor) -> int:
-    return sum(plan(c)[1] for _, c in _pieces(rt, x))
+    return sum(plan(c, min_per_thread(rt))[1] for _, c in _pieces(rt, x))
 
 
 def finish_window(rt, partials: Tensor, k: int) -> Tensor:
@@ -73,7 +87,7 @@ def record_partials(rec, x: Tensor, partials: Tensor, pbase: int, *, square: boo
     rt = rec.rt
     written = 0
     for s, c in _pieces(rt, x):
-        per_thread, groups = plan(c)
+        per_thread, groups = plan(c, min_per_thread(rt))
         view = Tensor(x.buffer, (c,), x.dtype, x.offset + 4 * s)
         xb, base = bound(rt, view, c)
         if partials.nbytes <= rt.max_binding:
@@ -82,7 +96,8 @@ def record_partials(rec, x: Tensor, partials: Tensor, pbase: int, *, square: boo
             pb, po = bound(rt, span(partials, pbase + written, groups))
         u = rt.uniform(pack("IIIIIIIIffff", c, base, per_thread, po,
                             1 if square else 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0))
-        rec.dispatch(SHADER, "reduce_partial", {0: xb, 1: pb, 2: u}, grid(groups))
+        entry = "reduce_partial4" if c % 4 == 0 and base % 4 == 0 else "reduce_partial"
+        rec.dispatch(SHADER, entry, {0: xb, 1: pb, 2: u}, grid(groups))
         written += groups
     return written
 
