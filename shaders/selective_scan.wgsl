@@ -629,13 +629,13 @@ override NS: u32 = 16u;   // the state size N: 4, 8, 12 or 16 (states in four ve
 // channel exists, and its dt_bias and D
 struct Lane { b: u32, blk: u32, d: u32, dc: u32, live: bool, bias: f32, D: f32 }
 
-fn lane_of(wid: vec3<u32>, nwg: vec3<u32>, l: u32) -> Lane {
+fn lane_of(p: Params, wid: vec3<u32>, nwg: vec3<u32>, l: u32) -> Lane {
     let wg = wid.x + wid.y * nwg.x;
-    let blk = wg % P.nblk;
+    let blk = wg % p.nblk;
     let d = blk * 8u + l;
-    let dc = min(d, P.Di - 1u);
-    return Lane(wg / P.nblk, blk, d, dc, d < P.Di && wg < P.B * P.nblk,
-                work[P.Di * P.N + dc], work[P.Di * P.N + P.Di + dc]);
+    let dc = min(d, p.Di - 1u);
+    return Lane(wg / p.nblk, blk, d, dc, d < p.Di && wg < p.B * p.nblk,
+                work[p.Di * p.N + dc], work[p.Di * p.N + p.Di + dc]);
 }
 
 // The same bindings seen as vec4 arrays (only these kernels use them: engine/ops/scan.py runs
@@ -643,9 +643,11 @@ fn lane_of(wid: vec3<u32>, nwg: vec3<u32>, l: u32) -> Lane {
 @group(0) @binding(4) var<storage, read> xdbl4: array<vec4<f32>>;
 @group(0) @binding(11) var<storage, read_write> pbc4: array<vec4<f32>>;
 
-// Bm|Cm of row m: lane l holds entries 4l..4l+3 of the row's 2NS (one load)
-fn bc_load(m: u32, l: u32) -> vec4<f32> {
-    return xdbl4[(P.o_xdbl + m * P.ldx + P.R) / 4u + l];
+// Bm|Cm of row m: lane l holds entries 4l..4l+3 of the row's 2NS (one load).  The kernels
+// pass the parameters down: inside a loop lavapipe reads every uniform-buffer field as a
+// gather over the lanes, outside control flow as one load, so they copy P once at the top.
+fn bc_load(p: Params, m: u32, l: u32) -> vec4<f32> {
+    return xdbl4[(p.o_xdbl + m * p.ldx + p.R) / 4u + l];
 }
 fn bc_get(v: vec4<f32>, i: u32) -> f32 {   // entry i (0 <= i < 2NS) of the row, from its owner
     return sg_shuffle1(v[i % 4u], i / 4u);
@@ -671,20 +673,21 @@ fn save4(base: u32, q: u32, s: vec4<f32>) {
 @compute @workgroup_size(8)
 fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) l: u32) {
-    if (wid.x + wid.y * nwg.x >= P.B * P.nblk) { return; }
-    let ln = lane_of(wid, nwg, l);
+    let p = P;   // read once, before any loop (see bc_load)
+    if (wid.x + wid.y * nwg.x >= p.B * p.nblk) { return; }
+    let ln = lane_of(p, wid, nwg, l);
     let a0 = lane_A4(ln.dc, 0u); let a1 = lane_A4(ln.dc, 1u); let a2 = lane_A4(ln.dc, 2u); let a3 = lane_A4(ln.dc, 3u);
     var s0 = vec4<f32>(0.0); var s1 = vec4<f32>(0.0); var s2 = vec4<f32>(0.0); var s3 = vec4<f32>(0.0);
-    for (var t = 0u; t < P.L; t++) {
-        let m = ln.b * P.L + t;
+    for (var t = 0u; t < p.L; t++) {
+        let m = ln.b * p.L + t;
         if (t % T == 0u && ln.live) {
-            let base = P.o_states + ((ln.b * P.nchk + t / T) * P.Di + ln.d) * NS;
+            let base = p.o_states + ((ln.b * p.nchk + t / T) * p.Di + ln.d) * NS;
             save4(base, 0u, s0); save4(base, 1u, s1); save4(base, 2u, s2); save4(base, 3u, s3);
         }
-        let e = m * P.Di + ln.dc;
-        let dt = softplus(delta[P.o_delta + e] + ln.bias);
-        let du = dt * u[P.o_u + e];
-        let bc = bc_load(m, l);
+        let e = m * p.Di + ln.dc;
+        let dt = softplus(delta[p.o_delta + e] + ln.bias);
+        let du = dt * u[p.o_u + e];
+        let bc = bc_load(p, m, l);
         s0 = fma(exp(dt * a0), s0, du * bc_get4(bc, 0u));
         var yp = dot(s0, bc_get4(bc, NS));
         if (NS > 4u) {
@@ -700,7 +703,7 @@ fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
             yp += dot(s3, bc_get4(bc, NS + 12u));
         }
         if (ln.live) {
-            y[P.o_y + m * P.Di + ln.d] = fma(ln.D, u[P.o_u + e], yp) * silu(xz[P.o_xz + m * 2u * P.Di + P.Di + ln.d]);
+            y[p.o_y + m * p.Di + ln.d] = fma(ln.D, u[p.o_u + e], yp) * silu(xz[p.o_xz + m * 2u * p.Di + p.Di + ln.d]);
         }
     }
 }
@@ -737,8 +740,9 @@ fn lane_quad(v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>, l: u32)
 @compute @workgroup_size(8)
 fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_index) l: u32) {
-    if (wid.x + wid.y * nwg.x >= P.B * P.nblk) { return; }
-    let ln = lane_of(wid, nwg, l);
+    let p = P;   // read once, before any loop (see bc_load)
+    if (wid.x + wid.y * nwg.x >= p.B * p.nblk) { return; }
+    let ln = lane_of(p, wid, nwg, l);
     let a0 = lane_A4(ln.dc, 0u); let a1 = lane_A4(ln.dc, 1u); let a2 = lane_A4(ln.dc, 2u); let a3 = lane_A4(ln.dc, 3u);
     // the adjoint of the state entering from the right; sums of h * dt * exp(dt*A) * s_prev (-> dA_log)
     var h0 = vec4<f32>(0.0); var h1 = vec4<f32>(0.0); var h2 = vec4<f32>(0.0); var h3 = vec4<f32>(0.0);
@@ -747,19 +751,19 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     var sumb = 0.0;   // sum of ddelta (-> dt_bias)
     var sumd = 0.0;   // sum of dy'*u (-> D)
     let z = Adj(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec3<f32>(0.0));
-    for (var cc = 0u; cc < P.nchk; cc++) {
-        let c = P.nchk - 1u - cc;
+    for (var cc = 0u; cc < p.nchk; cc++) {
+        let c = p.nchk - 1u - cc;
         let t0 = c * T;
-        let nt = min(T, P.L - t0);
-        let base = P.off_st + ((ln.b * P.nchk + c) * P.Di + ln.dc) * NS;   // the states' copy
+        let nt = min(T, p.L - t0);
+        let base = p.off_st + ((ln.b * p.nchk + c) * p.Di + ln.dc) * NS;   // the states' copy
         var s0 = load4(base, 0u); var s1 = load4(base, 1u); var s2 = load4(base, 2u); var s3 = load4(base, 3u);
         hist[0] = s0; hist[1] = s1; hist[2] = s2; hist[3] = s3;
         for (var k = 0u; k < nt; k++) {
-            let m = ln.b * P.L + t0 + k;
-            let e = m * P.Di + ln.dc;
-            let dt = softplus(delta[P.o_delta + e] + ln.bias);
-            let du = dt * u[P.o_u + e];
-            let bc = bc_load(m, l);
+            let m = ln.b * p.L + t0 + k;
+            let e = m * p.Di + ln.dc;
+            let dt = softplus(delta[p.o_delta + e] + ln.bias);
+            let du = dt * u[p.o_u + e];
+            let bc = bc_load(p, m, l);
             let r = (k + 1u) * 4u;
             s0 = fma(exp(dt * a0), s0, du * bc_get4(bc, 0u)); hist[r] = s0;
             if (NS > 4u) { s1 = fma(exp(dt * a1), s1, du * bc_get4(bc, 4u)); hist[r + 1u] = s1; }
@@ -768,13 +772,13 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         }
         for (var kk = 0u; kk < nt; kk++) {
             let k = nt - 1u - kk;
-            let m = ln.b * P.L + t0 + k;
-            let e = m * P.Di + ln.dc;
-            let draw = delta[P.o_delta + e] + ln.bias;
+            let m = ln.b * p.L + t0 + k;
+            let e = m * p.Di + ln.dc;
+            let draw = delta[p.o_delta + e] + ln.bias;
             let dt = softplus(draw);
-            let uu = select(0.0, u[P.o_u + e], ln.live);
-            let g = select(0.0, du[P.o_du + e], ln.live);   // dy' = dy * silu(z), from the prep pass
-            let bc = bc_load(m, l);
+            let uu = select(0.0, u[p.o_u + e], ln.live);
+            let g = select(0.0, du[p.o_du + e], ln.live);   // dy' = dy * silu(z), from the prep pass
+            let bc = bc_load(p, m, l);
             let r = k * 4u;
             let j0 = adjoint4(bc_get4(bc, 0u), bc_get4(bc, NS), hist[r + 4u], hist[r], h0, a0, dt, uu, g);
             var j1 = z; var j2 = z; var j3 = z;
@@ -785,29 +789,29 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             da0 += j0.da; da1 += j1.da; da2 += j2.da; da3 += j3.da;
             let sums = j0.sums + j1.sums + j2.sums + j3.sums;   // ddt, dus, yp
             if (ln.live) {
-                du[P.o_du + e] = fma(dt, sums.y, ln.D * g);
+                du[p.o_du + e] = fma(dt, sums.y, ln.D * g);
                 let dd = sums.x * sigmoid(draw);
-                ddelta[P.o_ddelta + e] = dd;
-                let zi = P.o_dxz + m * 2u * P.Di + P.Di + ln.d;
+                ddelta[p.o_ddelta + e] = dd;
+                let zi = p.o_dxz + m * 2u * p.Di + p.Di + ln.d;
                 dxz[zi] = dxz[zi] * fma(ln.D, uu, sums.z);   // (dy * silu'(z) from the prep pass) * y_pre
                 sumb += dd;
                 sumd += g * uu;
             }
             // the channel sums of dBm and dCm (the same in every lane): lane l < 4 stores dBm's
             // entries 4l..4l+3, lane 4 + q dCm's 4q..4q+3
-            let pb = (m * P.nblk + ln.blk) * NS;
+            let pb = (m * p.nblk + ln.blk) * NS;
             if (4u * (l % 4u) < NS) {
                 let isc = l >= 4u;
-                pbc4[(select(0u, P.pbc_half, isc) + pb) / 4u + l % 4u] = select(
+                pbc4[(select(0u, p.pbc_half, isc) + pb) / 4u + l % 4u] = select(
                     lane_quad(j0.rb, j1.rb, j2.rb, j3.rb, l), lane_quad(j0.rc, j1.rc, j2.rc, j3.rc, l), isc);
             }
         }
     }
     if (ln.live) {
-        let pa = P.off_pa + (ln.b * P.Di + ln.d) * NS;
+        let pa = p.off_pa + (ln.b * p.Di + ln.d) * NS;
         let d4 = array<vec4<f32>, 4>(da0, da1, da2, da3);
         for (var n = 0u; n < NS; n++) { work[pa + n] = d4[n / 4u][n % 4u]; }
-        work[P.off_pb + ln.b * P.Di + ln.d] = sumb;
-        work[P.off_pd + ln.b * P.Di + ln.d] = sumd;
+        work[p.off_pb + ln.b * p.Di + ln.d] = sumb;
+        work[p.off_pd + ln.b * p.Di + ln.d] = sumd;
     }
 }
