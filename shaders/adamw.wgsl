@@ -49,23 +49,36 @@ fn is_finite(x: vec4<f32>) -> vec4<bool> {
 
 struct Moved { p: vec4<f32>, m: vec4<f32>, v: vec4<f32> }
 
-// the update of four elements (each on its own: the same result as one at a time)
-fn adamw4(pi: vec4<f32>, gr: vec4<f32>, mi: vec4<f32>, vi: vec4<f32>) -> Moved {
-    let gi = gr * clip[0];
-    let m1 = U.b1 * mi + (1.0 - U.b1) * gi;
-    let v1 = U.b2 * vi + (1.0 - U.b2) * (gi * gi);
-    let ok = is_finite(m1) & is_finite(v1);
-    var b1t = U.b1t;
-    var b2t = U.b2t;
-    if (U.gpu_t != 0u) {
-        b1t = pow(U.b1, skip[3]);
-        b2t = pow(U.b2, skip[3]);
+// What every element's update reads: the uniforms, the clip factor, b1^t and b2^t.  Each
+// entry point reads them first, before any branch (on lavapipe a uniform read after one is
+// a gather over the lanes).
+struct Hyper { a: Adam, clip: f32, b1t: f32, b2t: f32, skip: bool }
+
+fn hyper() -> Hyper {
+    let a = U;
+    let c = clip[0];
+    let s0 = skip[0];
+    let t = skip[3];
+    var b1t = a.b1t;
+    var b2t = a.b2t;
+    if (a.gpu_t != 0u) {
+        b1t = pow(a.b1, t);
+        b2t = pow(a.b2, t);
     }
-    var step = U.lr * (m1 / (1.0 - b1t)) / (sqrt(v1 / (1.0 - b2t)) + U.eps);
+    return Hyper(a, c, b1t, b2t, s0 != 0.0);
+}
+
+// the update of four elements (each on its own: the same result as one at a time)
+fn adamw4(h: Hyper, pi: vec4<f32>, gr: vec4<f32>, mi: vec4<f32>, vi: vec4<f32>) -> Moved {
+    let gi = gr * h.clip;
+    let m1 = h.a.b1 * mi + (1.0 - h.a.b1) * gi;
+    let v1 = h.a.b2 * vi + (1.0 - h.a.b2) * (gi * gi);
+    let ok = is_finite(m1) & is_finite(v1);
+    var step = h.a.lr * (m1 / (1.0 - h.b1t)) / (sqrt(v1 / (1.0 - h.b2t)) + h.a.eps);
     step = select(vec4<f32>(0.0), step, ok & is_finite(step));
-    step = step + U.lr * U.wd * pi;
-    if (U.max_delta > 0.0) {
-        step = clamp(step, vec4<f32>(-U.max_delta), vec4<f32>(U.max_delta));
+    step = step + h.a.lr * h.a.wd * pi;
+    if (h.a.max_delta > 0.0) {
+        step = clamp(step, vec4<f32>(-h.a.max_delta), vec4<f32>(h.a.max_delta));
     }
     return Moved(pi - step, select(mi, m1, ok), select(vi, v1, ok));
 }
@@ -75,11 +88,12 @@ fn adamw4(pi: vec4<f32>, gr: vec4<f32>, mi: vec4<f32>, vi: vec4<f32>) -> Moved {
 fn adamw_step(@builtin(local_invocation_index) lid: u32,
               @builtin(workgroup_id) wid: vec3<u32>,
               @builtin(num_workgroups) nwg: vec3<u32>) {
+    let h = hyper();
     let i = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (4u * i + 3u >= U.count || skip[0] != 0.0) {
+    if (4u * i + 3u >= h.a.count || h.skip) {
         return;
     }
-    let r = adamw4(p[i], g[i], m[i], v[i]);
+    let r = adamw4(h, p[i], g[i], m[i], v[i]);
     p[i] = r.p;
     m[i] = r.m;
     v[i] = r.v;
@@ -94,11 +108,12 @@ fn adamw_step(@builtin(local_invocation_index) lid: u32,
 
 @compute @workgroup_size(4)
 fn adamw_tail(@builtin(local_invocation_index) j: u32) {
-    let e = U.count / 4u * 4u + j;
-    if (e >= U.count || skip[0] != 0.0) {
+    let h = hyper();
+    let e = h.a.count / 4u * 4u + j;
+    if (e >= h.a.count || h.skip) {
         return;
     }
-    let r = adamw4(vec4<f32>(p1[e]), vec4<f32>(g1[e]), vec4<f32>(m1[e]), vec4<f32>(v1[e]));
+    let r = adamw4(h, vec4<f32>(p1[e]), vec4<f32>(g1[e]), vec4<f32>(m1[e]), vec4<f32>(v1[e]));
     p1[e] = r.p.x;
     m1[e] = r.m.x;
     v1[e] = r.v.x;
