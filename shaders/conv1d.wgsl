@@ -76,8 +76,11 @@ fn conv1d_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
 // ---------------------------------------------------------------- CPU adapters
 // The forward and dx again for CPU adapters (engine/ops/lanes.py): a workgroup of 8 lanes
 // over 8 consecutive channels, each lane walking SEQ_T steps of one sequence with its K taps
-// and a ring of the window in registers, so an output costs one load of x (two of dout and
-// pre) instead of 2K, and the sums run in the same order as above (the same bits).
+// and the window in vec4 registers, so an output costs one load of x (two of dout and pre)
+// instead of 2K; the sums run in the order of the kernels above (the terms those skip at a
+// sequence's start are zeros here).  These kernels, and the weight gradient below, copy their
+// uniforms once at the top: on lavapipe a uniform read inside a loop or after a branch is a
+// gather over the lanes.
 const SEQ_T: u32 = 64u;
 
 struct SeqLane { b: u32, c: u32, t0: u32, t1: u32, ok: bool }
@@ -110,27 +113,28 @@ fn sum8(a: vec4<f32>, b: vec4<f32>, init: f32) -> f32 {
 @compute @workgroup_size(8)
 fn conv1d_forward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_id) lid: vec3<u32>) {
-    let q = seq_lane(wid, nwg, lid.x, P.M, P.L, P.Di);
+    let p = P;   // read once (see the note above seq_lane)
+    let q = seq_lane(wid, nwg, lid.x, p.M, p.L, p.Di);
     if (!q.ok) { return; }
-    let row0 = q.b * P.L;
-    let w = taps(P.o_d + q.c * P.K, P.K);
+    let row0 = q.b * p.L;
+    let w = taps(p.o_d + q.c * p.K, p.K);
     let kq = vec4<u32>(0u, 1u, 2u, 3u);
-    let at0 = kq == vec4<u32>(P.K - 1u);
-    let at1 = kq + 4u == vec4<u32>(P.K - 1u);
+    let at0 = kq == vec4<u32>(p.K - 1u);
+    let at1 = kq + 4u == vec4<u32>(p.K - 1u);
     var x0 = vec4<f32>(0.0);
     var x1 = vec4<f32>(0.0);
     var bv = 0.0;
-    if (P.has_bias != 0u) { bv = bias[P.o_e + q.c]; }
-    for (var t = q.t0 - min(q.t0, P.K - 1u); t < q.t1; t = t + 1u) {
+    if (p.has_bias != 0u) { bv = bias[p.o_e + q.c]; }
+    for (var t = q.t0 - min(q.t0, p.K - 1u); t < q.t1; t = t + 1u) {
         let m = row0 + t;
-        let x = xz[P.o_c + m * P.ld + q.c];
+        let x = xz[p.o_c + m * p.ld + q.c];
         let s0 = vec4<f32>(x0.y, x0.z, x0.w, x1.x);
         x1 = select(vec4<f32>(x1.y, x1.z, x1.w, 0.0), vec4<f32>(x), at1);
         x0 = select(s0, vec4<f32>(x), at0);
         if (t >= q.t0) {
             let acc = sum8(w[0] * x0, w[1] * x1, bv);
-            pre[P.o_b + m * P.Di + q.c] = acc;
-            out[P.o_a + m * P.Di + q.c] = acc * sigmoid(acc);
+            pre[p.o_b + m * p.Di + q.c] = acc;
+            out[p.o_a + m * p.Di + q.c] = acc * sigmoid(acc);
         }
     }
 }
@@ -138,31 +142,32 @@ fn conv1d_forward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 @compute @workgroup_size(8)
 fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_id) lid: vec3<u32>) {
-    let q = seq_lane(wid, nwg, lid.x, PB.M, PB.L, PB.Di);
+    let pb = PB;   // read once (see the note above seq_lane)
+    let q = seq_lane(wid, nwg, lid.x, pb.M, pb.L, pb.Di);
     if (!q.ok) { return; }
-    let row0 = q.b * PB.L;
+    let row0 = q.b * pb.L;
     var w = array<vec4<f32>, 2>(vec4<f32>(0.0), vec4<f32>(0.0));
-    for (var k = 0u; k < PB.K; k = k + 1u) { w[k / 4u][k % 4u] = wb[PB.o_d + q.c * PB.K + k]; }
+    for (var k = 0u; k < pb.K; k = k + 1u) { w[k / 4u][k % 4u] = wb[pb.o_d + q.c * pb.K + k]; }
     var g0 = vec4<f32>(0.0);   // dout
     var g1 = vec4<f32>(0.0);
     var s0 = vec4<f32>(0.0);   // silu'(pre)
     var s1 = vec4<f32>(0.0);
     // the window enters at step t + K - 1; the first K - 1 steps only fill it
-    for (var ta = q.t0; ta < q.t1 + PB.K - 1u; ta = ta + 1u) {
+    for (var ta = q.t0; ta < q.t1 + pb.K - 1u; ta = ta + 1u) {
         var gn = 0.0;
         var sn = 0.0;
-        if (ta < PB.L) {
-            let j = (row0 + ta) * PB.Di + q.c;
-            gn = dout[PB.o_b + j];
-            sn = dsilu(preb[PB.o_c + j]);
+        if (ta < pb.L) {
+            let j = (row0 + ta) * pb.Di + q.c;
+            gn = dout[pb.o_b + j];
+            sn = dsilu(preb[pb.o_c + j]);
         }
         g1 = vec4<f32>(g0.w, g1.x, g1.y, g1.z);
         g0 = vec4<f32>(gn, g0.x, g0.y, g0.z);
         s1 = vec4<f32>(s0.w, s1.x, s1.y, s1.z);
         s0 = vec4<f32>(sn, s0.x, s0.y, s0.z);
-        if (ta + 1u >= q.t0 + PB.K) {
-            let t = ta + 1u - PB.K;
-            dxz[PB.o_a + (row0 + t) * PB.ld + q.c] = sum8(w[0] * g0 * s0, w[1] * g1 * s1, 0.0);
+        if (ta + 1u >= q.t0 + pb.K) {
+            let t = ta + 1u - pb.K;
+            dxz[pb.o_a + (row0 + t) * pb.ld + q.c] = sum8(w[0] * g0 * s0, w[1] * g1 * s1, 0.0);
         }
     }
 }
@@ -180,13 +185,14 @@ fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
 @compute @workgroup_size(64)
 fn conv1d_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                           @builtin(local_invocation_id) lid: vec3<u32>) {
+    let p2 = P2;   // read once (see the note above seq_lane)
     let g = wid.x + wid.y * nwg.x;
-    let nblk = (P2.Di + 63u) / 64u;
+    let nblk = (p2.Di + 63u) / 64u;
     let p = g / nblk;
     let c = (g - p * nblk) * 64u + lid.x;
-    if (p >= P2.nchunks || c >= P2.Di) { return; }
-    let m0 = p * P2.rows_per_chunk;
-    let m1 = min(P2.M, m0 + P2.rows_per_chunk);
+    if (p >= p2.nchunks || c >= p2.Di) { return; }
+    let m0 = p * p2.rows_per_chunk;
+    let m1 = min(p2.M, m0 + p2.rows_per_chunk);
     let kq = vec4<u32>(0u, 1u, 2u, 3u);
     var a0 = vec4<f32>(0.0);   // taps 0..3: sum of dp_t * x[t - (K-1) + k]
     var a1 = vec4<f32>(0.0);   // taps 4..7
@@ -194,26 +200,26 @@ fn conv1d_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     var w0 = vec4<f32>(0.0);   // the window: w[k] = x[t - (K-1) + k], k < K; zeros from K on
     var w1 = vec4<f32>(0.0);
     // the K-1 rows before the chunk (of the same sequence) only fill the window
-    let mw = m0 - min(m0 % P2.L, P2.K - 1u);
+    let mw = m0 - min(m0 % p2.L, p2.K - 1u);
     for (var m = mw; m < m1; m = m + 1u) {
-        if (m % P2.L == 0u) { w0 = vec4<f32>(0.0); w1 = vec4<f32>(0.0); }
-        let x = xz2[P2.o_d + m * P2.ld + c];
+        if (m % p2.L == 0u) { w0 = vec4<f32>(0.0); w1 = vec4<f32>(0.0); }
+        let x = xz2[p2.o_d + m * p2.ld + c];
         // shift by one and put x at K-1
         let s0 = vec4<f32>(w0.y, w0.z, w0.w, w1.x);
         let s1 = vec4<f32>(w1.y, w1.z, w1.w, 0.0);
-        w0 = select(s0, vec4<f32>(x), kq == vec4<u32>(P2.K - 1u));
-        w1 = select(s1, vec4<f32>(x), kq + 4u == vec4<u32>(P2.K - 1u));
+        w0 = select(s0, vec4<f32>(x), kq == vec4<u32>(p2.K - 1u));
+        w1 = select(s1, vec4<f32>(x), kq + 4u == vec4<u32>(p2.K - 1u));
         if (m >= m0) {
-            let j = m * P2.Di + c;
-            let dp = dout2[P2.o_b + j] * dsilu(pre2[P2.o_c + j]);
+            let j = m * p2.Di + c;
+            let dp = dout2[p2.o_b + j] * dsilu(pre2[p2.o_c + j]);
             a0 = a0 + dp * w0;
             a1 = a1 + dp * w1;
             ab = ab + dp;
         }
     }
-    let base = ((P2.pbase + p) * P2.Di + c) * (P2.K + 1u);
-    for (var k = 0u; k < P2.K; k = k + 1u) { partial[base + k] = select(a1[k % 4u], a0[k % 4u], k < 4u); }
-    partial[base + P2.K] = ab;
+    let base = ((p2.pbase + p) * p2.Di + c) * (p2.K + 1u);
+    for (var k = 0u; k < p2.K; k = k + 1u) { partial[base + k] = select(a1[k % 4u], a0[k % 4u], k < 4u); }
+    partial[base + p2.K] = ab;
 }
 
 @group(0) @binding(0) var<storage, read_write> dweight: array<f32>;
