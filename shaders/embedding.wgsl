@@ -20,16 +20,17 @@ struct Params { M: u32, E: u32, V: u32, o_out: u32, o_ids: u32, o_w: u32, v0: u3
 @compute @workgroup_size(256)
 fn embedding_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_id) lid: vec3<u32>) {
+    let pr = P;   // read once: on lavapipe a uniform read after a branch is a gather
     let i = (wid.x + wid.y * nwg.x) * 256u + lid.x;
-    if (i >= P.M * P.E) { return; }
-    let m = i / P.E;
-    let e = i - m * P.E;
-    let tok = ids[P.o_ids + m];
-    let r = u32(tok) - P.v0;                  // row inside this range (wraps when below it)
-    if (tok >= 0 && u32(tok) >= P.v0 && r < P.V) {
-        out[P.o_out + i] = weight[P.o_w + r * P.E + e];
-    } else if (P.v0 == 0u && (tok < 0 || u32(tok) >= P.Vall)) {
-        out[P.o_out + i] = 0.0;
+    if (i >= pr.M * pr.E) { return; }
+    let m = i / pr.E;
+    let e = i - m * pr.E;
+    let tok = ids[pr.o_ids + m];
+    let r = u32(tok) - pr.v0;                  // row inside this range (wraps when below it)
+    if (tok >= 0 && u32(tok) >= pr.v0 && r < pr.V) {
+        out[pr.o_out + i] = weight[pr.o_w + r * pr.E + e];
+    } else if (pr.v0 == 0u && (tok < 0 || u32(tok) >= pr.Vall)) {
+        out[pr.o_out + i] = 0.0;
     }
 }
 
@@ -48,21 +49,22 @@ struct ParamsB { M: u32, E: u32, V: u32, nblk: u32, o_dw: u32, o_dout: u32, v0: 
 @compute @workgroup_size(64)
 fn embedding_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_id) lid: vec3<u32>) {
+    let pr = PB;   // read once: on lavapipe a uniform read after a branch is a gather
     let g = wid.x + wid.y * nwg.x;
-    let s = g / PB.nblk;
-    let e = (g - s * PB.nblk) * 64u + lid.x;
+    let s = g / pr.nblk;
+    let e = (g - s * pr.nblk) * 64u + lid.x;
     let U = u32(csr[0]);
-    if (s >= U || s >= PB.M || e >= PB.E) { return; }
-    let tok = csr[2u + PB.M + s];
-    let r = u32(tok) - PB.v0;
-    if (tok < 0 || u32(tok) < PB.v0 || r >= PB.V) { return; }
+    if (s >= U || s >= pr.M || e >= pr.E) { return; }
+    let tok = csr[2u + pr.M + s];
+    let r = u32(tok) - pr.v0;
+    if (tok < 0 || u32(tok) < pr.v0 || r >= pr.V) { return; }
     let start = u32(csr[1u + s]);
     let end = u32(csr[2u + s]);
     var acc = 0.0;
     for (var j = start; j < end; j = j + 1u) {
-        let m = u32(csr[2u + 2u * PB.M + j]) - PB.m0;   // wraps when below the range
-        if (m < PB.Mn) { acc = acc + dout[PB.o_dout + m * PB.E + e]; }
+        let m = u32(csr[2u + 2u * pr.M + j]) - pr.m0;   // wraps when below the range
+        if (m < pr.Mn) { acc = acc + dout[pr.o_dout + m * pr.E + e]; }
     }
-    let k = PB.o_dw + r * PB.E + e;
+    let k = pr.o_dw + r * pr.E + e;
     dweight[k] = dweight[k] + acc;
 }

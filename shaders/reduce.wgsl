@@ -56,15 +56,16 @@ fn fold(lid: u32, acc: f32) -> f32 {
 fn reduce_partial(@builtin(local_invocation_index) lid: u32,
                   @builtin(workgroup_id) wid: vec3<u32>,
                   @builtin(num_workgroups) nwg: vec3<u32>) {
+    let pr = P;   // read once: on lavapipe a uniform read after a branch is a gather
     let w = wid.x + wid.y * nwg.x;
-    let start = w * 256u * P.per_thread;
+    let start = w * 256u * pr.per_thread;
     var acc = 0.0;
-    if (start < P.n) {
-        for (var k = 0u; k < P.per_thread; k = k + 1u) {
+    if (start < pr.n) {
+        for (var k = 0u; k < pr.per_thread; k = k + 1u) {
             let i = start + k * 256u + lid;
-            if (i < P.n) {
-                let v = x[P.base + i];
-                if (P.square != 0u) {
+            if (i < pr.n) {
+                let v = x[pr.base + i];
+                if (pr.square != 0u) {
                     acc = acc + v * v;
                 } else {
                     acc = acc + v;
@@ -73,8 +74,8 @@ fn reduce_partial(@builtin(local_invocation_index) lid: u32,
         }
     }
     let total = fold(lid, acc);
-    if (lid == 0u && start < P.n) {
-        partials[P.pbase + w] = total;
+    if (lid == 0u && start < pr.n) {
+        partials[pr.pbase + w] = total;
     }
 }
 
@@ -86,15 +87,16 @@ fn reduce_partial(@builtin(local_invocation_index) lid: u32,
 fn reduce_partial4(@builtin(local_invocation_index) lid: u32,
                    @builtin(workgroup_id) wid: vec3<u32>,
                    @builtin(num_workgroups) nwg: vec3<u32>) {
+    let pr = P;   // read once: on lavapipe a uniform read after a branch is a gather
     let w = wid.x + wid.y * nwg.x;
-    let start = w * 256u * P.per_thread;
+    let start = w * 256u * pr.per_thread;
     var acc = vec4<f32>(0.0);
-    if (start < P.n) {
-        for (var k = 0u; k < P.per_thread / 4u; k = k + 1u) {
+    if (start < pr.n) {
+        for (var k = 0u; k < pr.per_thread / 4u; k = k + 1u) {
             let i = start / 4u + k * 256u + lid;
-            if (4u * i < P.n) {
-                let v = x4[P.base / 4u + i];
-                if (P.square != 0u) {
+            if (4u * i < pr.n) {
+                let v = x4[pr.base / 4u + i];
+                if (pr.square != 0u) {
                     acc = acc + v * v;
                 } else {
                     acc = acc + v;
@@ -103,8 +105,8 @@ fn reduce_partial4(@builtin(local_invocation_index) lid: u32,
         }
     }
     let total = fold(lid, (acc.x + acc.y) + (acc.z + acc.w));
-    if (lid == 0u && start < P.n) {
-        partials[P.pbase + w] = total;
+    if (lid == 0u && start < pr.n) {
+        partials[pr.pbase + w] = total;
     }
 }
 

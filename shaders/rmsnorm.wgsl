@@ -41,17 +41,18 @@ fn wg_sum(v: f32, l: u32) -> f32 {
 @compute @workgroup_size(WG)
 fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                    @builtin(local_invocation_id) lid: vec3<u32>) {
+    let pr = P;   // read once: on lavapipe a uniform read after a branch is a gather
     let m = wid.x + wid.y * nwg.x;
-    if (m >= P.M) { return; }
+    if (m >= pr.M) { return; }
     let l = lid.x;
-    let xb = P.o_c + m * P.ld;
+    let xb = pr.o_c + m * pr.ld;
     var ss = 0.0;
-    for (var e = l; e < P.E; e = e + WG) { let v = x[xb + e]; ss = ss + v * v; }
+    for (var e = l; e < pr.E; e = e + WG) { let v = x[xb + e]; ss = ss + v * v; }
     let tot = wg_sum(ss, l);
-    let r = 1.0 / sqrt(tot / f32(P.E) + P.eps);
-    if (l == 0u) { rstd[P.o_b + m] = r; }
-    let ob = P.o_a + m * P.ld;
-    for (var e = l; e < P.E; e = e + WG) { out[ob + e] = weight[P.o_d + e] * (x[xb + e] * r); }
+    let r = 1.0 / sqrt(tot / f32(pr.E) + pr.eps);
+    if (l == 0u) { rstd[pr.o_b + m] = r; }
+    let ob = pr.o_a + m * pr.ld;
+    for (var e = l; e < pr.E; e = e + WG) { out[ob + e] = weight[pr.o_d + e] * (x[xb + e] * r); }
 }
 
 // ---------------------------------------------------------------- backward: dx
@@ -65,18 +66,19 @@ fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
 @compute @workgroup_size(WG)
 fn rmsnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                     @builtin(local_invocation_id) lid: vec3<u32>) {
+    let pr = PB;   // read once: on lavapipe a uniform read after a branch is a gather
     let m = wid.x + wid.y * nwg.x;
-    if (m >= PB.M) { return; }
+    if (m >= pr.M) { return; }
     let l = lid.x;
-    let r = rs[PB.o_e + m];
-    let gb = PB.o_b + m * PB.ld;
-    let xb = PB.o_c + m * PB.ld;
+    let r = rs[pr.o_e + m];
+    let gb = pr.o_b + m * pr.ld;
+    let xb = pr.o_c + m * pr.ld;
     var d = 0.0;
-    for (var e = l; e < PB.E; e = e + WG) { d = d + dout[gb + e] * wg_[PB.o_d + e] * xg[xb + e]; }
-    let c = wg_sum(d, l) * r / f32(PB.E);           // mean(g * xh)
-    let db = PB.o_a + m * PB.ld;
-    for (var e = l; e < PB.E; e = e + WG) {
-        let g = dout[gb + e] * wg_[PB.o_d + e];
+    for (var e = l; e < pr.E; e = e + WG) { d = d + dout[gb + e] * wg_[pr.o_d + e] * xg[xb + e]; }
+    let c = wg_sum(d, l) * r / f32(pr.E);           // mean(g * xh)
+    let db = pr.o_a + m * pr.ld;
+    for (var e = l; e < pr.E; e = e + WG) {
+        let g = dout[gb + e] * wg_[pr.o_d + e];
         let xh = xg[xb + e] * r;
         dx[db + e] = dx[db + e] + r * (g - xh * c);
     }
@@ -94,18 +96,19 @@ fn rmsnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
 @compute @workgroup_size(64)
 fn rmsnorm_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                            @builtin(local_invocation_id) lid: vec3<u32>) {
+    let pr = P2;   // read once: on lavapipe a uniform read after a branch is a gather
     let g = wid.x + wid.y * nwg.x;
-    let nblk = (P2.E + 63u) / 64u;
+    let nblk = (pr.E + 63u) / 64u;
     let p = g / nblk;
     let e = (g - p * nblk) * 64u + lid.x;
-    if (p >= P2.nchunks || e >= P2.E) { return; }
-    let m0 = p * P2.rows_per_chunk;
-    let m1 = min(P2.M, m0 + P2.rows_per_chunk);
+    if (p >= pr.nchunks || e >= pr.E) { return; }
+    let m0 = p * pr.rows_per_chunk;
+    let m1 = min(pr.M, m0 + pr.rows_per_chunk);
     var acc = 0.0;
     for (var m = m0; m < m1; m = m + 1u) {
-        acc = acc + dout2[P2.o_b + m * P2.ld + e] * (x2[P2.o_c + m * P2.ld + e] * rs2[P2.o_e + m]);
+        acc = acc + dout2[pr.o_b + m * pr.ld + e] * (x2[pr.o_c + m * pr.ld + e] * rs2[pr.o_e + m]);
     }
-    partial[(P2.pbase + p) * P2.E + e] = acc;
+    partial[(pr.pbase + p) * pr.E + e] = acc;
 }
 
 @group(0) @binding(0) var<storage, read_write> dweight: array<f32>;
@@ -115,9 +118,10 @@ fn rmsnorm_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
 @compute @workgroup_size(64)
 fn rmsnorm_dweight_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                           @builtin(local_invocation_id) lid: vec3<u32>) {
+    let pr = P3;   // read once: on lavapipe a uniform read after a branch is a gather
     let e = (wid.x + wid.y * nwg.x) * 64u + lid.x;
-    if (e >= P3.E) { return; }
+    if (e >= pr.E) { return; }
     var acc = 0.0;
-    for (var p = 0u; p < P3.nchunks; p = p + 1u) { acc = acc + partial3[p * P3.E + e]; }
-    dweight[P3.o_a + e] = dweight[P3.o_a + e] + acc;
+    for (var p = 0u; p < pr.nchunks; p = p + 1u) { acc = acc + partial3[p * pr.E + e]; }
+    dweight[pr.o_a + e] = dweight[pr.o_a + e] + acc;
 }

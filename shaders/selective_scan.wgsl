@@ -274,15 +274,16 @@ fn out_y(b: u32, t: u32, d: u32, ok: bool, v: f32) {
 @compute @workgroup_size(256)
 fn selective_scan_backward_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                                 @builtin(local_invocation_index) lid: u32) {
+    let pr = P;   // read once: on lavapipe a uniform read after a branch is a gather
     let i = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (i >= P.B * P.L * P.Di) { return; }
-    let m = i / P.Di;
-    let zi = m * 2u * P.Di + P.Di + i % P.Di;
-    let z = xz[P.o_xz + zi];
+    if (i >= pr.B * pr.L * pr.Di) { return; }
+    let m = i / pr.Di;
+    let zi = m * 2u * pr.Di + pr.Di + i % pr.Di;
+    let z = xz[pr.o_xz + zi];
     let sz = sigmoid(z);
-    let g = dy[P.o_dy + i];
-    du[P.o_du + i] = g * z * sz;
-    dxz[P.o_dxz + zi] = g * sz * (1.0 + z * (1.0 - sz));
+    let g = dy[pr.o_dy + i];
+    du[pr.o_du + i] = g * z * sz;
+    dxz[pr.o_dxz + zi] = g * sz * (1.0 + z * (1.0 - sz));
 }
 
 // owner of (d, n) in phase B of the backward: the segments' start states from the chunk's
@@ -578,33 +579,35 @@ fn out_bwd(b: u32, t: u32, d: u32, ok: bool, bias: f32, Dd: f32, dt: f32, gb: f3
 @compute @workgroup_size(256)
 fn selective_scan_backward_dbc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                                @builtin(local_invocation_index) lid: u32) {
+    let pr = P;   // read once: on lavapipe a uniform read after a branch is a gather
     let i = (wid.x + wid.y * nwg.x) * 256u + lid;
-    let M = P.B * P.L;
-    if (i >= M * P.N) { return; }
-    let m = i / P.N;
-    let n = i % P.N;
+    let M = pr.B * pr.L;
+    if (i >= M * pr.N) { return; }
+    let m = i / pr.N;
+    let n = i % pr.N;
     var sb = 0.0;
     var sc = 0.0;
-    for (var q = 0u; q < P.nblk; q++) {
-        let o = (m * P.nblk + q) * P.N + n;
+    for (var q = 0u; q < pr.nblk; q++) {
+        let o = (m * pr.nblk + q) * pr.N + n;
         sb += pbc[o];
-        sc += pbc[P.pbc_half + o];
+        sc += pbc[pr.pbc_half + o];
     }
-    let row = P.o_dxdbl + m * P.ldx + P.R;
+    let row = pr.o_dxdbl + m * pr.ldx + pr.R;
     dxdbl[row + n] = sb;
-    dxdbl[row + P.N + n] = sc;
+    dxdbl[row + pr.N + n] = sc;
 }
 
 // accumulate: acc_out[o_out + i] += sum_k work[base + k*stride + i] (* A)   (parameter gradients)
 @compute @workgroup_size(256)
 fn selective_scan_accumulate(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                              @builtin(local_invocation_index) lid: u32) {
+    let qr = Q;   // read once: on lavapipe a uniform read after a branch is a gather
     let i = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (i >= Q.n) { return; }
+    if (i >= qr.n) { return; }
     var acc = 0.0;
-    for (var k = 0u; k < Q.K; k++) { acc += work[Q.base + k * Q.stride + i]; }
-    if (Q.scale_a != 0u) { acc *= -exp(work[i]); }
-    acc_out[Q.o_out + i] = acc_out[Q.o_out + i] + acc;
+    for (var k = 0u; k < qr.K; k++) { acc += work[qr.base + k * qr.stride + i]; }
+    if (qr.scale_a != 0u) { acc *= -exp(work[i]); }
+    acc_out[qr.o_out + i] = acc_out[qr.o_out + i] + acc;
 }
 
 // ---------------------------------------------------------------- CPU adapters
