@@ -722,6 +722,13 @@ fn load4(base: u32, q: u32) -> vec4<f32> {
     return vec4<f32>(work[i], work[i + 1u], work[i + 2u], work[i + 3u]);
 }
 
+// the sum over the 8 lanes, in every lane (a butterfly of subgroup shuffles)
+fn lanes_sum4(v: vec4<f32>) -> vec4<f32> {
+    let a = v + sg_xor4(v, 1u);
+    let b = a + sg_xor4(a, 2u);
+    return b + sg_xor4(b, 4u);
+}
+
 // one step of the adjoint for states 4q..4q+3 (bn, cn: their Bm, Cm; sn, sp: the state after
 // and before the step; h: the adjoint entering from the right)
 struct Adj { h: vec4<f32>, da: vec4<f32>, rb: vec4<f32>, rc: vec4<f32>, sums: vec3<f32> }
@@ -730,7 +737,7 @@ fn adjoint4(bn: vec4<f32>, cn: vec4<f32>, sn: vec4<f32>, sp: vec4<f32>, h: vec4<
     let hn = fma(cn, vec4<f32>(g), h);
     let ex = exp(dt * a);
     let q = ex * sp;
-    return Adj(hn * ex, hn * dt * q, sg_add4(hn * (dt * uu)), sg_add4(sn * g),
+    return Adj(hn * ex, hn * dt * q, lanes_sum4(hn * (dt * uu)), lanes_sum4(sn * g),
                vec3<f32>(dot(hn, fma(a, q, bn * uu)), dot(hn, bn), dot(sn, cn)));
 }
 

@@ -13,6 +13,3 @@ fn sg_xor1(v: f32, mask: u32) -> f32 { return subgroupShuffleXor(v, mask); }
 // the value of invocation `lane` of the subgroup (lane the same for all: a broadcast)
 fn sg_shuffle4(v: vec4<f32>, lane: u32) -> vec4<f32> { return subgroupShuffle(v, lane); }
 fn sg_shuffle1(v: f32, lane: u32) -> f32 { return subgroupShuffle(v, lane); }
-// the sum over the subgroup's invocations
-fn sg_add1(v: f32) -> f32 { return subgroupAdd(v); }
-fn sg_add4(v: vec4<f32>) -> vec4<f32> { return subgroupAdd(v); }

@@ -8,5 +8,3 @@ fn sg_xor2(v: vec2<f32>, mask: u32) -> vec2<f32> { return v; }
 fn sg_xor1(v: f32, mask: u32) -> f32 { return v; }
 fn sg_shuffle4(v: vec4<f32>, lane: u32) -> vec4<f32> { return v; }
 fn sg_shuffle1(v: f32, lane: u32) -> f32 { return v; }
-fn sg_add1(v: f32) -> f32 { return v; }
-fn sg_add4(v: vec4<f32>) -> vec4<f32> { return v; }
