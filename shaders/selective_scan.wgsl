@@ -107,22 +107,28 @@ fn load_group(b: u32, c: u32, blk: u32, n0: u32, ng: u32, tid: u32) {
 // Bm (bc 0) or Cm (bc 1) of state n at steps 4h..4h+3 of segment j
 fn bc4(n: u32, bc: u32, j: u32, h: u32) -> vec4<f32> { return bcv[(n * 2u + bc) * BCS + j * 2u + h]; }
 
-// dt (softplus(delta + bias)) and u of step t of channel d, zero past L and Di
-fn in_dt(b: u32, t: u32, d: u32, ok: bool, bias: f32) -> f32 {
-    if (ok && t < P.L) { return softplus(delta[P.o_delta + (b * P.L + t) * P.Di + d] + bias); }
-    return 0.0;
-}
+// u of step t of channel d, zero past L and Di
 fn in_u(b: u32, t: u32, d: u32, ok: bool) -> f32 {
     if (ok && t < P.L) { return u[P.o_u + (b * P.L + t) * P.Di + d]; }
     return 0.0;
 }
 // the same for the four steps t .. t+3
-fn in_dt4(b: u32, t: u32, d: u32, ok: bool, bias: f32) -> vec4<f32> {
-    return vec4<f32>(in_dt(b, t, d, ok, bias), in_dt(b, t + 1u, d, ok, bias),
-                     in_dt(b, t + 2u, d, ok, bias), in_dt(b, t + 3u, d, ok, bias));
-}
 fn in_u4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
     return vec4<f32>(in_u(b, t, d, ok), in_u(b, t + 1u, d, ok), in_u(b, t + 2u, d, ok), in_u(b, t + 3u, d, ok));
+}
+
+fn in_raw(b: u32, t: u32, d: u32, ok: bool) -> f32 {   // delta, without the bias or softplus
+    if (ok && t < P.L) { return delta[P.o_delta + (b * P.L + t) * P.Di + d]; }
+    return 0.0;
+}
+fn in_raw4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
+    return vec4<f32>(in_raw(b, t, d, ok), in_raw(b, t + 1u, d, ok), in_raw(b, t + 2u, d, ok), in_raw(b, t + 3u, d, ok));
+}
+// dt = softplus(delta + bias) of steps t..t+3 from their raw delta (0 past L or Di)
+fn dt_of4(r: vec4<f32>, t: u32, ok: bool, bias: f32) -> vec4<f32> {
+    let v = vec4<bool>(t < P.L, t + 1u < P.L, t + 2u < P.L, t + 3u < P.L) & vec4<bool>(ok);
+    let sp = vec4<f32>(softplus(r.x + bias), softplus(r.y + bias), softplus(r.z + bias), softplus(r.w + bias));
+    return select(vec4<f32>(0.0), sp, v);
 }
 
 // the state after 4 steps from s (decays e, inputs p = dt*u*Bm), and the 4 states after each
@@ -185,12 +191,25 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     // phase-B owners: (channel dl, state j) and (dl, j + 8); their chunk carries when N <= NG
     var car0 = 0.0;
     var car1 = 0.0;
+    // a segment's raw delta and u, loaded a chunk before they are used (see seg_in)
+    var nr0 = in_raw4(b, j * K, d, live);
+    var nr1 = in_raw4(b, j * K + 4u, d, live);
+    var nu0 = in_u4(b, j * K, d, live);
+    var nu1 = in_u4(b, j * K + 4u, d, live);
     for (var c = 0u; c < P.nchk; c++) {
         let t0 = c * T + j * K;
-        let dt0 = in_dt4(b, t0, d, live, bias);
-        let dt1 = in_dt4(b, t0 + 4u, d, live, bias);
-        let u0 = in_u4(b, t0, d, live);
-        let u1 = in_u4(b, t0 + 4u, d, live);
+        let r0 = nr0;
+        let r1 = nr1;
+        let u0 = nu0;
+        let u1 = nu1;
+        if (c + 1u < P.nchk) {
+            nr0 = in_raw4(b, t0 + T, d, live);
+            nr1 = in_raw4(b, t0 + T + 4u, d, live);
+            nu0 = in_u4(b, t0 + T, d, live);
+            nu1 = in_u4(b, t0 + T + 4u, d, live);
+        }
+        let dt0 = dt_of4(r0, t0, live, bias);
+        let dt1 = dt_of4(r1, t0 + 4u, live, bias);
         let du0 = dt0 * u0;
         let du1 = dt1 * u1;
         let sdt = dot(dt0 + dt1, vec4<f32>(1.0));
@@ -389,15 +408,18 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     var hc1 = 0.0;
     var da0 = 0.0;
     var da1 = 0.0;
+    var nxt = seg_in(b, (P.nchk - 1u) * T + j * K, d, live);
     for (var cc = 0u; cc < P.nchk; cc++) {
         let c = P.nchk - 1u - cc;
         let t0 = c * T + j * K;
-        let dt0 = in_dt4(b, t0, d, live, bias);
-        let dt1 = in_dt4(b, t0 + 4u, d, live, bias);
-        let u0 = in_u4(b, t0, d, live);
-        let u1 = in_u4(b, t0 + 4u, d, live);
-        let g0 = in_g4(b, t0, d, live);
-        let g1 = in_g4(b, t0 + 4u, d, live);
+        let cur = nxt;
+        if (c > 0u) { nxt = seg_in(b, t0 - T, d, live); }   // the next chunk's, in flight meanwhile
+        let dt0 = dt_of4(cur.r0, t0, live, bias);
+        let dt1 = dt_of4(cur.r1, t0 + 4u, live, bias);
+        let u0 = cur.u0;
+        let u1 = cur.u1;
+        let g0 = cur.g0;
+        let g1 = cur.g1;
         let du0 = dt0 * u0;
         let du1 = dt1 * u1;
         let sdt = dot(dt0 + dt1, vec4<f32>(1.0));
@@ -516,14 +538,14 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 da1 += sb;
             }
         }
-        out_bwd(b, t0, d, live, bias, Dd, dt0.x, gb0.x, gd0.x, yp0.x, g0.x, u0.x);
-        out_bwd(b, t0 + 1u, d, live, bias, Dd, dt0.y, gb0.y, gd0.y, yp0.y, g0.y, u0.y);
-        out_bwd(b, t0 + 2u, d, live, bias, Dd, dt0.z, gb0.z, gd0.z, yp0.z, g0.z, u0.z);
-        out_bwd(b, t0 + 3u, d, live, bias, Dd, dt0.w, gb0.w, gd0.w, yp0.w, g0.w, u0.w);
-        out_bwd(b, t0 + 4u, d, live, bias, Dd, dt1.x, gb1.x, gd1.x, yp1.x, g1.x, u1.x);
-        out_bwd(b, t0 + 5u, d, live, bias, Dd, dt1.y, gb1.y, gd1.y, yp1.y, g1.y, u1.y);
-        out_bwd(b, t0 + 6u, d, live, bias, Dd, dt1.z, gb1.z, gd1.z, yp1.z, g1.z, u1.z);
-        out_bwd(b, t0 + 7u, d, live, bias, Dd, dt1.w, gb1.w, gd1.w, yp1.w, g1.w, u1.w);
+        bsum += out_bwd(b, t0, d, live, bias, Dd, dt0.x, gb0.x, gd0.x, yp0.x, g0.x, u0.x, cur.r0.x);
+        bsum += out_bwd(b, t0 + 1u, d, live, bias, Dd, dt0.y, gb0.y, gd0.y, yp0.y, g0.y, u0.y, cur.r0.y);
+        bsum += out_bwd(b, t0 + 2u, d, live, bias, Dd, dt0.z, gb0.z, gd0.z, yp0.z, g0.z, u0.z, cur.r0.z);
+        bsum += out_bwd(b, t0 + 3u, d, live, bias, Dd, dt0.w, gb0.w, gd0.w, yp0.w, g0.w, u0.w, cur.r0.w);
+        bsum += out_bwd(b, t0 + 4u, d, live, bias, Dd, dt1.x, gb1.x, gd1.x, yp1.x, g1.x, u1.x, cur.r1.x);
+        bsum += out_bwd(b, t0 + 5u, d, live, bias, Dd, dt1.y, gb1.y, gd1.y, yp1.y, g1.y, u1.y, cur.r1.y);
+        bsum += out_bwd(b, t0 + 6u, d, live, bias, Dd, dt1.z, gb1.z, gd1.z, yp1.z, g1.z, u1.z, cur.r1.z);
+        bsum += out_bwd(b, t0 + 7u, d, live, bias, Dd, dt1.w, gb1.w, gd1.w, yp1.w, g1.w, u1.w, cur.r1.w);
         dsum += dot(g0, u0) + dot(g1, u1);
     }
     if (ngrp == 1u && live) {
@@ -531,14 +553,7 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
         if (j < P.N) { work[pa + j] = da0; }
         if (j + 8u < P.N) { work[pa + j + 8u] = da1; }
     }
-    // dt_bias and D partials of (b, d): sum over the segments of ddelta (read back: each
-    // thread wrote its own) and of dy'*u
-    for (var cc = 0u; cc < P.nchk; cc++) {
-        let t0 = cc * T + j * K;
-        for (var k = 0u; k < K; k++) {
-            if (live && t0 + k < P.L) { bsum += ddelta[P.o_ddelta + (b * P.L + t0 + k) * P.Di + d]; }
-        }
-    }
+    // dt_bias and D partials of (b, d): sum over the segments of ddelta and of dy'*u
     workgroupBarrier();
     xs[tid] = bsum;
     hs[tid] = dsum;
@@ -562,17 +577,28 @@ fn in_g(b: u32, t: u32, d: u32, ok: bool) -> f32 {   // dy' from the prep pass
 fn in_g4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
     return vec4<f32>(in_g(b, t, d, ok), in_g(b, t + 1u, d, ok), in_g(b, t + 2u, d, ok), in_g(b, t + 3u, d, ok));
 }
+// A segment's inputs (steps t..t+7), loaded a chunk before they are used: raw values only,
+// so nothing waits for the loads until the next chunk starts.
+struct SegIn { r0: vec4<f32>, r1: vec4<f32>, u0: vec4<f32>, u1: vec4<f32>, g0: vec4<f32>, g1: vec4<f32> }
+fn seg_in(b: u32, t: u32, d: u32, ok: bool) -> SegIn {
+    return SegIn(in_raw4(b, t, d, ok), in_raw4(b, t + 4u, d, ok), in_u4(b, t, d, ok), in_u4(b, t + 4u, d, ok),
+                 in_g4(b, t, d, ok), in_g4(b, t + 4u, d, ok));
+}
 
+// writes the step's outputs; returns its ddelta (0 past L or Di) for the dt_bias sum
 fn out_bwd(b: u32, t: u32, d: u32, ok: bool, bias: f32, Dd: f32, dt: f32, gb: f32, gd: f32, yp: f32,
-           g: f32, uu: f32) {
+           g: f32, uu: f32, raw: f32) -> f32 {
     if (ok && t < P.L) {
         let m = b * P.L + t;
         let e = m * P.Di + d;
         du[P.o_du + e] = fma(dt, gb, Dd * g);
-        ddelta[P.o_ddelta + e] = gd * sigmoid(delta[P.o_delta + e] + bias);
+        let dd = gd * sigmoid(raw + bias);
+        ddelta[P.o_ddelta + e] = dd;
         let zi = P.o_dxz + m * 2u * P.Di + P.Di + d;
         dxz[zi] = dxz[zi] * fma(Dd, uu, yp);
+        return dd;
     }
+    return 0.0;
 }
 
 // dbc (m, n): dxdbl[m, R+n] = sum over the channel blocks of the dBm partials; dCm likewise
