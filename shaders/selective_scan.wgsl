@@ -81,20 +81,43 @@ var<workgroup> qs_w: atomic<u32>;
 fn off_bias() -> u32 { return P.Di * P.N; }
 fn off_D() -> u32 { return P.Di * P.N + P.Di; }
 
-// The chunk's Bm/Cm of states n0 .. n0+ng into bcv (zeros past L or N), A of the block's
-// channels into ash.
-fn load_group(b: u32, c: u32, blk: u32, n0: u32, ng: u32, tid: u32) {
-    for (var i = tid; i < T * 2u * NG; i += WG) {
-        let r = i / (2u * NG);    // step in the chunk
-        let q = i % (2u * NG);    // Bm (0..NG) or Cm (NG..2NG) column: consecutive threads, one row
-        let nn = q % NG;
-        let t = c * T + r;
-        var v = 0.0;
-        if (nn < ng && t < P.L) {
-            v = xdbl[P.o_xdbl + (b * P.L + t) * P.ldx + P.R + (q / NG) * P.N + n0 + nn];
-        }
-        bcv[(nn * 2u + q / NG) * BCS + r / 4u][r % 4u] = v;
+// The chunk's Bm/Cm of states n0 .. n0+ng for bcv (zeros past L or N): thread tid moves
+// column q = tid % 2NG (Bm 0..NG, Cm NG..2NG: consecutive threads read one row) of the
+// chunk's steps r = tid / 2NG + 4k, k = 0..15 (WG = 4 * 2NG threads, T = 64 steps).  Where N
+// fits one group the kernels load the next chunk's while this one computes (BcPart).
+struct BcPart { v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32> }
+
+fn bc_val(b: u32, c: u32, n0: u32, ng: u32, tid: u32, k: u32) -> f32 {
+    let r = tid / (2u * NG) + k * (WG / (2u * NG));
+    let q = tid % (2u * NG);
+    let t = c * T + r;
+    if (q % NG < ng && t < P.L) {
+        return xdbl[P.o_xdbl + (b * P.L + t) * P.ldx + P.R + (q / NG) * P.N + n0 + q % NG];
     }
+    return 0.0;
+}
+fn bc_val4(b: u32, c: u32, n0: u32, ng: u32, tid: u32, k: u32) -> vec4<f32> {
+    return vec4<f32>(bc_val(b, c, n0, ng, tid, k), bc_val(b, c, n0, ng, tid, k + 1u),
+                     bc_val(b, c, n0, ng, tid, k + 2u), bc_val(b, c, n0, ng, tid, k + 3u));
+}
+fn bc_fetch(b: u32, c: u32, n0: u32, ng: u32, tid: u32) -> BcPart {
+    return BcPart(bc_val4(b, c, n0, ng, tid, 0u), bc_val4(b, c, n0, ng, tid, 4u),
+                  bc_val4(b, c, n0, ng, tid, 8u), bc_val4(b, c, n0, ng, tid, 12u));
+}
+fn bc_put4(v: vec4<f32>, tid: u32, k: u32) {
+    let q = tid % (2u * NG);
+    let col = ((q % NG) * 2u + q / NG) * BCS;
+    for (var i = 0u; i < 4u; i++) {
+        let r = tid / (2u * NG) + (k + i) * (WG / (2u * NG));
+        bcv[col + r / 4u][r % 4u] = v[i];
+    }
+}
+fn bc_store(p: BcPart, tid: u32) {
+    bc_put4(p.v0, tid, 0u); bc_put4(p.v1, tid, 4u); bc_put4(p.v2, tid, 8u); bc_put4(p.v3, tid, 12u);
+}
+
+// A of the block's channels, states n0 .. n0+ng, into ash
+fn load_a(blk: u32, n0: u32, ng: u32, tid: u32) {
     for (var i = tid; i < NG * DB; i += WG) {
         let nn = i / DB;
         let d = blk * DB + i % DB;
@@ -102,6 +125,11 @@ fn load_group(b: u32, c: u32, blk: u32, n0: u32, ng: u32, tid: u32) {
         if (nn < ng && d < P.Di) { a = -exp(work[d * P.N + n0 + nn]); }
         ash[i] = a;
     }
+}
+
+fn load_group(b: u32, c: u32, blk: u32, n0: u32, ng: u32, tid: u32) {
+    bc_store(bc_fetch(b, c, n0, ng, tid), tid);
+    load_a(blk, n0, ng, tid);
 }
 
 // Bm (bc 0) or Cm (bc 1) of state n at steps 4h..4h+3 of segment j
@@ -196,6 +224,7 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     var nr1 = in_raw4(b, j * K + 4u, d, live);
     var nu0 = in_u4(b, j * K, d, live);
     var nu1 = in_u4(b, j * K + 4u, d, live);
+    var bcn = bc_fetch(b, 0u, 0u, min(NG, P.N), tid);   // (used where N fits one group)
     for (var c = 0u; c < P.nchk; c++) {
         let t0 = c * T + j * K;
         let r0 = nr0;
@@ -218,7 +247,13 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
         for (var g = 0u; g < ngrp; g++) {
             let n0 = g * NG;
             let ng = min(NG, P.N - n0);
-            load_group(b, c, blk, n0, ng, tid);
+            if (ngrp == 1u) {
+                bc_store(bcn, tid);
+                load_a(blk, n0, ng, tid);
+                if (c + 1u < P.nchk) { bcn = bc_fetch(b, c + 1u, 0u, ng, tid); }
+            } else {
+                load_group(b, c, blk, n0, ng, tid);
+            }
             workgroupBarrier();
             // A: the segment's end state from a zero start
             for (var n = 0u; n < ng; n++) {
@@ -409,6 +444,7 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     var da0 = 0.0;
     var da1 = 0.0;
     var nxt = seg_in(b, (P.nchk - 1u) * T + j * K, d, live);
+    var bcn = bc_fetch(b, P.nchk - 1u, 0u, min(NG, P.N), tid);   // (used where N fits one group)
     for (var cc = 0u; cc < P.nchk; cc++) {
         let c = P.nchk - 1u - cc;
         let t0 = c * T + j * K;
@@ -444,7 +480,13 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 if (cc > 0u && live && j < ng) { hc0 = work[hbase + j]; }
                 if (cc > 0u && live && j + 8u < ng) { hc1 = work[hbase + j + 8u]; }
             }
-            load_group(b, c, blk, n0, ng, tid);
+            if (ngrp == 1u) {
+                bc_store(bcn, tid);
+                load_a(blk, n0, ng, tid);
+                if (c > 0u) { bcn = bc_fetch(b, c - 1u, 0u, ng, tid); }
+            } else {
+                load_group(b, c, blk, n0, ng, tid);
+            }
             workgroupBarrier();
             // A: the segment's end state from a zero start, and its adjoint total
             //    h = sum_k exp(A * (dt_0 + .. + dt_k)) * Cm_k * dy'_k  (what it passes to the left)
