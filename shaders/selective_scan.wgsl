@@ -127,6 +127,15 @@ fn load_a(blk: u32, n0: u32, ng: u32, tid: u32) {
     }
 }
 
+// states n0 + j and n0 + j + 8 of channel d's saved state before chunk c (its copy in work)
+fn saved_states(b: u32, c: u32, d: u32, live: bool, n0: u32, ng: u32, j: u32) -> vec2<f32> {
+    let base = P.off_st + ((b * P.nchk + c) * P.Di + d) * P.N + n0;
+    var st = vec2<f32>(0.0);
+    if (live && j < ng) { st.x = work[base + j]; }
+    if (live && j + 8u < ng) { st.y = work[base + j + 8u]; }
+    return st;
+}
+
 fn load_group(b: u32, c: u32, blk: u32, n0: u32, ng: u32, tid: u32) {
     bc_store(bc_fetch(b, c, n0, ng, tid), tid);
     load_a(blk, n0, ng, tid);
@@ -225,6 +234,7 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     var nu0 = in_u4(b, j * K, d, live);
     var nu1 = in_u4(b, j * K + 4u, d, live);
     var bcn = bc_fetch(b, 0u, 0u, min(NG, P.N), tid);   // (used where N fits one group)
+    if (ngrp == 1u) { load_a(blk, 0u, P.N, tid); }
     for (var c = 0u; c < P.nchk; c++) {
         let t0 = c * T + j * K;
         let r0 = nr0;
@@ -247,9 +257,8 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
         for (var g = 0u; g < ngrp; g++) {
             let n0 = g * NG;
             let ng = min(NG, P.N - n0);
-            if (ngrp == 1u) {
+            if (ngrp == 1u) {   // (ash holds A from before the loop)
                 bc_store(bcn, tid);
-                load_a(blk, n0, ng, tid);
                 if (c + 1u < P.nchk) { bcn = bc_fetch(b, c + 1u, 0u, ng, tid); }
             } else {
                 load_group(b, c, blk, n0, ng, tid);
@@ -445,6 +454,8 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     var da1 = 0.0;
     var nxt = seg_in(b, (P.nchk - 1u) * T + j * K, d, live);
     var bcn = bc_fetch(b, P.nchk - 1u, 0u, min(NG, P.N), tid);   // (used where N fits one group)
+    if (ngrp == 1u) { load_a(blk, 0u, P.N, tid); }
+    var stn = saved_states(b, P.nchk - 1u, d, live, 0u, min(NG, P.N), j);
     for (var cc = 0u; cc < P.nchk; cc++) {
         let c = P.nchk - 1u - cc;
         let t0 = c * T + j * K;
@@ -468,21 +479,23 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
         for (var g = 0u; g < ngrp; g++) {
             let n0 = g * NG;
             let ng = min(NG, P.N - n0);
-            let base = ((b * P.nchk + c) * P.Di + d) * P.N + n0;   // this chunk's saved states
             let hbase = P.off_hc + (b * P.Di + d) * P.N + n0;
-            var st0 = 0.0;
-            var st1 = 0.0;
-            if (live && j < ng) { st0 = work[P.off_st + base + j]; }
-            if (live && j + 8u < ng) { st1 = work[P.off_st + base + j + 8u]; }
+            var st = stn;   // states j, j + 8 of the saved state before this chunk
+            if (ngrp > 1u) {
+                st = saved_states(b, c, d, live, n0, ng, j);
+            } else if (c > 0u) {
+                stn = saved_states(b, c - 1u, d, live, 0u, ng, j);
+            }
+            let st0 = st.x;
+            let st1 = st.y;
             if (ngrp > 1u) {
                 hc0 = 0.0;
                 hc1 = 0.0;
                 if (cc > 0u && live && j < ng) { hc0 = work[hbase + j]; }
                 if (cc > 0u && live && j + 8u < ng) { hc1 = work[hbase + j + 8u]; }
             }
-            if (ngrp == 1u) {
+            if (ngrp == 1u) {   // (ash holds A from before the loop)
                 bc_store(bcn, tid);
-                load_a(blk, n0, ng, tid);
                 if (c > 0u) { bcn = bc_fetch(b, c - 1u, 0u, ng, tid); }
             } else {
                 load_group(b, c, blk, n0, ng, tid);
