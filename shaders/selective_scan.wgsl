@@ -233,6 +233,8 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     var nr1 = in_raw4(b, j * K + 4u, d, live);
     var nu0 = in_u4(b, j * K, d, live);
     var nu1 = in_u4(b, j * K + 4u, d, live);
+    var nz0 = in_z4(b, j * K, d, live);
+    var nz1 = in_z4(b, j * K + 4u, d, live);
     var bcn = bc_fetch(b, 0u, 0u, min(NG, P.N), tid);   // (used where N fits one group)
     if (ngrp == 1u) { load_a(blk, 0u, P.N, tid); }
     for (var c = 0u; c < P.nchk; c++) {
@@ -241,11 +243,15 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
         let r1 = nr1;
         let u0 = nu0;
         let u1 = nu1;
+        let z0 = nz0;
+        let z1 = nz1;
         if (c + 1u < P.nchk) {
             nr0 = in_raw4(b, t0 + T, d, live);
             nr1 = in_raw4(b, t0 + T + 4u, d, live);
             nu0 = in_u4(b, t0 + T, d, live);
             nu1 = in_u4(b, t0 + T + 4u, d, live);
+            nz0 = in_z4(b, t0 + T, d, live);
+            nz1 = in_z4(b, t0 + T + 4u, d, live);
         }
         let dt0 = dt_of4(r0, t0, live, bias);
         let dt1 = dt_of4(r1, t0 + 4u, live, bias);
@@ -314,22 +320,29 @@ fn selective_scan_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
         }
         y0 += Dd * u0;
         y1 += Dd * u1;
-        out_y(b, t0, d, live, y0.x);
-        out_y(b, t0 + 1u, d, live, y0.y);
-        out_y(b, t0 + 2u, d, live, y0.z);
-        out_y(b, t0 + 3u, d, live, y0.w);
-        out_y(b, t0 + 4u, d, live, y1.x);
-        out_y(b, t0 + 5u, d, live, y1.y);
-        out_y(b, t0 + 6u, d, live, y1.z);
-        out_y(b, t0 + 7u, d, live, y1.w);
+        out_y(b, t0, d, live, y0.x, z0.x);
+        out_y(b, t0 + 1u, d, live, y0.y, z0.y);
+        out_y(b, t0 + 2u, d, live, y0.z, z0.z);
+        out_y(b, t0 + 3u, d, live, y0.w, z0.w);
+        out_y(b, t0 + 4u, d, live, y1.x, z1.x);
+        out_y(b, t0 + 5u, d, live, y1.y, z1.y);
+        out_y(b, t0 + 6u, d, live, y1.z, z1.z);
+        out_y(b, t0 + 7u, d, live, y1.w, z1.w);
     }
 }
 
-fn out_y(b: u32, t: u32, d: u32, ok: bool, v: f32) {
+fn out_y(b: u32, t: u32, d: u32, ok: bool, v: f32, z: f32) {
     if (ok && t < P.L) {
-        let m = b * P.L + t;
-        y[P.o_y + m * P.Di + d] = v * silu(xz[P.o_xz + m * 2u * P.Di + P.Di + d]);
+        y[P.o_y + (b * P.L + t) * P.Di + d] = v * silu(z);
     }
+}
+// z of steps t..t+3 of channel d (0 past L or Di), loaded a chunk ahead like dt and u
+fn in_z(b: u32, t: u32, d: u32, ok: bool) -> f32 {
+    if (ok && t < P.L) { return xz[P.o_xz + (b * P.L + t) * 2u * P.Di + P.Di + d]; }
+    return 0.0;
+}
+fn in_z4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
+    return vec4<f32>(in_z(b, t, d, ok), in_z(b, t + 1u, d, ok), in_z(b, t + 2u, d, ok), in_z(b, t + 3u, d, ok));
 }
 
 // ---------------------------------------------------------------- backward
@@ -593,14 +606,14 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 da1 += sb;
             }
         }
-        bsum += out_bwd(b, t0, d, live, bias, Dd, dt0.x, gb0.x, gd0.x, yp0.x, g0.x, u0.x, cur.r0.x);
-        bsum += out_bwd(b, t0 + 1u, d, live, bias, Dd, dt0.y, gb0.y, gd0.y, yp0.y, g0.y, u0.y, cur.r0.y);
-        bsum += out_bwd(b, t0 + 2u, d, live, bias, Dd, dt0.z, gb0.z, gd0.z, yp0.z, g0.z, u0.z, cur.r0.z);
-        bsum += out_bwd(b, t0 + 3u, d, live, bias, Dd, dt0.w, gb0.w, gd0.w, yp0.w, g0.w, u0.w, cur.r0.w);
-        bsum += out_bwd(b, t0 + 4u, d, live, bias, Dd, dt1.x, gb1.x, gd1.x, yp1.x, g1.x, u1.x, cur.r1.x);
-        bsum += out_bwd(b, t0 + 5u, d, live, bias, Dd, dt1.y, gb1.y, gd1.y, yp1.y, g1.y, u1.y, cur.r1.y);
-        bsum += out_bwd(b, t0 + 6u, d, live, bias, Dd, dt1.z, gb1.z, gd1.z, yp1.z, g1.z, u1.z, cur.r1.z);
-        bsum += out_bwd(b, t0 + 7u, d, live, bias, Dd, dt1.w, gb1.w, gd1.w, yp1.w, g1.w, u1.w, cur.r1.w);
+        bsum += out_bwd(b, t0, d, live, bias, Dd, dt0.x, gb0.x, gd0.x, yp0.x, g0.x, u0.x, cur.r0.x, cur.x0.x);
+        bsum += out_bwd(b, t0 + 1u, d, live, bias, Dd, dt0.y, gb0.y, gd0.y, yp0.y, g0.y, u0.y, cur.r0.y, cur.x0.y);
+        bsum += out_bwd(b, t0 + 2u, d, live, bias, Dd, dt0.z, gb0.z, gd0.z, yp0.z, g0.z, u0.z, cur.r0.z, cur.x0.z);
+        bsum += out_bwd(b, t0 + 3u, d, live, bias, Dd, dt0.w, gb0.w, gd0.w, yp0.w, g0.w, u0.w, cur.r0.w, cur.x0.w);
+        bsum += out_bwd(b, t0 + 4u, d, live, bias, Dd, dt1.x, gb1.x, gd1.x, yp1.x, g1.x, u1.x, cur.r1.x, cur.x1.x);
+        bsum += out_bwd(b, t0 + 5u, d, live, bias, Dd, dt1.y, gb1.y, gd1.y, yp1.y, g1.y, u1.y, cur.r1.y, cur.x1.y);
+        bsum += out_bwd(b, t0 + 6u, d, live, bias, Dd, dt1.z, gb1.z, gd1.z, yp1.z, g1.z, u1.z, cur.r1.z, cur.x1.z);
+        bsum += out_bwd(b, t0 + 7u, d, live, bias, Dd, dt1.w, gb1.w, gd1.w, yp1.w, g1.w, u1.w, cur.r1.w, cur.x1.w);
         dsum += dot(g0, u0) + dot(g1, u1);
     }
     if (ngrp == 1u && live) {
@@ -634,15 +647,23 @@ fn in_g4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
 }
 // A segment's inputs (steps t..t+7), loaded a chunk before they are used: raw values only,
 // so nothing waits for the loads until the next chunk starts.
-struct SegIn { r0: vec4<f32>, r1: vec4<f32>, u0: vec4<f32>, u1: vec4<f32>, g0: vec4<f32>, g1: vec4<f32> }
+struct SegIn { r0: vec4<f32>, r1: vec4<f32>, u0: vec4<f32>, u1: vec4<f32>, g0: vec4<f32>, g1: vec4<f32>,
+               x0: vec4<f32>, x1: vec4<f32> }
 fn seg_in(b: u32, t: u32, d: u32, ok: bool) -> SegIn {
     return SegIn(in_raw4(b, t, d, ok), in_raw4(b, t + 4u, d, ok), in_u4(b, t, d, ok), in_u4(b, t + 4u, d, ok),
-                 in_g4(b, t, d, ok), in_g4(b, t + 4u, d, ok));
+                 in_g4(b, t, d, ok), in_g4(b, t + 4u, d, ok), in_zs4(b, t, d, ok), in_zs4(b, t + 4u, d, ok));
+}
+fn in_zs(b: u32, t: u32, d: u32, ok: bool) -> f32 {   // dy*silu'(z) from the prep pass
+    if (ok && t < P.L) { return dxz[P.o_dxz + (b * P.L + t) * 2u * P.Di + P.Di + d]; }
+    return 0.0;
+}
+fn in_zs4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
+    return vec4<f32>(in_zs(b, t, d, ok), in_zs(b, t + 1u, d, ok), in_zs(b, t + 2u, d, ok), in_zs(b, t + 3u, d, ok));
 }
 
 // writes the step's outputs; returns its ddelta (0 past L or Di) for the dt_bias sum
 fn out_bwd(b: u32, t: u32, d: u32, ok: bool, bias: f32, Dd: f32, dt: f32, gb: f32, gd: f32, yp: f32,
-           g: f32, uu: f32, raw: f32) -> f32 {
+           g: f32, uu: f32, raw: f32, zs: f32) -> f32 {
     if (ok && t < P.L) {
         let m = b * P.L + t;
         let e = m * P.Di + d;
@@ -650,7 +671,7 @@ fn out_bwd(b: u32, t: u32, d: u32, ok: bool, bias: f32, Dd: f32, dt: f32, gb: f3
         let dd = gd * sigmoid(raw + bias);
         ddelta[P.o_ddelta + e] = dd;
         let zi = P.o_dxz + m * 2u * P.Di + P.Di + d;
-        dxz[zi] = dxz[zi] * fma(Dd, uu, yp);
+        dxz[zi] = zs * fma(Dd, uu, yp);   // (dy * silu'(z) from the prep pass) * y_pre
         return dd;
     }
     return 0.0;
