@@ -52,6 +52,17 @@ fn fold(lid: u32, acc: f32) -> f32 {
     return sh[0];
 }
 
+// a term of stage 1: x or x*x
+fn term(v: vec4<f32>, square: bool) -> vec4<f32> { return select(v, v * v, square); }
+
+// fold a thread's sum (its four lanes) over the workgroup into partials[pbase + w]
+fn put_partial(pr: Params, lid: u32, w: u32, start: u32, acc: vec4<f32>) {
+    let total = fold(lid, (acc.x + acc.y) + (acc.z + acc.w));
+    if (lid == 0u && start < pr.n) {
+        partials[pr.pbase + w] = total;
+    }
+}
+
 @compute @workgroup_size(256)
 fn reduce_partial(@builtin(local_invocation_index) lid: u32,
                   @builtin(workgroup_id) wid: vec3<u32>,
@@ -59,24 +70,14 @@ fn reduce_partial(@builtin(local_invocation_index) lid: u32,
     let pr = P;   // read once: on lavapipe a uniform read after a branch is a gather
     let w = wid.x + wid.y * nwg.x;
     let start = w * 256u * pr.per_thread;
-    var acc = 0.0;
+    var acc = vec4<f32>(0.0);   // (.x only)
     if (start < pr.n) {
         for (var k = 0u; k < pr.per_thread; k = k + 1u) {
             let i = start + k * 256u + lid;
-            if (i < pr.n) {
-                let v = x[pr.base + i];
-                if (pr.square != 0u) {
-                    acc = acc + v * v;
-                } else {
-                    acc = acc + v;
-                }
-            }
+            if (i < pr.n) { acc = acc + term(vec4<f32>(x[pr.base + i], 0.0, 0.0, 0.0), pr.square != 0u); }
         }
     }
-    let total = fold(lid, acc);
-    if (lid == 0u && start < pr.n) {
-        partials[pr.pbase + w] = total;
-    }
+    put_partial(pr, lid, w, start, acc);
 }
 
 // The same chunks where n and base are multiples of 4 (per_thread is): a thread sums vec4
@@ -94,20 +95,10 @@ fn reduce_partial4(@builtin(local_invocation_index) lid: u32,
     if (start < pr.n) {
         for (var k = 0u; k < pr.per_thread / 4u; k = k + 1u) {
             let i = start / 4u + k * 256u + lid;
-            if (4u * i < pr.n) {
-                let v = x4[pr.base / 4u + i];
-                if (pr.square != 0u) {
-                    acc = acc + v * v;
-                } else {
-                    acc = acc + v;
-                }
-            }
+            if (4u * i < pr.n) { acc = acc + term(x4[pr.base / 4u + i], pr.square != 0u); }
         }
     }
-    let total = fold(lid, (acc.x + acc.y) + (acc.z + acc.w));
-    if (lid == 0u && start < pr.n) {
-        partials[pr.pbase + w] = total;
-    }
+    put_partial(pr, lid, w, start, acc);
 }
 
 fn sum_partials(lid: u32) -> f32 {
