@@ -137,8 +137,11 @@ override NA: u32 = BK * AQ;   // vec4 of one A tile
 override NB: u32 = BK * BQ;
 
 // [k][BM/4 vec4]: a k-row of the A tile / [k][BN/4 vec4]: a k-row of the B tile
-var<workgroup> As4: array<vec4<f32>, NA>;
-var<workgroup> Bs4: array<vec4<f32>, NB>;
+// (two-dimensional, so the inner loop's bounds clamps apply to the thread's column only,
+// which does not change along the loop; rows of TQ = 32 vec4: BM, BN <= 128, valid_config)
+const TQ: u32 = 32u;
+var<workgroup> As4: array<array<vec4<f32>, TQ>, BK>;
+var<workgroup> Bs4: array<array<vec4<f32>, TQ>, BK>;
 
 // Tile loads: vec4 number e of the tile (0 <= e < NA or NB).
 fn fast_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
@@ -162,16 +165,16 @@ fn fast_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
 fn fast_store_a(v: vec4<f32>, e: u32) {
     if (e >= NA) { return; }
     if ((F.flags & 4u) != 0u) {
-        As4[e] = v;
+        As4[e / AQ][e % AQ] = v;
     } else {
         let m = e / (BK / 4u);
         let kq = e % (BK / 4u);
-        let i = kq * 4u * AQ + m / 4u;
+        let q = m / 4u;
         let c = m % 4u;
-        As4[i][c] = v.x;
-        As4[i + AQ][c] = v.y;
-        As4[i + 2u * AQ][c] = v.z;
-        As4[i + 3u * AQ][c] = v.w;
+        As4[kq * 4u][q][c] = v.x;
+        As4[kq * 4u + 1u][q][c] = v.y;
+        As4[kq * 4u + 2u][q][c] = v.z;
+        As4[kq * 4u + 3u][q][c] = v.w;
     }
 }
 
@@ -198,14 +201,14 @@ fn fast_store_b(v: vec4<f32>, e: u32) {
     if ((F.flags & 8u) != 0u) {
         let n = e / (BK / 4u);
         let kq = e % (BK / 4u);
-        let i = kq * 4u * BQ + n / 4u;
+        let q = n / 4u;
         let c = n % 4u;
-        Bs4[i][c] = v.x;
-        Bs4[i + BQ][c] = v.y;
-        Bs4[i + 2u * BQ][c] = v.z;
-        Bs4[i + 3u * BQ][c] = v.w;
+        Bs4[kq * 4u][q][c] = v.x;
+        Bs4[kq * 4u + 1u][q][c] = v.y;
+        Bs4[kq * 4u + 2u][q][c] = v.z;
+        Bs4[kq * 4u + 3u][q][c] = v.w;
     } else {
-        Bs4[e] = v;
+        Bs4[e / BQ][e % BQ] = v;
     }
 }
 
@@ -263,10 +266,10 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
             if (3u * NT < NB) { vb3 = fast_load_b(k1, k_hi, col0, tid + 3u * NT); }
         }
         for (var k = 0u; k < BK; k++) {
-            let a0 = As4[k * AQ + ty];
-            let a1 = As4[k * AQ + TY + ty];
-            let b0 = Bs4[k * BQ + tx];
-            let b1 = Bs4[k * BQ + TX + tx];
+            let a0 = As4[k][ty];
+            let a1 = As4[k][TY + ty];
+            let b0 = Bs4[k][tx];
+            let b1 = Bs4[k][TX + tx];
             c0 += a0.x * b0;  c1 += a0.x * b1;
             c2 += a0.y * b0;  c3 += a0.y * b1;
             c4 += a0.z * b0;  c5 += a0.z * b1;
