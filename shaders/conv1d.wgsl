@@ -51,7 +51,7 @@ fn conv1d_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 @group(0) @binding(0) var<storage, read_write> dxz: array<f32>;
 @group(0) @binding(1) var<storage, read> dout: array<f32>;
 @group(0) @binding(2) var<storage, read> preb: array<f32>;
-@group(0) @binding(3) var<storage, read> wb: array<f32>;
+// (binding 3, the taps: the forward's `weight`)
 @group(0) @binding(4) var<uniform> PB: Params;
 
 @compute @workgroup_size(256)
@@ -67,7 +67,7 @@ fn conv1d_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
         let fwd = PB.K - 1u - k;            // output row m + fwd used input m with tap k
         if (t + fwd < PB.L) {
             let j = (m + fwd) * PB.Di + c;
-            acc = acc + wb[PB.o_d + c * PB.K + k] * dout[PB.o_b + j] * dsilu(preb[PB.o_c + j]);
+            acc = acc + weight[PB.o_d + c * PB.K + k] * dout[PB.o_b + j] * dsilu(preb[PB.o_c + j]);
         }
     }
     dxz[PB.o_a + m * PB.ld + c] = acc;
@@ -146,8 +146,7 @@ fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let q = seq_lane(wid, nwg, lid.x, pb.M, pb.L, pb.Di);
     if (!q.ok) { return; }
     let row0 = q.b * pb.L;
-    var w = array<vec4<f32>, 2>(vec4<f32>(0.0), vec4<f32>(0.0));
-    for (var k = 0u; k < pb.K; k = k + 1u) { w[k / 4u][k % 4u] = wb[pb.o_d + q.c * pb.K + k]; }
+    let w = taps(pb.o_d + q.c * pb.K, pb.K);
     var g0 = vec4<f32>(0.0);   // dout
     var g1 = vec4<f32>(0.0);
     var s0 = vec4<f32>(0.0);   // silu'(pre)

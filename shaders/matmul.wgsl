@@ -353,9 +353,13 @@ fn matmul_splitk_reduce(@builtin(global_invocation_id) gid: vec3<u32>,
 override TA: bool = false;   // A stored [K, lda] (M contiguous); else [M, lda] (K contiguous)
 override TB: bool = false;   // B stored [N, ldb] (K contiguous); else [K, ldb] (N contiguous)
 
-// a row (or column) past the matrix reads as zeros (the load itself stays inside the binding
-// or is clamped by the runtime)
-fn lanes_load(v: vec4<f32>, ok: bool) -> vec4<f32> { return select(vec4<f32>(0.0), v, ok); }
+// rows (or columns) r0..r0+3 as loaded; those at or past `lim` read as zeros (the load itself
+// stays inside the binding or is clamped by the runtime)
+fn lanes_rows(v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>, r0: u32, lim: u32) -> mat4x4<f32> {
+    let z = vec4<f32>(0.0);
+    return mat4x4<f32>(select(z, v0, r0 < lim), select(z, v1, r0 + 1u < lim),
+                       select(z, v2, r0 + 2u < lim), select(z, v3, r0 + 3u < lim));
+}
 
 // column j: the K values k..k+3 of row r0 + j (r0 = the lane's first row of the tile)
 fn lanes_a(F: FastParams, r0: u32, k: u32) -> mat4x4<f32> {
@@ -367,8 +371,7 @@ fn lanes_a(F: FastParams, r0: u32, k: u32) -> mat4x4<f32> {
     }
     let i = (F.a_off + r0 * F.lda + k) / 4u;
     let q = F.lda / 4u;
-    return mat4x4<f32>(lanes_load(A4[i], r0 < F.M), lanes_load(A4[i + q], r0 + 1u < F.M),
-                       lanes_load(A4[i + 2u * q], r0 + 2u < F.M), lanes_load(A4[i + 3u * q], r0 + 3u < F.M));
+    return lanes_rows(A4[i], A4[i + q], A4[i + 2u * q], A4[i + 3u * q], r0, F.M);
 }
 
 // column q: the K values k..k+3 of column c0 + q of op(B)
@@ -381,8 +384,7 @@ fn lanes_b(F: FastParams, c0: u32, k: u32) -> mat4x4<f32> {
     }
     let i = (F.b_off + c0 * F.ldb + k) / 4u;
     let q = F.ldb / 4u;
-    return mat4x4<f32>(lanes_load(B4[i], c0 < F.N), lanes_load(B4[i + q], c0 + 1u < F.N),
-                       lanes_load(B4[i + 2u * q], c0 + 2u < F.N), lanes_load(B4[i + 3u * q], c0 + 3u < F.N));
+    return lanes_rows(B4[i], B4[i + q], B4[i + 2u * q], B4[i + 3u * q], c0, F.N);
 }
 
 @compute @workgroup_size(8)
