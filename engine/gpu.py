@@ -418,10 +418,11 @@ class Runtime:
 
     # ------------------------------------------------------------------ shaders
     # Every module gets shaders/common.wgsl (sigmoid, silu, softplus) put in front of it.
-    # A shader whose first line is this marker gets the subgroup helpers put in front of
-    # it: shaders/subgroups.wgsl where the device has subgroups, else the stand-ins of
-    # shaders/subgroups_off.wgsl (sg_size() == 1, so kernels take their workgroup path).
-    SUBGROUP_MARKER = "// requires: subgroups"
+    # A shader whose first line is `// requires: a, b` gets shaders/a.wgsl and b.wgsl put
+    # in front of it too; `subgroups` is shaders/subgroups.wgsl where the device has
+    # subgroups, else the stand-ins of shaders/subgroups_off.wgsl (sg_size() == 1, so
+    # kernels take their workgroup path).
+    REQUIRES = "// requires:"
 
     def module(self, name: str):
         mod = self._modules.get(name)
@@ -432,13 +433,19 @@ class Runtime:
             except FileNotFoundError as e:
                 raise RuntimeError(f"shader file not found: shaders/{name}.wgsl") from e
             prelude = [_wgsl_path("common").read_text()]
-            if code.startswith(self.SUBGROUP_MARKER):
-                prelude.append(_wgsl_path("subgroups" if self.has_subgroups else "subgroups_off").read_text())
             lines = code.split("\n")
-            n = 0  # `enable ...;` directives must stay in front of every declaration
-            while n < len(lines) and lines[n].startswith("enable "):
-                n += 1
-            code = "\n".join(lines[:n] + prelude + lines[n:])
+            if lines[0].startswith(self.REQUIRES):
+                for req in lines[0][len(self.REQUIRES):].split(","):
+                    req = req.strip()
+                    if req == "subgroups" and not self.has_subgroups:
+                        req = "subgroups_off"
+                    prelude.append(_wgsl_path(req).read_text())
+            # `enable ...;` directives (among the leading comments) go in front of everything
+            head = 0
+            while head < len(lines) and lines[head].startswith(("enable ", "//")):
+                head += 1
+            enables = [ln for ln in lines[:head] if ln.startswith("enable ")]
+            code = "\n".join(enables + prelude + [ln for ln in lines if not ln.startswith("enable ")])
             try:
                 mod = self.device.create_shader_module(label=name, code=code)
             except Exception as e:

@@ -1,4 +1,4 @@
-// requires: subgroups
+// requires: subgroups, matmul_block
 // matmul: C[M,N] (+)= op(A)[M,K] @ op(B)[K,N] (+ bias[N]).
 //
 // Every operand is addressed through (offset, row stride, column stride), so one kernel
@@ -113,11 +113,7 @@ fn matmul_forward(@builtin(local_invocation_id) lid: vec3<u32>,
 // [z*ksplit, (z+1)*ksplit) and writes its partial product to slice z of C (c_off +
 // z*M*ldc); matmul_splitk_reduce then adds the slices into the real output.
 
-struct FastParams {
-    M: u32, N: u32, K: u32, flags: u32,
-    a_off: u32, lda: u32, b_off: u32, ldb: u32,
-    c_off: u32, ldc: u32, bias_off: u32, ksplit: u32,   // ksplit: K per slice (split-K), 0 = all
-}
+// (FastParams, the register block and store_fast: shaders/matmul_block.wgsl)
 
 @group(0) @binding(0) var<storage, read_write> C4: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> A4: array<vec4<f32>>;
@@ -228,11 +224,7 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
         k_hi = min(F.K, k_lo + F.ksplit);
         c_base = F.c_off + wid.z * F.M * F.ldc;
     }
-    // 16 named accumulators (a private array indexed dynamically would live in local memory)
-    var c0 = vec4<f32>(0.0); var c1 = vec4<f32>(0.0); var c2 = vec4<f32>(0.0); var c3 = vec4<f32>(0.0);
-    var c4 = vec4<f32>(0.0); var c5 = vec4<f32>(0.0); var c6 = vec4<f32>(0.0); var c7 = vec4<f32>(0.0);
-    var c8 = vec4<f32>(0.0); var c9 = vec4<f32>(0.0); var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
-    var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0); var c14 = vec4<f32>(0.0); var c15 = vec4<f32>(0.0);
+    var acc: Block;   // zero-initialised
     // slot i holds vec4 number tid + i*NT of the tile; slots past the tile are never used
     var va0 = fast_load_a(k_lo, k_hi, row0, tid);
     var va1 = vec4<f32>(0.0); var va2 = vec4<f32>(0.0); var va3 = vec4<f32>(0.0);
@@ -265,51 +257,16 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
             if (2u * NT < NB) { vb2 = fast_load_b(k1, k_hi, col0, tid + 2u * NT); }
             if (3u * NT < NB) { vb3 = fast_load_b(k1, k_hi, col0, tid + 3u * NT); }
         }
-        for (var k = 0u; k < BK; k++) {
-            let a0 = As4[k][ty];
-            let a1 = As4[k][TY + ty];
-            let b0 = Bs4[k][tx];
-            let b1 = Bs4[k][TX + tx];
-            c0 += a0.x * b0;  c1 += a0.x * b1;
-            c2 += a0.y * b0;  c3 += a0.y * b1;
-            c4 += a0.z * b0;  c5 += a0.z * b1;
-            c6 += a0.w * b0;  c7 += a0.w * b1;
-            c8 += a1.x * b0;  c9 += a1.x * b1;
-            c10 += a1.y * b0; c11 += a1.y * b1;
-            c12 += a1.z * b0; c13 += a1.z * b1;
-            c14 += a1.w * b0; c15 += a1.w * b1;
+        for (var k = 0u; k < BK; k += 4u) {   // four K steps written out (BK % 4 == 0)
+            acc = block_fma(acc, As4[k][ty], As4[k][TY + ty], Bs4[k][tx], Bs4[k][TX + tx]);
+            acc = block_fma(acc, As4[k + 1u][ty], As4[k + 1u][TY + ty], Bs4[k + 1u][tx], Bs4[k + 1u][TX + tx]);
+            acc = block_fma(acc, As4[k + 2u][ty], As4[k + 2u][TY + ty], Bs4[k + 2u][tx], Bs4[k + 2u][TX + tx]);
+            acc = block_fma(acc, As4[k + 3u][ty], As4[k + 3u][TY + ty], Bs4[k + 3u][tx], Bs4[k + 3u][TX + tx]);
         }
         workgroupBarrier();
     }
 
-    let r0 = row0 + ty * 4u;
-    let r1 = row0 + BM / 2u + ty * 4u;
-    let q0 = col0 + tx * 4u;
-    let q1 = col0 + (TX + tx) * 4u;
-    store_fast(c_base, r0, q0, c0);       store_fast(c_base, r0, q1, c1);
-    store_fast(c_base, r0 + 1u, q0, c2);  store_fast(c_base, r0 + 1u, q1, c3);
-    store_fast(c_base, r0 + 2u, q0, c4);  store_fast(c_base, r0 + 2u, q1, c5);
-    store_fast(c_base, r0 + 3u, q0, c6);  store_fast(c_base, r0 + 3u, q1, c7);
-    store_fast(c_base, r1, q0, c8);       store_fast(c_base, r1, q1, c9);
-    store_fast(c_base, r1 + 1u, q0, c10); store_fast(c_base, r1 + 1u, q1, c11);
-    store_fast(c_base, r1 + 2u, q0, c12); store_fast(c_base, r1 + 2u, q1, c13);
-    store_fast(c_base, r1 + 3u, q0, c14); store_fast(c_base, r1 + 3u, q1, c15);
-}
-
-fn store_fast(c_base: u32, r: u32, c: u32, acc: vec4<f32>) {
-    if (r >= F.M || c >= F.N) { return; }
-    var v = acc;
-    if (F.ksplit != 0u) {   // a partial product: plain store into its slice
-        C4[(c_base + r * F.ldc + c) / 4u] = v;
-        return;
-    }
-    if ((F.flags & 2u) != 0u) {
-        v += vec4<f32>(bias1[F.bias_off + c], bias1[F.bias_off + c + 1u],
-                       bias1[F.bias_off + c + 2u], bias1[F.bias_off + c + 3u]);
-    }
-    let idx = (c_base + r * F.ldc + c) / 4u;
-    if ((F.flags & 1u) != 0u) { v += C4[idx]; }
-    C4[idx] = v;
+    block_store(c_base, row0 + ty * 4u, row0 + BM / 2u + ty * 4u, col0 + tx * 4u, col0 + (TX + tx) * 4u, acc);
 }
 
 // C[M, N] (+)= sum over the ksplit slices of A (the partial products, [S, M, N]) (+ bias).
