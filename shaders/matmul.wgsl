@@ -258,10 +258,10 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
             if (3u * NT < NB) { vb3 = fast_load_b(k1, k_hi, col0, tid + 3u * NT); }
         }
         for (var k = 0u; k < BK; k += 4u) {   // four K steps written out (BK % 4 == 0)
-            acc = block_fma(acc, As4[k][ty], As4[k][TY + ty], Bs4[k][tx], Bs4[k][TX + tx]);
-            acc = block_fma(acc, As4[k + 1u][ty], As4[k + 1u][TY + ty], Bs4[k + 1u][tx], Bs4[k + 1u][TX + tx]);
-            acc = block_fma(acc, As4[k + 2u][ty], As4[k + 2u][TY + ty], Bs4[k + 2u][tx], Bs4[k + 2u][TX + tx]);
-            acc = block_fma(acc, As4[k + 3u][ty], As4[k + 3u][TY + ty], Bs4[k + 3u][tx], Bs4[k + 3u][TX + tx]);
+            block_fma(&acc, As4[k][ty], As4[k][TY + ty], Bs4[k][tx], Bs4[k][TX + tx]);
+            block_fma(&acc, As4[k + 1u][ty], As4[k + 1u][TY + ty], Bs4[k + 1u][tx], Bs4[k + 1u][TX + tx]);
+            block_fma(&acc, As4[k + 2u][ty], As4[k + 2u][TY + ty], Bs4[k + 2u][tx], Bs4[k + 2u][TX + tx]);
+            block_fma(&acc, As4[k + 3u][ty], As4[k + 3u][TY + ty], Bs4[k + 3u][tx], Bs4[k + 3u][TX + tx]);
         }
         workgroupBarrier();
     }

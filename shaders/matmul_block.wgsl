@@ -4,10 +4,11 @@
 // A thread's block: rows r0..r0+3 and r1..r1+3, columns q0..q0+3 and q1..q1+3 (c{2i} the
 // q0 half, c{2i+1} the q1 half; i = row, 0-3 from r0, 4-7 from r1).
 //
-// The kernels call block_fma for several K steps in a row, written out: the driver on the
-// H200 does not unroll naga's loops, and a register-only loop of 64 multiply-adds per
-// iteration ran at 27.7 TFLOP/s there, 40.3 unrolled 4 times, 51.9 unrolled 16 times
-// (benchmarks/README.md).
+// The kernels call block_fma for several K steps in a row, written out: the H200's driver
+// does not unroll naga's loops (a register-only loop of 64 multiply-adds per iteration ran
+// 27.7 TFLOP/s there, 40.3 unrolled 4 times, 51.9 unrolled 16 times). The block is updated
+// through a pointer: passed and returned by value it cost matmul_fast 12% there (in_proj
+// forward 29.0 vs 33.8 TFLOP/s; benchmarks/README.md).
 
 struct FastParams {
     M: u32, N: u32, K: u32, flags: u32,
@@ -23,17 +24,15 @@ struct Block {
 }
 
 // one K step: a0/a1 = the K value of rows r0..r0+3 / r1..r1+3, b0/b1 of columns q0.. / q1..
-fn block_fma(t: Block, a0: vec4<f32>, a1: vec4<f32>, b0: vec4<f32>, b1: vec4<f32>) -> Block {
-    var r = t;
-    r.c0 += a0.x * b0;  r.c1 += a0.x * b1;
-    r.c2 += a0.y * b0;  r.c3 += a0.y * b1;
-    r.c4 += a0.z * b0;  r.c5 += a0.z * b1;
-    r.c6 += a0.w * b0;  r.c7 += a0.w * b1;
-    r.c8 += a1.x * b0;  r.c9 += a1.x * b1;
-    r.c10 += a1.y * b0; r.c11 += a1.y * b1;
-    r.c12 += a1.z * b0; r.c13 += a1.z * b1;
-    r.c14 += a1.w * b0; r.c15 += a1.w * b1;
-    return r;
+fn block_fma(t: ptr<function, Block>, a0: vec4<f32>, a1: vec4<f32>, b0: vec4<f32>, b1: vec4<f32>) {
+    (*t).c0 += a0.x * b0;  (*t).c1 += a0.x * b1;
+    (*t).c2 += a0.y * b0;  (*t).c3 += a0.y * b1;
+    (*t).c4 += a0.z * b0;  (*t).c5 += a0.z * b1;
+    (*t).c6 += a0.w * b0;  (*t).c7 += a0.w * b1;
+    (*t).c8 += a1.x * b0;  (*t).c9 += a1.x * b1;
+    (*t).c10 += a1.y * b0; (*t).c11 += a1.y * b1;
+    (*t).c12 += a1.z * b0; (*t).c13 += a1.z * b1;
+    (*t).c14 += a1.w * b0; (*t).c15 += a1.w * b1;
 }
 
 fn block_store(c_base: u32, r0: u32, r1: u32, q0: u32, q1: u32, t: Block) {
