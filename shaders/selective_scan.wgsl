@@ -783,32 +783,37 @@ fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let ln = lane_of(p, wid, nwg, l);
     let a0 = lane_A4(ln.dc, 0u); let a1 = lane_A4(ln.dc, 1u); let a2 = lane_A4(ln.dc, 2u); let a3 = lane_A4(ln.dc, 3u);
     var s0 = vec4<f32>(0.0); var s1 = vec4<f32>(0.0); var s2 = vec4<f32>(0.0); var s3 = vec4<f32>(0.0);
-    for (var t = 0u; t < p.L; t++) {
-        let m = ln.b * p.L + t;
-        if (t % T == 0u && ln.live) {
-            let base = p.o_states + ((ln.b * p.nchk + t / T) * p.Di + ln.d) * NS;
+    // the chunk states are saved outside the step loop: lavapipe runs the body of an `if`
+    // whose condition differs between lanes on every pass, masked (inside the step loop
+    // this kernel took 1.62 ms instead of 1.11 at Di 512, L 256)
+    for (var c = 0u; c < p.nchk; c++) {
+        if (ln.live) {
+            let base = p.o_states + ((ln.b * p.nchk + c) * p.Di + ln.d) * NS;
             save4(base, 0u, s0); save4(base, 1u, s1); save4(base, 2u, s2); save4(base, 3u, s3);
         }
-        let e = m * p.Di + ln.dc;
-        let dt = softplus(delta[p.o_delta + e] + ln.bias);
-        let du = dt * u[p.o_u + e];
-        let bc = bc_load(p, m, l);
-        s0 = fma(exp(dt * a0), s0, du * bc_get4(bc, 0u));
-        var yp = dot(s0, bc_get4(bc, NS));
-        if (NS > 4u) {
-            s1 = fma(exp(dt * a1), s1, du * bc_get4(bc, 4u));
-            yp += dot(s1, bc_get4(bc, NS + 4u));
-        }
-        if (NS > 8u) {
-            s2 = fma(exp(dt * a2), s2, du * bc_get4(bc, 8u));
-            yp += dot(s2, bc_get4(bc, NS + 8u));
-        }
-        if (NS > 12u) {
-            s3 = fma(exp(dt * a3), s3, du * bc_get4(bc, 12u));
-            yp += dot(s3, bc_get4(bc, NS + 12u));
-        }
-        if (ln.live) {
-            y[p.o_y + m * p.Di + ln.d] = fma(ln.D, u[p.o_u + e], yp) * silu(xz[p.o_xz + m * 2u * p.Di + p.Di + ln.d]);
+        for (var t = c * T; t < min(p.L, c * T + T); t++) {
+            let m = ln.b * p.L + t;
+            let e = m * p.Di + ln.dc;
+            let dt = softplus(delta[p.o_delta + e] + ln.bias);
+            let du = dt * u[p.o_u + e];
+            let bc = bc_load(p, m, l);
+            s0 = fma(exp(dt * a0), s0, du * bc_get4(bc, 0u));
+            var yp = dot(s0, bc_get4(bc, NS));
+            if (NS > 4u) {
+                s1 = fma(exp(dt * a1), s1, du * bc_get4(bc, 4u));
+                yp += dot(s1, bc_get4(bc, NS + 4u));
+            }
+            if (NS > 8u) {
+                s2 = fma(exp(dt * a2), s2, du * bc_get4(bc, 8u));
+                yp += dot(s2, bc_get4(bc, NS + 8u));
+            }
+            if (NS > 12u) {
+                s3 = fma(exp(dt * a3), s3, du * bc_get4(bc, 12u));
+                yp += dot(s3, bc_get4(bc, NS + 12u));
+            }
+            if (ln.live) {
+                y[p.o_y + m * p.Di + ln.d] = fma(ln.D, u[p.o_u + e], yp) * silu(xz[p.o_xz + m * 2u * p.Di + p.Di + ln.d]);
+            }
         }
     }
 }
