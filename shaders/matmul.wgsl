@@ -309,6 +309,10 @@ fn matmul_splitk_reduce(@builtin(global_invocation_id) gid: vec3<u32>,
 // The layouts are pipeline constants, so each pipeline keeps only its own loads.
 override TA: bool = false;   // A stored [K, lda] (M contiguous); else [M, lda] (K contiguous)
 override TB: bool = false;   // B stored [N, ldb] (K contiguous); else [K, ldb] (N contiguous)
+// So are the epilogue's flags: lavapipe runs the body of every `if` it cannot prove uniform,
+// masked, so flags read at run time cost the bias and accumulate loads on every store.
+override ACC: bool = false;   // C += the product (flags bit 0)
+override BIAS: bool = false;  // + bias (flags bit 1)
 
 // rows (or columns) r0..r0+3 as loaded; those at or past `lim` read as zeros (the load itself
 // stays inside the binding or is clamped by the runtime)
@@ -344,6 +348,18 @@ fn lanes_b(F: FastParams, c0: u32, k: u32) -> mat4x4<f32> {
     return lanes_rows(B4[i], B4[i + q], B4[i + 2u * q], B4[i + 3u * q], c0, F.N);
 }
 
+// C[r, c..c+3] = acc (+ bias) (+ C): store_fast without split-K, the flags as constants
+fn lanes_store(f: FastParams, r: u32, c: u32, acc: vec4<f32>) {
+    if (r >= f.M || c >= f.N) { return; }
+    var v = acc;
+    if (BIAS) {
+        v += vec4<f32>(bias1[f.bias_off + c], bias1[f.bias_off + c + 1u], bias1[f.bias_off + c + 2u], bias1[f.bias_off + c + 3u]);
+    }
+    let idx = (f.c_off + r * f.ldc + c) / 4u;
+    if (ACC) { v += C4[idx]; }
+    C4[idx] = v;
+}
+
 @compute @workgroup_size(8)
 fn matmul_lanes(@builtin(local_invocation_index) l: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let f = F;   // read once, before the loop (see the note above)
@@ -370,13 +386,13 @@ fn matmul_lanes(@builtin(local_invocation_index) l: u32, @builtin(workgroup_id) 
         c60 += sg_shuffle4(am[0], 6u) * bm; c61 += sg_shuffle4(am[1], 6u) * bm; c62 += sg_shuffle4(am[2], 6u) * bm; c63 += sg_shuffle4(am[3], 6u) * bm;
         c70 += sg_shuffle4(am[0], 7u) * bm; c71 += sg_shuffle4(am[1], 7u) * bm; c72 += sg_shuffle4(am[2], 7u) * bm; c73 += sg_shuffle4(am[3], 7u) * bm;
     }
-    store_fast(F.c_off, row0 + 0u, c, c00); store_fast(F.c_off, row0 + 1u, c, c01); store_fast(F.c_off, row0 + 2u, c, c02); store_fast(F.c_off, row0 + 3u, c, c03);
-    store_fast(F.c_off, row0 + 4u, c, c10); store_fast(F.c_off, row0 + 5u, c, c11); store_fast(F.c_off, row0 + 6u, c, c12); store_fast(F.c_off, row0 + 7u, c, c13);
-    store_fast(F.c_off, row0 + 8u, c, c20); store_fast(F.c_off, row0 + 9u, c, c21); store_fast(F.c_off, row0 + 10u, c, c22); store_fast(F.c_off, row0 + 11u, c, c23);
-    store_fast(F.c_off, row0 + 12u, c, c30); store_fast(F.c_off, row0 + 13u, c, c31); store_fast(F.c_off, row0 + 14u, c, c32); store_fast(F.c_off, row0 + 15u, c, c33);
-    store_fast(F.c_off, row0 + 16u, c, c40); store_fast(F.c_off, row0 + 17u, c, c41); store_fast(F.c_off, row0 + 18u, c, c42); store_fast(F.c_off, row0 + 19u, c, c43);
-    store_fast(F.c_off, row0 + 20u, c, c50); store_fast(F.c_off, row0 + 21u, c, c51); store_fast(F.c_off, row0 + 22u, c, c52); store_fast(F.c_off, row0 + 23u, c, c53);
-    store_fast(F.c_off, row0 + 24u, c, c60); store_fast(F.c_off, row0 + 25u, c, c61); store_fast(F.c_off, row0 + 26u, c, c62); store_fast(F.c_off, row0 + 27u, c, c63);
-    store_fast(F.c_off, row0 + 28u, c, c70); store_fast(F.c_off, row0 + 29u, c, c71); store_fast(F.c_off, row0 + 30u, c, c72); store_fast(F.c_off, row0 + 31u, c, c73);
+    lanes_store(f, row0 + 0u, c, c00); lanes_store(f, row0 + 1u, c, c01); lanes_store(f, row0 + 2u, c, c02); lanes_store(f, row0 + 3u, c, c03);
+    lanes_store(f, row0 + 4u, c, c10); lanes_store(f, row0 + 5u, c, c11); lanes_store(f, row0 + 6u, c, c12); lanes_store(f, row0 + 7u, c, c13);
+    lanes_store(f, row0 + 8u, c, c20); lanes_store(f, row0 + 9u, c, c21); lanes_store(f, row0 + 10u, c, c22); lanes_store(f, row0 + 11u, c, c23);
+    lanes_store(f, row0 + 12u, c, c30); lanes_store(f, row0 + 13u, c, c31); lanes_store(f, row0 + 14u, c, c32); lanes_store(f, row0 + 15u, c, c33);
+    lanes_store(f, row0 + 16u, c, c40); lanes_store(f, row0 + 17u, c, c41); lanes_store(f, row0 + 18u, c, c42); lanes_store(f, row0 + 19u, c, c43);
+    lanes_store(f, row0 + 20u, c, c50); lanes_store(f, row0 + 21u, c, c51); lanes_store(f, row0 + 22u, c, c52); lanes_store(f, row0 + 23u, c, c53);
+    lanes_store(f, row0 + 24u, c, c60); lanes_store(f, row0 + 25u, c, c61); lanes_store(f, row0 + 26u, c, c62); lanes_store(f, row0 + 27u, c, c63);
+    lanes_store(f, row0 + 28u, c, c70); lanes_store(f, row0 + 29u, c, c71); lanes_store(f, row0 + 30u, c, c72); lanes_store(f, row0 + 31u, c, c73);
 }
 

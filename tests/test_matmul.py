@@ -13,14 +13,14 @@ from memengine.engine.ops.lanes import cpu_lanes
 
 
 
-def run(rt, mode, a, b, c0, bias, M, N, K, ta, tb, **kw):
+def run(rt, mode, a, b, c0, bias, M, N, K, ta, tb, acc=True, **kw):
     old = mm._MODE
     mm._MODE = mode
     try:
         A, B, C = rt.upload(a), rt.upload(b), rt.upload(c0)
         Bi = rt.upload(bias) if bias is not None else None
         rec = rt.recorder()
-        mm.matmul(rec, C, A, B, M=M, N=N, K=K, trans_a=ta, trans_b=tb, acc=True, bias=Bi, **kw)
+        mm.matmul(rec, C, A, B, M=M, N=N, K=K, trans_a=ta, trans_b=tb, acc=acc, bias=Bi, **kw)
         rec.submit()
         n = len(rt._pipelines)
         return rt.read(C), n
@@ -47,6 +47,22 @@ def test_fast_and_reference_match_numpy(rt, M, N, K, ta, tb):
         print(f"\n{M}x{N}x{K} ta={ta} tb={tb} {mode}: fast {e_fast:.1e} plain {e_plain:.1e} "
               f"fast-vs-plain {e_pair:.1e}")
         assert e_fast < 1e-5 and e_pair < 1e-5
+
+
+@pytest.mark.parametrize("acc,with_bias", [(False, False), (False, True), (True, False)])
+def test_epilogue_flags_match_numpy(rt, acc, with_bias):
+    """The store flags (accumulate, bias) in every combination (matmul_lanes takes them as
+    pipeline constants); the test above covers both on."""
+    rng = np.random.default_rng(3)
+    M, N, K = 70, 44, 36
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
+    ref = a.astype(np.float64) @ b + (bias if with_bias else 0) + (c0 if acc else 0)
+    for mode in ("auto", "tiles", "reference"):
+        got, _ = run(rt, mode, a, b, c0, bias, M, N, K, False, False, acc=acc)
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5, mode
 
 
 def test_fast_path_is_taken_for_aligned_shapes(rt):

@@ -157,7 +157,8 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
             u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
             rec.dispatch("matmul", "matmul_lanes",
                          {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
-                         (cdiv(N, 32), cdiv(M, 32), 1), {"TA": int(trans_a), "TB": int(trans_b)})
+                         (cdiv(N, 32), cdiv(M, 32), 1),
+                         {"TA": int(trans_a), "TB": int(trans_b), "ACC": int(acc), "BIAS": int(bias is not None)})
             return
         if shader == "matmul_f16":   # fixed 128x128 tiles, BK 16 (no pipeline constants)
             bm = bn = 128
