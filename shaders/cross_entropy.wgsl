@@ -1,3 +1,4 @@
+// requires: subgroups
 // Log-softmax + cross-entropy over rows of logits [Mc, V] (one workgroup per row).
 //   loss_rows[r] = logsumexp(logits[r, :]) - logits[r, target[r]]      (0 when target < 0 or >= V)
 // cross_entropy_backward also OVERWRITES the row with its gradient:
@@ -12,6 +13,8 @@
 // Invocations per row: a pipeline constant (engine/ops/lanes.py: 8, one SIMD vector, on CPU
 // adapters, where a barrier switches coroutines); a power of two, at most 256.
 override WG: u32 = 256u;
+// the row's WG = 8 invocations are one subgroup (engine/ops/lanes.py): sums by shuffles
+override SG8: bool = false;
 
 struct Params { Mc: u32, V: u32, o_loss: u32, o_logits: u32, o_tgt: u32, o_scale: u32, o_top1: u32, o_top5: u32 }
 
@@ -28,6 +31,7 @@ var<workgroup> red: array<f32, 256>;
 var<workgroup> tlogit: f32;
 
 fn wg_max(v: f32, l: u32) -> f32 {
+    if (SG8) { return lanes_max8(v); }
     red[l] = v;
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s = s >> 1u) {
@@ -40,6 +44,7 @@ fn wg_max(v: f32, l: u32) -> f32 {
 }
 
 fn wg_sum(v: f32, l: u32) -> f32 {
+    if (SG8) { return lanes_sum8(v); }
     red[l] = v;
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s = s >> 1u) {
@@ -66,7 +71,8 @@ fn ce_row(row: u32, l: u32, want_grad: bool, want_rank: bool) -> f32 {
         if (v > m) { se = se * exp(m - v) + 1.0; m = v; } else { se = se + exp(v - m); }
         if (valid && i == u32(t)) { tlogit = v; }
     }
-    let mx = wg_max(m, l);                   // its barriers also publish tlogit
+    let mx = wg_max(m, l);
+    workgroupBarrier();                      // publishes tlogit
     se = wg_sum(se * exp(m - mx), l);
     if (l == 0u) {
         var loss = 0.0;

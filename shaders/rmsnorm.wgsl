@@ -1,3 +1,4 @@
+// requires: subgroups
 // RMSNorm as transformers' MambaRMSNorm computes it (f32):
 //   rstd[m] = 1 / sqrt(mean_e x[m,e]^2 + eps);   out[m,e] = weight[e] * (x[m,e] * rstd[m])
 // Backward, with xh = x * rstd and g = dout * weight:
@@ -13,6 +14,8 @@
 // Invocations per row: a pipeline constant (engine/ops/lanes.py: 8, one SIMD vector, on CPU
 // adapters, where a barrier switches coroutines); a power of two, at most 256.
 override WG: u32 = 128u;
+// the row's WG = 8 invocations are one subgroup (engine/ops/lanes.py): sums by shuffles
+override SG8: bool = false;
 
 struct Params { M: u32, E: u32, eps: f32, rows_per_chunk: u32,
                 o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, nchunks: u32, ld: u32, pbase: u32 }
@@ -20,6 +23,7 @@ struct Params { M: u32, E: u32, eps: f32, rows_per_chunk: u32,
 var<workgroup> red: array<f32, 256>;
 
 fn wg_sum(v: f32, l: u32) -> f32 {
+    if (SG8) { return lanes_sum8(v); }
     red[l] = v;
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s = s >> 1u) {

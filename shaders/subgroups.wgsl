@@ -13,3 +13,15 @@ fn sg_xor1(v: f32, mask: u32) -> f32 { return subgroupShuffleXor(v, mask); }
 // the value of invocation `lane` of the subgroup (lane the same for all: a broadcast)
 fn sg_shuffle4(v: vec4<f32>, lane: u32) -> vec4<f32> { return subgroupShuffle(v, lane); }
 fn sg_shuffle1(v: f32, lane: u32) -> f32 { return subgroupShuffle(v, lane); }
+// the sum / max over a subgroup of 8, in every lane, paired as a halving tree pairs them
+// (lanes 4 apart, then 2, then 1): bit for bit what the kernels' workgroup-memory trees give
+fn lanes_sum8(v: f32) -> f32 {
+    let a = v + sg_xor1(v, 4u);
+    let b = a + sg_xor1(a, 2u);
+    return b + sg_xor1(b, 1u);
+}
+fn lanes_max8(v: f32) -> f32 {
+    let a = max(v, sg_xor1(v, 4u));
+    let b = max(a, sg_xor1(a, 2u));
+    return max(b, sg_xor1(b, 1u));
+}

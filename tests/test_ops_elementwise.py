@@ -70,11 +70,13 @@ ACT_X = np.concatenate([
 
 
 
-@pytest.fixture(params=["cpu", "gpu"])
+@pytest.fixture(params=["cpu", "cpu-tree", "gpu"])
 def row_wg(request, monkeypatch):
     """The invocations per row of rmsnorm and cross entropy as lanes.row_workgroup chooses
-    them on CPU adapters (8 up to rows of 2048) and elsewhere (the shaders' sizes)."""
-    monkeypatch.setattr(lanes, "ROW_WG", request.param)
+    them on CPU adapters (8 up to rows of 2048; where those 8 are one subgroup they sum by
+    shuffles, `cpu-tree` through workgroup memory instead) and elsewhere (the shaders' sizes)."""
+    monkeypatch.setattr(lanes, "ROW_WG", request.param.split("-")[0])
+    monkeypatch.setattr(lanes, "ROW_SG", False if request.param == "cpu-tree" else None)
     return request.param
 
 @pytest.mark.parametrize("kind", ["silu", "softplus"])
@@ -190,6 +192,37 @@ def test_rmsnorm(rt, M, E, row_wg):
     _check(f"rmsnorm dweight (ACC) M={M} E={E}", dw.read() - DW0.astype(np.float64), gw,
            atol=2e-6 * np.sqrt(M) * 4, rtol=1e-5)
     w.read()
+
+
+def test_row_sums_by_shuffles_equal_the_tree_bit_for_bit(rt, monkeypatch):
+    """8 invocations per row summing by subgroup shuffles (CPU adapters whose subgroup is 8)
+    pair the values as the workgroup-memory tree does: the same bits, rmsnorm and cross
+    entropy (max and sum)."""
+    if not lanes.cpu_lanes(rt):
+        pytest.skip(f"row sums by shuffles are for CPU adapters with 8-lane subgroups; this is {rt.describe()}")
+    monkeypatch.setattr(lanes, "ROW_WG", "cpu")
+    r = _rng(11)
+    M, E, V = 37, 200, 300
+    X = (r.standard_normal((M, E)) * 3).astype(np.float32)
+    W = r.standard_normal(E).astype(np.float32)
+    L = (r.standard_normal((M, V)) * 4).astype(np.float32)
+    T = r.integers(0, V, size=M).astype(np.int32)
+    got = {}
+    for sg in (None, False):
+        monkeypatch.setattr(lanes, "ROW_SG", sg)
+        w = Flat(rt, W)
+        xt, out, rstd = rt.upload(X), rt.empty((M, E)), rt.empty((M,))
+        lg, tg, loss = rt.upload(L), rt.upload(T), rt.empty((M,))
+        sc = rt.upload(np.ones(1, np.float32))
+        rec = rt.recorder()
+        rmsnorm_forward(rec, out, rstd, xt, w.view, 1e-5)
+        cross_entropy(rec, loss, lg, tg, sc, want_grad=True)
+        rec.submit()
+        got[sg] = [rt.read(out), rt.read(rstd), rt.read(loss), rt.read(lg)]
+    sg8 = [k for k in rt._pipelines if ("SG8", 1) in k[2]]
+    assert {k[0] for k in sg8} == {"rmsnorm", "cross_entropy"}, sg8
+    for a, b in zip(got[None], got[False]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_rmsnorm_many_rows_grid_fold(rt):

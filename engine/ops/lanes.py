@@ -37,6 +37,9 @@ def cpu_lanes(rt) -> bool:
 
 # None: row_workgroup decides by the adapter; "cpu" / "gpu" force either choice (tests)
 ROW_WG = None
+# None: 8-invocation rows sum by subgroup shuffles where cpu_lanes; False: through workgroup
+# memory (tests)
+ROW_SG = None
 # None: the sequential conv1d where the adapter is a CPU; True / False force it (tests)
 SEQ_CONV = None
 
@@ -59,4 +62,6 @@ def row_workgroup(rt, n: int, default: int) -> dict | None:
     wg = 8
     while wg < default and wg * 256 < n:
         wg *= 2
-    return {"WG": wg}
+    # 8 invocations that are one subgroup sum by shuffles instead of barriers (the same
+    # pairing, so the same bits)
+    return {"WG": wg, "SG8": int(wg == 8 and ROW_SG is not False and cpu_lanes(rt))}
