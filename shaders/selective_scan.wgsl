@@ -714,7 +714,7 @@ fn selective_scan_accumulate(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
 
 // ---------------------------------------------------------------- CPU adapters
 // scan_lanes_forward / scan_lanes_backward: the same scan (the same parameters, bindings,
-// saved states and partial sums; the prep, dbc and accumulate entry points above serve it
+// saved states and partial sums; the dbc and accumulate entry points above serve it
 // too) for CPU adapters such as lavapipe, where a workgroup runs as one SIMD
 // vector of 8 lanes, a barrier switches coroutines and every load whose address differs
 // between lanes is a gather.  A workgroup is one 8-lane subgroup, lane l owns channel
@@ -818,10 +818,11 @@ fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     }
 }
 
-// After selective_scan_backward_prep (du = dy', dxz[:, Di..] = dy*silu'(z)), with the saved
-// states copied into work at off_st: du, ddelta WRITE; dxz[:, Di..] WRITE; dBm/dCm partial
-// sums of the 8 channels -> pbc [2][M][nblk][N]; dA_log (over A), dt_bias and D partials of
-// (b, d) into work.
+// The prep pass's work done in the step loop (dy' = dy*silu(z), dy*silu'(z): one load of dy
+// and z instead of the prep kernel's four accesses and the reloads, 10 storage bindings),
+// with the saved states copied into work at off_st: du, ddelta WRITE; dxz[:, Di..] WRITE;
+// dBm/dCm partial sums of the 8 channels -> pbc [2][M][nblk][N]; dA_log (over A), dt_bias
+// and D partials of (b, d) into work.
 // states 4q..4q+3 of a saved state row at `base` of work (zeros past NS)
 fn load4(base: u32, q: u32) -> vec4<f32> {
     if (4u * q >= NS) { return vec4<f32>(0.0); }
@@ -903,7 +904,11 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             let draw = c_raw[k];
             let dt = c_dt[k];
             let uu = select(0.0, c_u[k], ln.live);
-            let g = select(0.0, du[p.o_du + e], ln.live);   // dy' = dy * silu(z), from the prep pass
+            // the prep pass's work, done here: dy' = dy * silu(z), and dy * silu'(z) for dz
+            let zx = xz[p.o_xz + m * 2u * p.Di + p.Di + ln.dc];
+            let sz = sigmoid(zx);
+            let dyv = select(0.0, dy[p.o_dy + e], ln.live);
+            let g = dyv * zx * sz;
             let bc = c_bc[k];
             let r = k * 4u;
             let j0 = adjoint4(bc_get4(bc, 0u), bc_get4(bc, NS), hist[r + 4u], hist[r], h0, a0, dt, uu, g);
@@ -918,8 +923,7 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
                 du[p.o_du + e] = fma(dt, sums.y, ln.D * g);
                 let dd = sums.x * sigmoid(draw);
                 ddelta[p.o_ddelta + e] = dd;
-                let zi = p.o_dxz + m * 2u * p.Di + p.Di + ln.d;
-                dxz[zi] = dxz[zi] * fma(ln.D, uu, sums.z);   // (dy * silu'(z) from the prep pass) * y_pre
+                dxz[p.o_dxz + m * 2u * p.Di + p.Di + ln.d] = dyv * sz * (1.0 + zx * (1.0 - sz)) * fma(ln.D, uu, sums.z);
                 sumb += dd;
                 sumd += g * uu;
             }

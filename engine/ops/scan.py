@@ -211,13 +211,14 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     # the saved states go into `work` too: the kernels then bind 8 storage buffers
     rec.copy(states, work.view((states.numel,), lay["off_st"]))
     uni = _uniform(rt, B, L, Di, N, R, lay, offs)
-    rec.dispatch(SHADER, "selective_scan_backward_prep",
-                 {5: bt["xz"], 7: bt["dy"], 8: bt["du"], 10: bt["dxz"], 14: uni}, cdiv(M * Di, 256))
     bindings = {2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 6: work, 8: bt["du"], 9: bt["ddelta"],
                 10: bt["dxz"], 11: pbc, 14: uni}
-    if lanes:
-        rec.dispatch(SHADER, "scan_lanes_backward", bindings, B * lay["nblk"], {"NS": N})
+    if lanes:   # the prep pass's work inside (10 storage bindings)
+        rec.dispatch(SHADER, "scan_lanes_backward", {**bindings, 5: bt["xz"], 7: bt["dy"]},
+                     B * lay["nblk"], {"NS": N})
     else:
+        rec.dispatch(SHADER, "selective_scan_backward_prep",
+                     {5: bt["xz"], 7: bt["dy"], 8: bt["du"], 10: bt["dxz"], 14: uni}, cdiv(M * Di, 256))
         rec.dispatch(SHADER, "selective_scan_backward", bindings, B * lay["nblk"], _constants())
     rec.dispatch(SHADER, "selective_scan_backward_dbc", {11: pbc, 12: bt["dxdbl"], 14: uni}, cdiv(M * N, 256))
     for out, n, base, stride, scale_a in ((ddt_bias, Di, lay["off_pb"], Di, 0),
