@@ -117,17 +117,20 @@ def test_softplus_stable_small_and_large(rt):
 
 
 # ----------------------------------------------------------------------------- embedding
-@pytest.mark.parametrize("M,V,E", [(70, 259, 37), (1, 259, 37), (300, 50, 130)])
-def test_embedding(rt, M, V, E):
+@pytest.mark.parametrize("M,V,E,front", [(70, 259, 37, 7), (1, 259, 37, 7), (300, 50, 130, 7),
+                                         (70, 259, 64, 8)])
+def test_embedding(rt, M, V, E, front):
     r = _rng(M + E)
     W = r.standard_normal((V, E)).astype(np.float32)
     ids = r.integers(0, min(V, 12), M).astype(np.int32)  # many repeated tokens
     ids[: min(M, 3)] = V - 1
     if M > 5:
         ids[5] = -1                                      # padding: zero row, no gradient
+    if M > 6:
+        ids[6] = V + 3                                   # outside the table: zero row, no gradient
     G = r.standard_normal((M, E)).astype(np.float32)
     DW0 = r.standard_normal((V, E)).astype(np.float32)
-    w = Flat(rt, W, front=7)
+    w = Flat(rt, W, front=front)
     dw = Flat(rt, DW0, front=1)
     out = rt.upload(np.full((M, E), -3.0, np.float32))
     idt, gt = rt.upload(ids), rt.upload(G)
@@ -139,11 +142,11 @@ def test_embedding(rt, M, V, E):
     embedding_forward(rec, out, idt, w.view)
     eb.record(rec, dw.view, gt)
     rec.submit()
-    want = np.where((ids >= 0)[:, None], W[np.clip(ids, 0, V - 1)], 0.0)
+    want = np.where(((ids >= 0) & (ids < V))[:, None], W[np.clip(ids, 0, V - 1)], 0.0)
     _check(f"embedding forward M={M} E={E}", rt.read(out), want, atol=0.0)
 
     wt = _t64(W, grad=True)
-    keep = ids >= 0
+    keep = (ids >= 0) & (ids < V)
     F.embedding(torch.tensor(ids[keep], dtype=torch.long), wt).backward(_t64(G[keep]))
     got1 = dw.read()
     _check(f"embedding backward (ACC) M={M} E={E}", got1 - DW0.astype(np.float64), wt.grad.numpy(), atol=1e-5, rtol=1e-6)
