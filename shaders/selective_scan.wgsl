@@ -346,6 +346,13 @@ fn in_z4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
 }
 
 // ---------------------------------------------------------------- backward
+// (dy * silu(z), dy * silu'(z)): the output gate's two gradients, for prep and the 8-lane
+// backward (which does prep's work itself)
+fn gate_grads(g: f32, z: f32) -> vec2<f32> {
+    let sz = sigmoid(z);
+    return vec2<f32>(g * z * sz, g * sz * (1.0 + z * (1.0 - sz)));
+}
+
 // prep (m, d): du <- dy' = dy*silu(z);  dxz[:, Di+d] <- dy*silu'(z)   (finished by the scan)
 @compute @workgroup_size(256)
 fn selective_scan_backward_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -355,11 +362,9 @@ fn selective_scan_backward_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
     if (i >= pr.B * pr.L * pr.Di) { return; }
     let m = i / pr.Di;
     let zi = m * 2u * pr.Di + pr.Di + i % pr.Di;
-    let z = xz[pr.o_xz + zi];
-    let sz = sigmoid(z);
-    let g = dy[pr.o_dy + i];
-    du[pr.o_du + i] = g * z * sz;
-    dxz[pr.o_dxz + zi] = g * sz * (1.0 + z * (1.0 - sz));
+    let gg = gate_grads(dy[pr.o_dy + i], xz[pr.o_xz + zi]);
+    du[pr.o_du + i] = gg.x;
+    dxz[pr.o_dxz + zi] = gg.y;
 }
 
 // owner of (d, n) in phase B of the backward: the segments' start states from the chunk's
@@ -905,10 +910,8 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             let dt = c_dt[k];
             let uu = select(0.0, c_u[k], ln.live);
             // the prep pass's work, done here: dy' = dy * silu(z), and dy * silu'(z) for dz
-            let zx = xz[p.o_xz + m * 2u * p.Di + p.Di + ln.dc];
-            let sz = sigmoid(zx);
-            let dyv = select(0.0, dy[p.o_dy + e], ln.live);
-            let g = dyv * zx * sz;
+            let gg = gate_grads(select(0.0, dy[p.o_dy + e], ln.live), xz[p.o_xz + m * 2u * p.Di + p.Di + ln.dc]);
+            let g = gg.x;
             let bc = c_bc[k];
             let r = k * 4u;
             let j0 = adjoint4(bc_get4(bc, 0u), bc_get4(bc, NS), hist[r + 4u], hist[r], h0, a0, dt, uu, g);
@@ -923,7 +926,7 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
                 du[p.o_du + e] = fma(dt, sums.y, ln.D * g);
                 let dd = sums.x * sigmoid(draw);
                 ddelta[p.o_ddelta + e] = dd;
-                dxz[p.o_dxz + m * 2u * p.Di + p.Di + ln.d] = dyv * sz * (1.0 + zx * (1.0 - sz)) * fma(ln.D, uu, sums.z);
+                dxz[p.o_dxz + m * 2u * p.Di + p.Di + ln.d] = gg.y * fma(ln.D, uu, sums.z);
                 sumb += dd;
                 sumd += g * uu;
             }
