@@ -203,13 +203,14 @@ def _yaml_loader():
             if isinstance(ev, yaml.AliasEvent):
                 raise Refused(None, None, f"an alias (*{ev.anchor}) is not accepted: write the value out "
                                           "(aliases can expand a few lines into billions of values)", ev.start_mark)
-            self._depth += 1
+            # collections count, as in JSON's limit (a scalar inside 64 lists is 64 deep)
+            self._depth += isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
             try:
                 if self._depth > MAX_DEPTH:
                     raise Refused(None, None, f"nested more than {MAX_DEPTH} levels deep", ev.start_mark)
                 return super().compose_node(parent, index)
             finally:
-                self._depth -= 1
+                self._depth -= isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
 
         def construct_mapping(self, node, deep=False):
             seen = set()

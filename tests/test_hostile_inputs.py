@@ -279,6 +279,19 @@ def test_fuzz_config_files_only_parse_or_refuse(tmp_path, depth, digits, yaml):
         assert cfg.hidden_size == TINY["hidden_size"]
 
 
+@pytest.mark.parametrize("ext", ["json", "yaml"])
+def test_config_nesting_limit_is_the_same_in_json_and_yaml(tmp_path, ext):
+    """63 lists inside the top-level object (64 collections) load; 64 lists are refused."""
+    p = tmp_path / f"c.{ext}"
+    for depth, ok in ((63, True), (64, False)):
+        p.write_text(json.dumps(tiny_dict())[:-1] + f', "x": {"[" * depth + "1" + "]" * depth}}}')
+        if ok:
+            assert load_config(p).hidden_size == TINY["hidden_size"]
+        else:
+            with pytest.raises(MemengineError, match="nested"):
+                load_config(p)
+
+
 @pytest.mark.parametrize("value, needle", [(DEEP, "nested"), (DIGITS, "5,000 characters")])
 def test_checkpoint_json_parser_limits(tiny_ckpt, value, needle):
     text = (tiny_ckpt / "config.json").read_text().rstrip()[:-1] + f', "x": {value}}}'
