@@ -105,6 +105,40 @@ def _silence_fd2(enabled: bool):
         os.close(devnull)
 
 
+# MEMENGINE_SHADER_CHECKS=1 keeps the WGSL compiler's run-time checks (index clamping,
+# loop bounding) in every module: a debugging aid for an out-of-range index.
+ENV_SHADER_CHECKS = "MEMENGINE_SHADER_CHECKS"
+
+
+def _create_module(device, label: str, code: str, checks: bool):
+    """A shader module; without `checks`, compiled without naga's run-time checks.
+
+    By default naga clamps every array index it cannot prove in range and puts a counter
+    in every loop that breaks out after 2^64 passes; the counter keeps the driver from
+    unrolling the loops of the hot kernels.  Every kernel here guards its own indices
+    (and the oracle tests hold them to it), so they are compiled as trusted modules
+    (`wgpuDeviceCreateShaderModuleTrusted`).  Other backends get the ordinary call."""
+    if checks or not hasattr(device, "_internal"):
+        return device.create_shader_module(label=label, code=code)
+    try:
+        from wgpu.backends.wgpu_native import _api
+        from wgpu.backends.wgpu_native._ffi import ffi, lib
+    except ImportError:
+        return device.create_shader_module(label=label, code=code)
+    src = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(code))
+    src[0].chain.next = ffi.NULL
+    src[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
+    desc = _api.new_struct_p(
+        "WGPUShaderModuleDescriptor *",
+        nextInChain=ffi.cast("WGPUChainedStruct *", src),
+        label=_api.to_c_string_view(label),
+    )
+    mid = _api.libf.wgpuDeviceCreateShaderModuleTrusted(device._internal, desc, 0)  # no checks
+    if mid == ffi.NULL:
+        raise RuntimeError("shader module creation failed")
+    return _api.GPUShaderModule(label, mid, device)
+
+
 @dataclass(eq=False)
 class Tensor:
     """A typed, shaped view of a GPU buffer (4-byte elements, 2 for f16; row-major)."""
@@ -343,6 +377,7 @@ class Runtime:
             feats.append("subgroup")
         # f16 arithmetic and storage in shaders (--precision mixed: the f16 matmul path)
         self.has_f16 = "shader-f16" in self.adapter.features
+        self.shader_checks = os.environ.get(ENV_SHADER_CHECKS, "").strip() not in ("", "0")
         if self.has_f16:
             feats.append("shader-f16")
         self.features = set(self.adapter.features)
@@ -367,6 +402,8 @@ class Runtime:
         self.bytes_allocated = 0
         self.peak_bytes = 0
         self.bounded = True  # submit steps in pieces (Recorder.boundary); the trainer clears it for fast steps
+        self.piece_depth = MIN_PIECES  # pieces kept queued while bounded; the trainer sets it from the step time
+        self.pieces = 0  # pieces submitted at boundaries so far
         self._piece_fence = None
 
     # ------------------------------------------------------------------ limits
@@ -447,7 +484,7 @@ class Runtime:
             enables = [ln for ln in lines[:head] if ln.startswith("enable ")]
             code = "\n".join(enables + prelude + [ln for ln in lines if not ln.startswith("enable ")])
             try:
-                mod = self.device.create_shader_module(label=name, code=code)
+                mod = _create_module(self.device, name, code, self.shader_checks)
             except Exception as e:
                 raise RuntimeError(f"WGSL compile error in shaders/{name}.wgsl: {e}") from e
             self._modules[name] = mod
@@ -621,8 +658,8 @@ class Runtime:
         return rows
 
     def piece_fence(self) -> "StepFence":
-        if self._piece_fence is None:
-            self._piece_fence = StepFence(self, depth=2)
+        if self._piece_fence is None or self._piece_fence.depth != self.piece_depth:
+            self._piece_fence = StepFence(self, depth=self.piece_depth)
         return self._piece_fence
 
     def sync(self) -> None:
@@ -725,6 +762,17 @@ WAIT_SLICE_S = 0.05
 # a step is submitted in pieces (a layer's forward or backward each) while steps are slow,
 # so the GPU queue never holds more than a few pieces and an interrupt acts within one
 BOUNDED_STEP_S = 0.25
+# pieces queued ahead: as many as hold about QUEUED_PIECES_S of GPU work, 2 to 8.  Two
+# starve a fast GPU while the host records the next piece (mamba-130m, B 8, L 2048 on the
+# H200: 37,235 tokens/s with 2, 37,781 with 4, 38,050 with 8; benchmarks/README.md)
+QUEUED_PIECES_S = 0.1
+MIN_PIECES, MAX_PIECES = 2, 8
+
+
+def piece_depth(step_s: float, pieces: int) -> int:
+    """Pieces to keep queued when a step of `step_s` seconds is submitted in `pieces`."""
+    per_piece = step_s / max(1, pieces)
+    return int(min(MAX_PIECES, max(MIN_PIECES, QUEUED_PIECES_S // max(per_piece, 1e-9))))
 
 
 class StepFence:
@@ -821,7 +869,7 @@ class Recorder:
     def boundary(self):
         """A point where the recorded work may be submitted (between layers): while the
         runtime bounds its submissions (`Runtime.bounded`), submit it here and keep at most
-        two pieces queued, checking for an interrupt while waiting."""
+        `Runtime.piece_depth` pieces queued, checking for an interrupt while waiting."""
         rt = self.rt
         if not rt.bounded or not self.dispatches:
             return
@@ -829,6 +877,7 @@ class Recorder:
         fence.wait()
         fence.mark(self)
         self.submit()
+        rt.pieces += 1
         interrupts.check()
 
     def submit(self):

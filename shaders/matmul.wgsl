@@ -123,7 +123,7 @@ fn matmul_forward(@builtin(local_invocation_id) lid: vec3<u32>,
 
 override BM: u32 = 128u;    // rows of C per workgroup, a multiple of 8
 override BN: u32 = 128u;    // columns of C per workgroup, a multiple of 8
-override BK: u32 = 16u;     // K per workgroup-memory tile, a multiple of 4
+override BK: u32 = 16u;     // K per workgroup-memory tile, a multiple of 8
 override TX: u32 = BN / 8u;
 override TY: u32 = BM / 8u;
 override NT: u32 = TX * TY;   // threads per workgroup
@@ -257,11 +257,15 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
             if (2u * NT < NB) { vb2 = fast_load_b(k1, k_hi, col0, tid + 2u * NT); }
             if (3u * NT < NB) { vb3 = fast_load_b(k1, k_hi, col0, tid + 3u * NT); }
         }
-        for (var k = 0u; k < BK; k += 4u) {   // four K steps written out (BK % 4 == 0)
+        for (var k = 0u; k < BK; k += 8u) {   // eight K steps written out (BK % 8 == 0)
             block_fma(&acc, As4[k][ty], As4[k][TY + ty], Bs4[k][tx], Bs4[k][TX + tx]);
             block_fma(&acc, As4[k + 1u][ty], As4[k + 1u][TY + ty], Bs4[k + 1u][tx], Bs4[k + 1u][TX + tx]);
             block_fma(&acc, As4[k + 2u][ty], As4[k + 2u][TY + ty], Bs4[k + 2u][tx], Bs4[k + 2u][TX + tx]);
             block_fma(&acc, As4[k + 3u][ty], As4[k + 3u][TY + ty], Bs4[k + 3u][tx], Bs4[k + 3u][TX + tx]);
+            block_fma(&acc, As4[k + 4u][ty], As4[k + 4u][TY + ty], Bs4[k + 4u][tx], Bs4[k + 4u][TX + tx]);
+            block_fma(&acc, As4[k + 5u][ty], As4[k + 5u][TY + ty], Bs4[k + 5u][tx], Bs4[k + 5u][TX + tx]);
+            block_fma(&acc, As4[k + 6u][ty], As4[k + 6u][TY + ty], Bs4[k + 6u][tx], Bs4[k + 6u][TX + tx]);
+            block_fma(&acc, As4[k + 7u][ty], As4[k + 7u][TY + ty], Bs4[k + 7u][tx], Bs4[k + 7u][TX + tx]);
         }
         workgroupBarrier();
     }

@@ -31,7 +31,7 @@ def valid_config(c: dict) -> bool:
     loading at most four vec4 of each operand's tile, tiles of at most 128 x 128."""
     nt = (c["BM"] // 8) * (c["BN"] // 8)
     na, nb = c["BK"] * c["BM"] // 4, c["BK"] * c["BN"] // 4
-    return (c["BM"] % 8 == 0 and c["BN"] % 8 == 0 and c["BK"] % 4 == 0 and nt <= 256
+    return (c["BM"] % 8 == 0 and c["BN"] % 8 == 0 and c["BK"] % 8 == 0 and nt <= 256
             and na <= 4 * nt and nb <= 4 * nt and c["BM"] <= 128 and c["BN"] <= 128)
 
 
