@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import MemengineError
-from .gpu import BOUNDED_STEP_S, StepFence
+from .gpu import BOUNDED_STEP_S, StepFence, piece_depth
 from .model import MambaModel, perplexity
 from .ops.reduce import sum_into
 from .optim import AdamW, GradClipper, LossScaler
@@ -94,6 +94,7 @@ class Trainer:
         self.pending = 0
         self.fence = StepFence(rt)
         self._last_step = None
+        self._last_pieces = rt.pieces
 
     def optimizer_state(self) -> dict:
         state = self.opt.state_dict()
@@ -150,7 +151,10 @@ class Trainer:
                 rt.bounded = False
             elif dt > 4 * BOUNDED_STEP_S:
                 rt.bounded = True
+            if rt.pieces > self._last_pieces:   # this step went in pieces: queue ~0.1 s of them
+                rt.piece_depth = piece_depth(dt, rt.pieces - self._last_pieces + 1)
         self._last_step = now
+        self._last_pieces = rt.pieces
 
     def read_trace(self) -> tuple[np.ndarray, np.ndarray]:
         """(losses, grad norms) of the steps since the last read (a GPU sync point);
