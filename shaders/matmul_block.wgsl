@@ -4,9 +4,10 @@
 // A thread's block: rows r0..r0+3 and r1..r1+3, columns q0..q0+3 and q1..q1+3 (c{2i} the
 // q0 half, c{2i+1} the q1 half; i = row, 0-3 from r0, 4-7 from r1).
 //
-// The kernels call block_fma for several K steps in a row, written out: the H200's driver
-// does not unroll naga's loops (a register-only loop of 64 multiply-adds per iteration ran
-// 27.7 TFLOP/s there, 40.3 unrolled 4 times, 51.9 unrolled 16 times). The block is updated
+// The kernels call block_fma for several K steps in a row, written out: on the H200 a
+// register-only loop of 64 multiply-adds per iteration ran 40.7 TFLOP/s as a loop and 51.5
+// written out 16 times (modules compiled without naga's checks; with its loop counter, 27.7
+// as a loop). matmul_fast writes 8 steps out, matmul_f16 16. The block is updated
 // through a pointer: passed and returned by value it cost matmul_fast 12% there (in_proj
 // forward 29.0 vs 33.8 TFLOP/s; benchmarks/README.md).
 

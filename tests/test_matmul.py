@@ -159,3 +159,31 @@ def test_every_tile_configuration_matches_numpy(rt, cfg):
             assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5, (M, N, K, ta, tb)
     finally:
         mm.FORCE = old
+
+
+def test_modules_with_and_without_naga_checks_give_the_same_bits(rt, monkeypatch):
+    """Modules are compiled without naga's run-time checks (index clamps, loop counters);
+    MEMENGINE_SHADER_CHECKS=1 puts them back. In-range kernels give the same bits both ways
+    (every kernel a product may take on this adapter, on partial tiles)."""
+    import os
+
+    from memengine.engine import gpu
+
+    assert not rt.shader_checks
+    monkeypatch.setenv(gpu.ENV_SHADER_CHECKS, "1")
+    checked = gpu.Runtime(os.environ.get("MEMENGINE_DEVICE", "auto"))
+    assert checked.shader_checks
+    made = []
+    real = checked.device.create_shader_module
+    monkeypatch.setattr(checked.device, "create_shader_module", lambda **k: made.append(k["label"]) or real(**k))
+    rng = np.random.default_rng(11)
+    M, N, K = 132, 84, 68
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K)).astype(np.float32)
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    for mode in ("auto", "tiles", "reference"):
+        ours, _ = run(rt, mode, a, b, c0, bias, M, N, K, False, True)
+        theirs, _ = run(checked, mode, a, b, c0, bias, M, N, K, False, True)
+        np.testing.assert_array_equal(ours, theirs, err_msg=mode)
+    assert "matmul" in made   # the checked runtime took the ordinary path

@@ -2,7 +2,8 @@
 (timing only): 16 vec4 accumulators, `c += x.s * v` (64 multiply-adds per step), the loop
 body written out U times.  On the H200 (fma_rate.txt) the rate rose from 27.7 TFLOP/s (f32,
 U 1) to 51.9 (U 16) as naga compiles a module by default, with a loop-bounding counter in
-every loop; "trusted" modules are compiled without naga's run-time checks.
+every loop; "trusted" modules are compiled without naga's run-time checks, as memengine
+compiles its own (engine/gpu.py, importable as `memengine`: benchmarks/device_setup.sh).
 
     python3 benchmarks/results/h200/diagnostics/fma_rate.py
 """
@@ -11,6 +12,8 @@ import time
 
 import numpy as np
 import wgpu
+
+from memengine.engine.gpu import _create_module
 
 
 def shader(t, n_iter, unroll):
@@ -37,20 +40,6 @@ fn main(@builtin(global_invocation_id) g: vec3<u32>) {{
 """
 
 
-def trusted_module(dev, code):
-    """The module without naga's run-time checks (index clamping, loop-bounding counter)."""
-    from wgpu.backends.wgpu_native import _api
-    from wgpu.backends.wgpu_native._ffi import ffi, lib
-
-    src = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(code))
-    src[0].chain.next = ffi.NULL
-    src[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
-    desc = _api.new_struct_p("WGPUShaderModuleDescriptor *",
-                             nextInChain=ffi.cast("WGPUChainedStruct *", src),
-                             label=_api.to_c_string_view("fma"))
-    return _api.GPUShaderModule("fma", _api.libf.wgpuDeviceCreateShaderModuleTrusted(dev._internal, desc, 0), dev)
-
-
 def main():
     adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
     feats = ["shader-f16"] if "shader-f16" in adapter.features else []
@@ -63,7 +52,7 @@ def main():
     for t in ["f32"] + (["f16"] if feats else []):
         for checks, unroll in itertools.product(("checked", "trusted"), (1, 4, 16)):
             code = shader(t, n_iter, unroll)
-            mod = dev.create_shader_module(code=code) if checks == "checked" else trusted_module(dev, code)
+            mod = _create_module(dev, "fma", code, checks == "checked")
             pipe = dev.create_compute_pipeline(layout="auto", compute={"module": mod, "entry_point": "main"})
             bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0),
                                        entries=[{"binding": 0, "resource": {"buffer": buf}}])
