@@ -163,8 +163,8 @@ def _structured(cfg: MambaConfig, views: dict) -> Params:
         for suffix, field in _LAYER_FIELDS.items():
             kw[field] = views.get(f"backbone.layers.{i}.{suffix}")
         layers.append(LayerParams(**kw))
-    return Params(embeddings=views["backbone.embeddings.weight"], layers=layers,
-                  norm_f=views["backbone.norm_f.weight"], lm_head=views.get("lm_head.weight"))
+    return Params(embeddings=views.get("backbone.embeddings.weight"), layers=layers,
+                  norm_f=views.get("backbone.norm_f.weight"), lm_head=views.get("lm_head.weight"))
 
 
 def logits_chunk_rows(max_binding: int, M: int, V: int) -> int:
@@ -282,18 +282,32 @@ class MambaModel:
         R, N = config.dt_rank, config.state_size
         self._mixer_ones = rt.upload(np.ones(max(R, N), np.float32), name="mixer_norm_ones") if config.is_falcon else None
 
-    @property
-    def G(self) -> FlatStore:
-        """The gradient store (same layout as the parameters), made when first needed:
-        evaluation never allocates it."""
-        if self._G is None:
-            self._G = FlatStore(self.rt, self.gpu_shapes, "grads")
+    def grad_store(self, names) -> FlatStore | None:
+        """The gradient store of the base's tensors among `names` (None when there are
+        none: a LoRA run never makes one). Made on first use for those tensors only (an
+        x_proj-only run holds x_proj's gradients, not a second copy of every weight); a
+        later call for tensors it lacks makes it again over both (nothing is kept: a step
+        clears its gradients first). Over every tensor it has the parameters' layout."""
+        want = {n for n in names if n in self.shapes}
+        if not want:
+            return None
+        if self._G is None or not want <= set(self._G.views):
+            have = set(self._G.views) if self._G is not None else set()
+            self._G = None
+            self._G = FlatStore(self.rt, {n: self.gpu_shapes[n] for n in self.names if n in want | have}, "grads")
             self._grads = _structured(self.cfg, self._G.views)
         return self._G
 
     @property
+    def G(self) -> FlatStore:
+        """The gradient store over every tensor (evaluation never makes one)."""
+        return self.grad_store(self.names)
+
+    @property
     def grads(self) -> Params:
-        self.G  # noqa: B018 (made on first use)
+        """The gradient views of the store as it is (fields it lacks are None)."""
+        if self._grads is None:
+            self.G  # noqa: B018 (made on first use)
         return self._grads
 
     def set_precision(self, precision: str) -> None:
@@ -340,7 +354,9 @@ class MambaModel:
         return self._shaped(self.P.read())
 
     def grad_dict(self) -> dict:
-        return self._shaped(self.G.read())
+        """The gradients the store holds (every tensor once a step over all has run)."""
+        flat = self._G.read() if self._G is not None else self.G.read()
+        return {name: flat[name].reshape(self.shapes[name]) for name in self.shapes if name in flat}
 
     def trainable_names(self, wsla: bool = False) -> list:
         """A trained adapter's matrices when one is attached; else x_proj (WSLA) or all."""
@@ -485,6 +501,7 @@ class MambaModel:
         M, B, L = ws.M, ws.B, ws.L
         mixed = ws.mixed
         lora = self.lora
+        self.grad_store(trainable)   # (no-op when the step has made it)
 
         def g(name: str, field: str, i: int | None = None):
             """The gradient view of `name` when it is trained, else None (the gradient store
@@ -591,7 +608,7 @@ class MambaModel:
         """The gradient buffers a step over `trainable` writes (the base's, the adapter's)."""
         out = []
         if any(n in self.shapes for n in trainable):
-            out.append(self.G)
+            out.append(self.grad_store(trainable))
         if self.lora is not None and self.lora.G is not None and any(n in self.lora.shapes for n in trainable):
             out.append(self.lora.G)
         return out
@@ -603,7 +620,7 @@ class MambaModel:
         per tensor (the alignment padding between views holds zeros and keeps them)."""
         out = []
         if set(self.P.views) <= trainable:
-            out.append((self.P, self.G))
+            out.append((self.P, self.grad_store(trainable)))
         if self.lora is not None and self.lora.G is not None and set(self.lora.P.views) <= trainable:
             out.append((self.lora.P, self.lora.G))
         return out
@@ -623,7 +640,7 @@ class MambaModel:
         params, grads = {}, {}
         for n in names:
             if n in self.P.views:
-                params[n], grads[n] = self.P.views[n], self.G.views[n]
+                params[n], grads[n] = self.P.views[n], self.grad_store(names).views[n]
             else:
                 params[n], grads[n] = self.lora.P.views[n], self.lora.G.views[n]
         return params, grads

@@ -142,6 +142,12 @@ def _trainable(kind: str, names: list) -> list:
     return []
 
 
+def _store_bytes(shapes: dict, lim: Limits) -> int:
+    """Bytes of a FlatStore of `shapes` (model.store_layout: aligned views, segments)."""
+    _, segments = store_layout(shapes, lim.storage_align // 4, lim.max_buffer)
+    return sum(4 * n for n in segments)
+
+
 def _linears(cfg: MambaConfig) -> list:
     """(out features, in features) of every linear layer of one Mamba layer."""
     E, Di, N, R = cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank
@@ -195,18 +201,22 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     for name, shape in shapes.items():
         plan.buffers.append((f"tensor {name}", 4 * _numel(shape), False))
     try:
-        _, segments = store_layout(shapes, lim.storage_align // 4, lim.max_buffer)
-        store = sum(4 * n for n in segments)
+        store = _store_bytes(shapes, lim)
     except MemengineError as e:
         plan.problems.append((str(e), False))
         store = sum(4 * _numel(s) for s in shapes.values())
     # an adapter's store: its tensors one after the other, each aligned for binding
     a_store = _buf(4 * sum(-(-n // (lim.storage_align // 4)) * (lim.storage_align // 4) for n in a_sizes))
     plan.parts["parameters"] = store + (a_store if a_sizes else 0)
-    plan.parts["gradients"] = (a_store if a_sizes else 0) if kind == "lora" else (store if grad else 0)
     # a store that trains whole has one flat moment pair per segment (optim.AdamW), else one
-    # pair per trained tensor
+    # pair per trained tensor; the gradient store holds the trained tensors only
     trained = _trainable(kind, list(shapes))
+    if kind == "lora":
+        plan.parts["gradients"] = a_store if a_sizes else 0
+    elif len(trained) == len(shapes):
+        plan.parts["gradients"] = store
+    else:
+        plan.parts["gradients"] = _store_bytes({n: shapes[n] for n in trained}, lim) if trained else 0
     if len(trained) == len(shapes):
         plan.parts["moments"] = 2 * store
     else:
@@ -246,7 +256,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     if grad:
         products |= {(M, i, o) for o, i in _linears(cfg)} | {(o, i, M) for o, i in _linears(cfg)}
         products |= {(chunk, E, V), (V, E, chunk)}
-        if kind != "lora":  # the norms' and conv's weight gradients (a LoRA run computes none)
+        if kind == "train":  # the norms' and conv's weight gradients (adapt and LoRA compute none)
             rpc, nch = _rmsnorm._chunks(lim, M, E)
             scratch += _buf(4 * nch * E)
             rpc, nch = _conv1d._chunks(lim, M, Di, K)

@@ -91,6 +91,9 @@ def test_wsla_trains_only_x_proj(rt):
     model = MambaModel(rt, CFG, w0)
     fit(model, windows(), AdaptOptions(epochs=2, lr=1e-3, batch_size=2, seq_len=32, max_delta=0.05,
                                        weight_decay=0.0))
+    # the gradient store holds x_proj's gradients only, not a second copy of every weight
+    assert sorted(model._G.views) == sorted(n for n in w0 if ".mixer.x_proj." in n)
+    assert sum(t.nbytes for t in model._G.segments) < sum(t.nbytes for t in model.P.segments) / 4
     w1 = model.state_dict()
     for name in w0:
         if ".mixer.x_proj." in name:
@@ -259,3 +262,20 @@ def test_slow_steps_go_in_pieces_with_a_tenth_of_a_second_queued(rt, monkeypatch
         rt.bounded, rt.piece_depth = saved
     for n in weights[0]:
         np.testing.assert_array_equal(weights[0][n], weights[1][n], err_msg=n)
+
+
+def test_gradient_store_grows_from_x_proj_to_every_tensor(rt):
+    """A step over x_proj makes a store of x_proj's gradients; a later step over every
+    tensor makes it again over all, and x_proj's gradients are the same bits."""
+    model = MambaModel(rt, CFG, init_weights(CFG, 4))
+    ids = np.frombuffer(TEXT[:66], np.uint8).astype(np.int32).reshape(2, 33)
+    xp = [n for n in model.names if ".mixer.x_proj." in n]
+    model.loss_and_grads(ids[:, :-1], ids[:, 1:], trainable=xp)
+    first = model.grad_dict()
+    assert sorted(first) == sorted(xp)
+    model.loss_and_grads(ids[:, :-1], ids[:, 1:])
+    every = model.grad_dict()
+    assert sorted(every) == sorted(model.names)
+    for n in xp:
+        np.testing.assert_array_equal(first[n], every[n], err_msg=n)
+    assert any(np.abs(every[n]).max() > 0 for n in model.names if n not in xp)
