@@ -144,11 +144,11 @@ def _info(o: InfoOptions, ui: UI) -> None:
         ui.emit(d)
         return
     ref = resolve(o.ckpt, o.revision, o.model_type)
-    c = open_checkpoint(ref, ui.warn)
+    c = open_checkpoint(ref, ui.warn, read_tensors=False)   # the headers: no weight is read
     cfg = c.config
-    n_params = int(sum(int(a.size) for a in c.tensors.values()))
+    n_params = c.n_params
     dtypes: dict[str, int] = {}
-    for name in c.tensors:
+    for name in c.shapes:
         dt = str(c.dtypes.get(name, "F32")) if getattr(c, "dtypes", None) else "F32"
         dtypes[dt] = dtypes.get(dt, 0) + 1
     weight_files = c.extra.get("weight_files", [])
@@ -178,7 +178,7 @@ def _info(o: InfoOptions, ui: UI) -> None:
         ("vocabulary (V)", cfg.vocab_size),
         ("tied lm_head", cfg.tie_word_embeddings),
         ("biases", f"use_bias={cfg.use_bias} use_conv_bias={cfg.use_conv_bias}"),
-        ("tensors", len(c.tensors)),
+        ("tensors", len(c.shapes)),
         ("parameters", f"{n_params:,}"),
         ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(dtypes.items()))),
         ("size on disk", f"{nbytes:,} bytes"),
@@ -206,8 +206,8 @@ def _info(o: InfoOptions, ui: UI) -> None:
         "weight_files": [p.name for p in weight_files],
         "config": cfg.to_hf_dict(),
         "parameters": n_params,
-        "tensors": {n: {"shape": list(a.shape), "dtype": str(c.dtypes.get(n, "F32")) if c.dtypes else "F32"}
-                    for n, a in c.tensors.items()},
+        "tensors": {n: {"shape": list(shape), "dtype": str(c.dtypes.get(n, "F32")) if c.dtypes else "F32"}
+                    for n, shape in c.shapes.items()},
         "dtypes": dtypes,
         "bytes": nbytes,
         "tokenizer": str(tok) if tok else None,

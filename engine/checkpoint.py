@@ -50,6 +50,7 @@ class Checkpoint:
     tokenizer_path: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # "optimizer_path", "metadata", "model_file", "weight_files"
     warnings: list[str] = field(default_factory=list)  # assumptions the caller should show the user
+    shapes: dict[str, tuple] = field(default_factory=dict)  # the tensors' shapes, model order
 
     @property
     def directory(self) -> Path:
@@ -57,7 +58,7 @@ class Checkpoint:
 
     @property
     def n_params(self) -> int:
-        return int(sum(t.size for t in self.tensors.values()))
+        return int(sum(math.prod(s) for s in self.shapes.values()))
 
 
 # ------------------------------------------------------------------------ inference
@@ -241,12 +242,15 @@ def _locate(p: Path) -> tuple[Path, Path | None, Path]:
     return p, (cfg_file if p.name == MODEL_FILE else None), d
 
 
-def load_checkpoint(path: str | Path, *, model_type: str | None = None) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_tensors: bool = True) -> Checkpoint:
     """Load a checkpoint directory, a bare .safetensors file or a shard set (see module doc).
 
     `model_type` ("mamba" | "falcon_mamba") settles a checkpoint whose config does not state
     one (a bare file, an original mamba_ssm config.json); a config that states another is an
     error. When neither says, mamba is assumed and `Checkpoint.warnings` says so.
+    `read_tensors=False` reads the config and the safetensors headers only (`tensors` stays
+    empty; names, shapes and dtypes are checked as for a load): what `memengine info` shows,
+    in a moment and without the host memory the weights would take.
     """
     p = Path(path)
     if model_type is not None and model_type not in MODEL_TYPES:
@@ -296,6 +300,16 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None) -> Check
     tok = directory / TOKENIZER_FILE
     tok_present = _present(tok, "tokenizer file")
     opt_present = _present(directory / OPTIMIZER_FILE, "optimizer state")
+    extra: dict[str, Any] = {"metadata": dict(headers[0].metadata), "model_file": weights,
+                             "weight_files": [h.path for h in headers]}
+    if opt_present:
+        extra["optimizer_path"] = directory / OPTIMIZER_FILE
+    ordered_shapes = {name: tuple(shapes[name]) for name in expected_shapes(cfg)}
+    if not read_tensors:
+        dtypes = _canonicalize({k: v.dtype for h in headers for k, v in h.tensors.items()}, where)
+        return Checkpoint(config=cfg, tensors={}, dtypes={k: dtypes[k] for k in ordered_shapes}, path=p,
+                          tokenizer_path=tok if tok_present else None, extra=extra, warnings=warnings,
+                          shapes=ordered_shapes)
     check_fits(host_bytes([t for h in headers for t in h.tensors.values()]),
                f"{where}: decoding the weights to float32 (memengine computes in float32)",
                "use a machine with more memory")
@@ -313,13 +327,10 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None) -> Check
     for name, a in ordered.items():
         _check_finite(name, a, where)
 
-    extra: dict[str, Any] = {"metadata": dict(headers[0].metadata), "model_file": weights,
-                             "weight_files": [h.path for h in headers]}
-    if opt_present:
-        extra["optimizer_path"] = directory / OPTIMIZER_FILE
     return Checkpoint(
         config=cfg, tensors=ordered, dtypes={k: dtypes[k] for k in ordered}, path=p,
         tokenizer_path=tok if tok_present else None, extra=extra, warnings=warnings,
+        shapes={k: tuple(a.shape) for k, a in ordered.items()},
     )
 
 

@@ -14,11 +14,12 @@ def resolve(spec, revision: Optional[str] = None, model_type: Optional[str] = No
     return resolve_checkpoint(spec, revision, model_type)
 
 
-def open_checkpoint(ref, warn: Optional[Callable[[str], None]] = None):
-    """Load a resolved checkpoint; the loader's assumptions go to `warn`."""
+def open_checkpoint(ref, warn: Optional[Callable[[str], None]] = None, read_tensors: bool = True):
+    """Load a resolved checkpoint (or only its config and headers: `read_tensors=False`);
+    the loader's assumptions go to `warn`."""
     from .checkpoint import load_checkpoint
 
-    c = load_checkpoint(ref.path, model_type=ref.model_type)
+    c = load_checkpoint(ref.path, model_type=ref.model_type, read_tensors=read_tensors)
     for w in c.warnings:
         if warn is not None:
             warn(w)

@@ -238,9 +238,14 @@ def test_weights_beyond_host_memory_refused_before_reading(tmp_path):
     # a 2^30 x 1024 embedding: 4 TiB of float32
     cfg = MambaConfig.from_dict(tiny_dict(vocab_size=2**30, hidden_size=1024, state_size=4))
     d = _sparse_checkpoint(tmp_path / "big", cfg)
-    rc, err = run_limited("info", d, timeout=60)
+    rc, err = run_limited("quantize", d, "-o", tmp_path / "q", timeout=60)
     assert rc == 2
     one_error(err, "model.safetensors", "host memory")
+    # info reads the config and the headers only: it describes the checkpoint
+    r = subprocess.run([sys.executable, "-m", "memengine.cli.main", "info", str(d), "--json"], capture_output=True,
+                       text=True, timeout=60, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30,) * 2))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["parameters"] == cfg.n_params > 2**30 * 1024
 
 
 def test_host_memory_check_reads_memavailable(tmp_path, monkeypatch, tiny_ckpt_ro):
