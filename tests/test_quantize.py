@@ -36,17 +36,60 @@ def _patterns() -> np.ndarray:
     return np.concatenate(parts).astype(np.uint32)
 
 
+def _f16_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The f16 encoder in integer numpy (round-to-nearest-even by hand, on 64-bit lanes):
+    the reference for codec.f32_to_f16_bits, which takes numpy's cast."""
+    b = np.ascontiguousarray(np.asarray(x, dtype=np.float32)).view(np.uint32).astype(np.uint64)
+    sign = (b >> 16) & 0x8000
+    a = b & 0x7FFFFFFF
+    out = np.zeros(b.shape, dtype=np.uint64)
+
+    is_nan = a > 0x7F800000
+    is_inf = a == 0x7F800000
+    overflow = (a >= 0x477FF000) & ~is_nan & ~is_inf  # >= 65520 rounds to infinity
+    normal = (a >= 0x38800000) & (a < 0x477FF000)  # [2^-14, 65520)
+    sub = a < 0x38800000
+
+    # normal: rebias exponent (127 -> 15), round the 13 dropped mantissa bits
+    an = a[normal]
+    out[normal] = (an - 0x38000000 + 0xFFF + ((an >> 13) & 1)) >> 13
+
+    # subnormal (and zero): value = m * 2^(e-150); unit 2^-24 -> q = m >> (126 - e)
+    asub = a[sub]
+    e = asub >> 23
+    m = (asub & 0x7FFFFF) | np.where(e > 0, 0x800000, 0).astype(np.uint64)
+    s = np.minimum(np.where(e > 0, 126 - e.astype(np.int64), 125), 25).astype(np.uint64)
+    q = m >> s
+    r = m & ((np.uint64(1) << s) - 1)
+    half = np.uint64(1) << (s - 1)
+    q = q + ((r > half) | ((r == half) & ((q & 1) == 1))).astype(np.uint64)
+    out[sub] = q
+
+    out[is_inf | overflow] = 0x7C00
+    an = a[is_nan]
+    nb = 0x7C00 | ((an & 0x7FFFFF) >> 13)  # NaN keeps its top payload bits (numpy's choice) ...
+    out[is_nan] = np.where(nb == 0x7C00, 0x7C01, nb)  # ... and never becomes infinity
+    return (out | sign).astype(np.uint16), overflow
+
+
 def test_f16_encoder_bit_exact_vs_numpy():
+    """The encoder equals the integer reference on every pattern (NaNs included), and the
+    reference equals numpy's cast on every non-NaN pattern."""
     x = _patterns().view(np.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = x.astype(np.float16).view(np.uint16)
+        npy = x.astype(np.float16).view(np.uint16)
+    ref, ref_overflow = _f16_reference(x)
+    nan = np.isnan(x)
+    mism = np.flatnonzero((ref != npy) & ~nan)
+    assert mism.size == 0, [(hex(int(x.view(np.uint32)[i])), hex(int(ref[i])), hex(int(npy[i]))) for i in mism[:5]]
     bits, overflow = f32_to_f16_bits(x)
-    assert bits.dtype == np.uint16
+    assert bits.dtype == np.uint16 and nan.any()
     mism = np.flatnonzero(bits != ref)
     assert mism.size == 0, [(hex(int(x.view(np.uint32)[i])), hex(int(bits[i])), hex(int(ref[i]))) for i in mism[:5]]
-    # overflow = finite input that numpy rounds to infinity
-    assert np.array_equal(overflow, np.isfinite(x) & np.isinf(ref.view(np.float16)))
+    # overflow = finite input that rounds to infinity
+    assert np.array_equal(overflow, ref_overflow)
+    assert np.array_equal(overflow, np.isfinite(x) & np.isinf(npy.view(np.float16)))
     assert overflow.any() and (~overflow).any()
 
 
