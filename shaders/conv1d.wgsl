@@ -107,6 +107,14 @@ fn sum8(a: vec4<f32>, b: vec4<f32>, init: f32) -> f32 {
     return init + a.x + a.y + a.z + a.w + b.x + b.y + b.z + b.w;
 }
 
+// the window moves one step: every slot takes the next one's value and x goes into slot K-1
+// (at0 / at1: which slot of x0 / x1 that is)
+fn shift_in(x0: ptr<function, vec4<f32>>, x1: ptr<function, vec4<f32>>, x: f32, at0: vec4<bool>, at1: vec4<bool>) {
+    let sh0 = vec4<f32>((*x0).y, (*x0).z, (*x0).w, (*x1).x);
+    *x1 = select(vec4<f32>((*x1).y, (*x1).z, (*x1).w, 0.0), vec4<f32>(x), at1);
+    *x0 = select(sh0, vec4<f32>(x), at0);
+}
+
 // The windows of both kernels shift along in two vec4 registers (no per-step array indexing):
 // slot k of the forward's window holds x at step t - (K-1) + k (zeros before the sequence and
 // from slot K on), slot k of the backward's holds step t + (K-1) - k.
@@ -127,10 +135,7 @@ fn conv1d_forward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     if (p.has_bias != 0u) { bv = bias[p.o_e + q.c]; }
     for (var t = q.t0 - min(q.t0, p.K - 1u); t < q.t1; t = t + 1u) {
         let m = row0 + t;
-        let x = xz[p.o_c + m * p.ld + q.c];
-        let s0 = vec4<f32>(x0.y, x0.z, x0.w, x1.x);
-        x1 = select(vec4<f32>(x1.y, x1.z, x1.w, 0.0), vec4<f32>(x), at1);
-        x0 = select(s0, vec4<f32>(x), at0);
+        shift_in(&x0, &x1, xz[p.o_c + m * p.ld + q.c], at0, at1);
         if (t >= q.t0) {
             let acc = sum8(w[0] * x0, w[1] * x1, bv);
             pre[p.o_b + m * p.Di + q.c] = acc;
@@ -138,6 +143,14 @@ fn conv1d_forward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
         }
     }
 }
+
+// With SEQ_DW the lane also sums its segment's weight-gradient terms, dpre_t * x[t-(K-1)+k]
+// and dpre_t, from the dout and pre it loads anyway (one more load, of x, per step) into
+// partial row pbase + b * (segments per sequence) + segment: conv1d_dweight_partial's pass,
+// and its three loads per element, are then not needed.
+override SEQ_DW: bool = false;
+@group(0) @binding(5) var<storage, read> xs: array<f32>;
+@group(0) @binding(6) var<storage, read_write> partials: array<f32>;
 
 @compute @workgroup_size(8)
 fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -151,6 +164,19 @@ fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     var g1 = vec4<f32>(0.0);
     var s0 = vec4<f32>(0.0);   // silu'(pre)
     var s1 = vec4<f32>(0.0);
+    let kq = vec4<u32>(0u, 1u, 2u, 3u);
+    let at0 = kq == vec4<u32>(pb.K - 1u);
+    let at1 = kq + 4u == vec4<u32>(pb.K - 1u);
+    var x0 = vec4<f32>(0.0);   // SEQ_DW: slot k = x at step t - (K-1) + k, as the forward's
+    var x1 = vec4<f32>(0.0);
+    var a0 = vec4<f32>(0.0);   // SEQ_DW: taps 0..3 and 4..7 of the weight gradient, the bias
+    var a1 = vec4<f32>(0.0);
+    var ab = 0.0;
+    if (SEQ_DW) {   // the K-1 inputs before the segment fill the window
+        for (var t = q.t0 - min(q.t0, pb.K - 1u); t < q.t0; t = t + 1u) {
+            shift_in(&x0, &x1, xs[pb.o_e + (row0 + t) * pb.ld + q.c], at0, at1);
+        }
+    }
     // the window enters at step t + K - 1; the first K - 1 steps only fill it
     for (var ta = q.t0; ta < q.t1 + pb.K - 1u; ta = ta + 1u) {
         var gn = 0.0;
@@ -160,6 +186,13 @@ fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             gn = dout[pb.o_b + j];
             sn = dsilu(preb[pb.o_c + j]);
         }
+        if (SEQ_DW && ta < q.t1) {
+            shift_in(&x0, &x1, xs[pb.o_e + (row0 + ta) * pb.ld + q.c], at0, at1);
+            let dp = gn * sn;
+            a0 = a0 + dp * x0;
+            a1 = a1 + dp * x1;
+            ab = ab + dp;
+        }
         g1 = vec4<f32>(g0.w, g1.x, g1.y, g1.z);
         g0 = vec4<f32>(gn, g0.x, g0.y, g0.z);
         s1 = vec4<f32>(s0.w, s1.x, s1.y, s1.z);
@@ -168,6 +201,12 @@ fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             let t = ta + 1u - pb.K;
             dxz[pb.o_a + (row0 + t) * pb.ld + q.c] = sum8(w[0] * g0 * s0, w[1] * g1 * s1, 0.0);
         }
+    }
+    if (SEQ_DW) {
+        let nt = (pb.L + SEQ_T - 1u) / SEQ_T;
+        let base = ((pb.pbase + q.b * nt + q.t0 / SEQ_T) * pb.Di + q.c) * (pb.K + 1u);
+        for (var k = 0u; k < pb.K; k = k + 1u) { partials[base + k] = select(a1[k % 4u], a0[k % 4u], k < 4u); }
+        partials[base + pb.K] = ab;
     }
 }
 
@@ -193,6 +232,8 @@ fn conv1d_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     let m0 = p * p2.rows_per_chunk;
     let m1 = min(p2.M, m0 + p2.rows_per_chunk);
     let kq = vec4<u32>(0u, 1u, 2u, 3u);
+    let at0 = kq == vec4<u32>(p2.K - 1u);
+    let at1 = kq + 4u == vec4<u32>(p2.K - 1u);
     var a0 = vec4<f32>(0.0);   // taps 0..3: sum of dp_t * x[t - (K-1) + k]
     var a1 = vec4<f32>(0.0);   // taps 4..7
     var ab = 0.0;              // the bias: sum of dp_t
@@ -202,12 +243,7 @@ fn conv1d_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     let mw = m0 - min(m0 % p2.L, p2.K - 1u);
     for (var m = mw; m < m1; m = m + 1u) {
         if (m % p2.L == 0u) { w0 = vec4<f32>(0.0); w1 = vec4<f32>(0.0); }
-        let x = xz2[p2.o_d + m * p2.ld + c];
-        // shift by one and put x at K-1
-        let s0 = vec4<f32>(w0.y, w0.z, w0.w, w1.x);
-        let s1 = vec4<f32>(w1.y, w1.z, w1.w, 0.0);
-        w0 = select(s0, vec4<f32>(x), kq == vec4<u32>(p2.K - 1u));
-        w1 = select(s1, vec4<f32>(x), kq + 4u == vec4<u32>(p2.K - 1u));
+        shift_in(&w0, &w1, xz2[p2.o_d + m * p2.ld + c], at0, at1);
         if (m >= m0) {
             let j = m * p2.Di + c;
             let dp = dout2[p2.o_b + j] * dsilu(pre2[p2.o_c + j]);

@@ -12,6 +12,7 @@ from ..gpu import Recorder, Tensor, bound, cdiv, pack, span, split
 from .lanes import seq_conv
 
 MAX_K = 7
+SEQ_T = 64   # steps per lane of the seq kernels (shaders/conv1d.wgsl)
 
 
 def _chunks(rt, M: int, Di: int, K: int) -> tuple[int, int]:
@@ -25,6 +26,15 @@ def _chunks(rt, M: int, Di: int, K: int) -> tuple[int, int]:
 def _params(M, L, Di, K, has_bias, rpc, nch, *offs, pbase=0):
     offs = tuple(offs) + (0,) * (5 - len(offs))
     return pack("16I", M, L, Di, K, 2 * Di, has_bias, rpc, nch, *offs, pbase, 0, 0)
+
+
+def partial_rows(B: int, L: int, fused: bool, part_rows: list, rpc: int) -> int:
+    """Rows of the weight-gradient partials: one per (sequence, SEQ_T steps) when the seq
+    kernel sums them (`fused`), else one per chunk of rpc rows of each call's range
+    (`part_rows`: the batch rows of each range)."""
+    if fused:
+        return B * cdiv(L, SEQ_T)
+    return sum(cdiv(nb * L, rpc) for nb in part_rows)
 
 
 def _sequences(rt, B: int, L: int, Di: int, K: int) -> list:
@@ -91,23 +101,30 @@ def conv1d_backward(rec: Recorder, dxz: Tensor, dweight: Tensor, dbias: Tensor |
         return (_seq_view(dout, b0, nb, L * Di), _seq_view(pre, b0, nb, L * Di),
                 _seq_view(xz, b0, nb, 2 * L * Di), None if dxz is None else _seq_view(dxz, b0, nb, 2 * L * Di))
 
-    if dxz is not None:
-        assert dxz.numel >= M * 2 * Di
-        for b0, nb in parts:
-            g, p, _, d = views(b0, nb)
-            (bg, og), (bp, op), (bd, od) = (bound(rt, t) for t in (g, p, d))
-            u = rt.uniform(_params(nb * L, L, Di, K, 0, rpc, cdiv(nb * L, rpc), od, og, op, ow))
-            bindings = {0: bd, 1: bg, 2: bp, 3: bw, 4: u}
-            if seq_conv(rt):
-                rec.dispatch("conv1d", "conv1d_backward_seq", bindings, _seq_groups(nb, L, Di))
-            else:
-                rec.dispatch("conv1d", "conv1d_backward", bindings, cdiv(nb * L * Di, 256))
-    if dweight is not None or dbias is not None:
-        nch = sum(cdiv(nb * L, rpc) for _, nb in parts)
+    want_dw = dweight is not None or dbias is not None
+    fused = want_dw and dxz is not None and seq_conv(rt)   # the seq kernel sums the partials too
+    if want_dw:
+        nch = partial_rows(B, L, fused, [nb for _, nb in parts], rpc)
         split(rt, 1, lambda _: (4 * nch * Di * (K + 1),), unit=f"the conv1d weight-gradient partials ({nch} x {Di})")
         part = rt.scratch("conv1d_dweight_partial", (nch, Di, K + 1))
+    if dxz is not None:
+        assert dxz.numel >= M * 2 * Di
         pbase = 0
         for b0, nb in parts:
+            g, p, x, d = views(b0, nb)
+            (bg, og), (bp, op), (bd, od), (bx, ox) = (bound(rt, t) for t in (g, p, d, x))
+            u = rt.uniform(_params(nb * L, L, Di, K, 0, rpc, cdiv(nb * L, rpc), od, og, op, ow, ox, pbase=pbase))
+            bindings = {0: bd, 1: bg, 2: bp, 3: bw, 4: u}
+            if seq_conv(rt):
+                sink = part if want_dw else rt.scratch("conv1d_dbias_sink", (Di,))
+                rec.dispatch("conv1d", "conv1d_backward_seq", {**bindings, 5: bx, 6: sink},
+                             _seq_groups(nb, L, Di), {"SEQ_DW": int(fused)})
+            else:
+                rec.dispatch("conv1d", "conv1d_backward", bindings, cdiv(nb * L * Di, 256))
+            pbase += partial_rows(nb, L, True, [nb], rpc) if fused else 0
+    if want_dw:
+        pbase = 0
+        for b0, nb in parts if not fused else ():
             g, p, x, _ = views(b0, nb)
             (bg, og), (bp, op), (bx, ox) = (bound(rt, t) for t in (g, p, x))
             n = cdiv(nb * L, rpc)
