@@ -12,7 +12,8 @@ mkdir -p "$OUT"
 source benchmarks/device_setup.sh
 (bash .peers/build_peers.sh > "$OUT/peer_build.log" 2>&1; touch /tmp/peers_done) &
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_scan.py tests/test_matmul.py tests/test_oracle.py tests/test_mixed.py tests/test_generate.py 2>&1 | tail -4 | tee "$OUT/tests.txt"
+python3 -m pytest -q -p no:cacheprovider tests/test_scan.py tests/test_matmul.py tests/test_oracle.py tests/test_mixed.py tests/test_generate.py \
+    tests/test_ops_elementwise.py tests/test_reduce.py tests/test_optim.py tests/test_lora.py tests/test_train.py 2>&1 | tail -4 | tee "$OUT/tests.txt"
 if [ -d old ]; then
   mkdir -p /tmp/oldpkg/memengine
   for d in cli engine shaders configs; do ln -sfn "$PWD/old/$d" "/tmp/oldpkg/memengine/$d"; done
