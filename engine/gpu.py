@@ -125,6 +125,8 @@ def _create_module(device, label: str, code: str, checks: bool):
         from wgpu.backends.wgpu_native._ffi import ffi, lib
     except ImportError:
         return device.create_shader_module(label=label, code=code)
+    if not hasattr(lib, "wgpuDeviceCreateShaderModuleTrusted"):   # a wgpu-native without it
+        return device.create_shader_module(label=label, code=code)
     src = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(code))
     src[0].chain.next = ffi.NULL
     src[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
