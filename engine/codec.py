@@ -3,8 +3,9 @@ writer, checkpoints and `memengine quantize`; imports nothing of the engine but 
 
 The encoders round to nearest, ties to even; subnormals, signed zeros and infinities
 exact; NaN stays NaN (sign and top payload bits kept). bfloat16 works on the bit patterns
-with integer numpy; f16 takes numpy's cast and sets the NaNs itself. A finite input that rounds beyond the target's
-largest finite value is an *overflow*, reported in a mask so callers can refuse or saturate.
+with integer numpy; f16 takes numpy's cast and sets the NaNs itself. A finite input that
+rounds beyond the target's largest finite value is an *overflow*, reported in a mask so
+callers can refuse or saturate.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _bits32(x: np.ndarray) -> np.ndarray:
 def f32_to_f16_bits(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 -> (uint16 f16 bit patterns, overflow mask), round-to-nearest-even.
 
-    numpy's cast (IEEE round-to-nearest-even, subnormals included; 150x the integer
+    numpy's cast (IEEE round-to-nearest-even, subnormals included; 80x the integer
     encoder this replaced, which tests/test_quantize.py keeps as the reference), with NaN
     set by this module's rule on every platform: sign and top payload bits kept, never
     infinity (hardware casts may quiet a NaN differently)."""

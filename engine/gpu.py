@@ -117,16 +117,12 @@ def _create_module(device, label: str, code: str, checks: bool):
     in every loop that breaks out after 2^64 passes; the counter keeps the driver from
     unrolling the loops of the hot kernels.  Every kernel here guards its own indices
     (and the oracle tests hold them to it), so they are compiled as trusted modules
-    (`wgpuDeviceCreateShaderModuleTrusted`).  Other backends get the ordinary call."""
-    if checks or not hasattr(device, "_internal"):
+    (`wgpuDeviceCreateShaderModuleTrusted`)."""
+    if checks:
         return device.create_shader_module(label=label, code=code)
-    try:
-        from wgpu.backends.wgpu_native import _api
-        from wgpu.backends.wgpu_native._ffi import ffi, lib
-    except ImportError:
-        return device.create_shader_module(label=label, code=code)
-    if not hasattr(lib, "wgpuDeviceCreateShaderModuleTrusted"):   # a wgpu-native without it
-        return device.create_shader_module(label=label, code=code)
+    from wgpu.backends.wgpu_native import _api   # (wgpu==0.32.0: its wgpu-native has the call)
+    from wgpu.backends.wgpu_native._ffi import ffi, lib
+
     src = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(code))
     src[0].chain.next = ffi.NULL
     src[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
@@ -660,8 +656,9 @@ class Runtime:
         return rows
 
     def piece_fence(self) -> "StepFence":
-        if self._piece_fence is None or self._piece_fence.depth != self.piece_depth:
-            self._piece_fence = StepFence(self, depth=self.piece_depth)
+        if self._piece_fence is None:
+            self._piece_fence = StepFence(self, depth=self.piece_depth, slots=MAX_PIECES)
+        self._piece_fence.depth = self.piece_depth
         return self._piece_fence
 
     def sync(self) -> None:
@@ -787,24 +784,26 @@ class StepFence:
     steps instead of after everything queued.
     """
 
-    def __init__(self, rt: "Runtime", depth: int = 3):
+    def __init__(self, rt: "Runtime", depth: int = 3, slots: int = 0):
+        """`slots` (at least `depth`): buffers in the ring, so that `depth` may be changed
+        later up to that many without making new ones."""
         u = rt.wgpu.BufferUsage
         self.rt = rt
         self.depth = max(1, int(depth))
         self.src = rt.empty((4,), "u32", "fence.src")
         self.bufs = [rt.device.create_buffer(label=f"fence{i}", size=16, usage=u.MAP_READ | u.COPY_DST)
-                     for i in range(self.depth)]
+                     for i in range(max(self.depth, int(slots)))]
         self.steps = 0
 
     def wait(self) -> None:
         """Call before recording a step: waits for the step `depth` back to finish."""
         if self.steps >= self.depth:
-            wait_mapped(self.bufs[self.steps % self.depth], self.rt.wgpu.MapMode.READ)
+            wait_mapped(self.bufs[(self.steps - self.depth) % len(self.bufs)], self.rt.wgpu.MapMode.READ)
 
     def mark(self, rec: "Recorder") -> None:
         """Call after recording a step, before its submit."""
         rec._end_pass()
-        rec.encoder.copy_buffer_to_buffer(self.src.buffer, 0, self.bufs[self.steps % self.depth], 0, 16)
+        rec.encoder.copy_buffer_to_buffer(self.src.buffer, 0, self.bufs[self.steps % len(self.bufs)], 0, 16)
         self.steps += 1
 
 

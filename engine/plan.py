@@ -260,7 +260,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
         if kind == "train":  # the norms' and conv's weight gradients (adapt and LoRA compute none)
             rpc, nch = _rmsnorm._chunks(lim, M, E)
             scratch += _buf(4 * nch * E)
-            rpc, nch = _conv1d._chunks(lim, M, Di, K)
+            rpc, _ = _conv1d._chunks(lim, M, Di, K)
             nch = _conv1d.partial_rows(B, L, lim.seq_conv, [B], rpc)
             scratch += _buf(4 * nch * Di * (K + 1)) + _buf(4 * Di * K) + _buf(4 * Di)
         elif lim.seq_conv:  # the seq kernel's unused partials binding

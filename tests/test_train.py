@@ -246,7 +246,7 @@ def test_slow_steps_go_in_pieces_with_a_tenth_of_a_second_queued(rt, monkeypatch
             model = MambaModel(rt, cfg, init_weights(cfg, 3))
             tr = trmod.Trainer(model, o, trace_capacity=4)
             rt.bounded, rt.piece_depth = bounded, 2
-            before = rt.pieces
+            before, fence = rt.pieces, rt.piece_fence()
             for k in range(3):
                 clock[0] += step_s
                 tr.step(bs[k:k + 1], 1e-3)
@@ -255,6 +255,8 @@ def test_slow_steps_go_in_pieces_with_a_tenth_of_a_second_queued(rt, monkeypatch
             if bounded:   # 3 steps, each at least a piece per layer; 0.26 s a step at that count
                 assert pieces >= 3 * cfg.num_hidden_layers
                 assert rt.bounded and rt.piece_depth == gpu.piece_depth(step_s, pieces // 3 + 1) > 2
+                # the depth changed on the same fence: no new buffers
+                assert rt.piece_fence() is fence and len(fence.bufs) == gpu.MAX_PIECES
             else:
                 assert pieces == 0 and not rt.bounded
             weights.append(model.state_dict())

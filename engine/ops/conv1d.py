@@ -121,10 +121,10 @@ def conv1d_backward(rec: Recorder, dxz: Tensor, dweight: Tensor, dbias: Tensor |
                              _seq_groups(nb, L, Di), {"SEQ_DW": int(fused)})
             else:
                 rec.dispatch("conv1d", "conv1d_backward", bindings, cdiv(nb * L * Di, 256))
-            pbase += partial_rows(nb, L, True, [nb], rpc) if fused else 0
+            pbase += nb * cdiv(L, SEQ_T)   # (used by the seq kernel's partials only)
     if want_dw:
         pbase = 0
-        for b0, nb in parts if not fused else ():
+        for b0, nb in ([] if fused else parts):
             g, p, x, _ = views(b0, nb)
             (bg, og), (bp, op), (bx, ox) = (bound(rt, t) for t in (g, p, x))
             n = cdiv(nb * L, rpc)
