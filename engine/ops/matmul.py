@@ -39,8 +39,8 @@ def fast_config(rt, M: int, N: int, K: int) -> dict:
     """The tile configuration of matmul_fast for one product on this adapter.
 
     Measured on the H200 (benchmarks/README.md): 128x128 tiles, BK 16 everywhere except
-    few rows (x_proj's weight gradient, M = 80: BM = M rounded up to 8, 1.3x) and narrow,
-    long products (dt_proj's weight gradient, N = 48, split-K: BN 64, 1.5x)."""
+    few rows (x_proj's weight gradient, M = 80: BM = M rounded up to 8, 1.3x) and few
+    columns (dt_proj's weight and input gradients, N = 48: BN 64, 1.5x and 1.2x)."""
     if FORCE is not None:
         c = FORCE(rt, M, N, K) if callable(FORCE) else FORCE
         c = {**BASE, **c}
@@ -48,7 +48,7 @@ def fast_config(rt, M: int, N: int, K: int) -> dict:
         c = dict(BASE)
         if M <= 96:
             c["BM"] = max(64, -(-M // 8) * 8)
-        elif N <= 64 and K >= 4 * _MIN_SLICE_K:
+        elif N <= 64:
             c["BN"] = 64
     assert valid_config(c), c
     return c
@@ -66,17 +66,40 @@ def _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tens
     return True
 
 
-def _split_k(rt, M: int, N: int, K: int, tiles: int) -> int:
-    """How many K slices to use when there are too few output tiles to fill the GPU:
-    enough for about four rounds of workgroups (so the last, partial round costs little),
-    each slice at least _MIN_SLICE_K long, and only for long K (on the H200, splitting
-    K = 1536 cost 5-10%; splitting K >= 16384 gained up to 10x)."""
-    if _MODE == "nosplit" or tiles >= _TARGET_TILES or K < 4 * _MIN_SLICE_K:
+def _rounds(blocks: int) -> float:
+    """Time of `blocks` equal workgroups, in rounds of a full GPU: the busiest SM gets
+    cdiv(blocks, _SMS) of them; two share an SM, and one alone takes _LONE of a pair's time."""
+    c = cdiv(blocks, _SMS)
+    return c // 2 + _LONE * (c % 2)
+
+
+def _split_cost(M: int, N: int, K: int, tiles: int, tile_elems: int, s: int, bk: int) -> float:
+    """Estimated seconds of the product in s K-slices (whole BK tiles each) plus, when split,
+    the reduce (reading the partial products; their stores overlap the product's arithmetic)."""
+    ks = cdiv(cdiv(K, s), bk) * bk
+    t = _rounds(tiles * cdiv(K, ks)) * ks * _ROUND_K_S * tile_elems / (128 * 128)
+    if s > 1:
+        t += 4.0 * cdiv(K, ks) * M * N / _BYTES_S + _LAUNCH_S
+    return t
+
+
+def _split_k(rt, M: int, N: int, K: int, tiles: int, tile_elems: int = 128 * 128, bk: int = 16) -> int:
+    """How many K slices to use: the count of the cheapest estimate (`_split_cost`) among
+    slices of at least _MIN_SLICE_K, at most 64, whose partial products fit one binding;
+    the smaller count where estimates are within 0.5%.  Few output tiles leave SMs idle or
+    alone (the weight gradients: 12-144 tiles of 264 places); a count of workgroups that
+    fills the last round is what the estimate favours."""
+    if _MODE == "nosplit" or K < 2 * _MIN_SLICE_K:
         return 1
-    s = min(cdiv(4 * _TARGET_TILES, tiles), K // _MIN_SLICE_K, 64)
-    while s > 1 and 4 * s * M * N > min(rt.max_binding, 256 * 2**20):
-        s -= 1
-    return max(s, 1)
+    cap = min(rt.max_binding, 256 * 2**20)
+    best, best_t = 1, _split_cost(M, N, K, tiles, tile_elems, 1, bk)
+    for s in range(2, min(64, K // _MIN_SLICE_K) + 1):
+        if 4 * s * M * N > cap:
+            break
+        t = _split_cost(M, N, K, tiles, tile_elems, s, bk)
+        if t < 0.995 * best_t:
+            best, best_t = s, t
+    return best
 
 
 def splitk_slices(rt, M: int, N: int, K: int) -> tuple[int, int]:
@@ -84,16 +107,22 @@ def splitk_slices(rt, M: int, N: int, K: int) -> tuple[int, int]:
     (1, K) when it does not split.  Slices are whole BK tiles; the partial products
     (slices x M x N) fit one binding (`_split_k`)."""
     cfg = fast_config(rt, M, N, K)
-    s = _split_k(rt, M, N, K, cdiv(N, cfg["BN"]) * cdiv(M, cfg["BM"]))
+    s = _split_k(rt, M, N, K, cdiv(N, cfg["BN"]) * cdiv(M, cfg["BM"]), cfg["BM"] * cfg["BN"], cfg["BK"])
     if s <= 1:
         return 1, K
     ks = cdiv(cdiv(K, s), cfg["BK"]) * cfg["BK"]   # a whole number of BK tiles
     return cdiv(K, ks), ks
 
 
-# workgroups that fill a large GPU once (132 SMs on an H100/H200, two 256-thread tiles each)
-_TARGET_TILES = 264
-_MIN_SLICE_K = 512
+# The split-K estimate's H200 figures (fp32, 128x128 tiles, BK 16; benchmarks/results/h200/
+# diagnostics/splitk_probe.txt): 132 SMs, two workgroups resident on each; a round of 264 workgroups
+# takes 0.2134 us per step of K (0.874 ms at K 4096); 132 alone take 0.58 of that.
+_SMS = 132
+_LONE = 0.58
+_ROUND_K_S = 0.874e-3 / 4096
+_BYTES_S = 3e12        # the reduce reading the partial products
+_LAUNCH_S = 4e-6       # the reduce's dispatch
+_MIN_SLICE_K = 256
 
 
 def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K: int,
@@ -169,6 +198,8 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         else:
             cfg = fast_config(rt, M, N, K)
             consts = {k: int(v) for k, v in cfg.items()}
+            if not trans_a:   # the layouts as constants (FIXED_LAYOUT in shaders/matmul.wgsl)
+                consts.update(FIXED_LAYOUT=1, TB=int(trans_b))
             bm, bn = cfg["BM"], cfg["BN"]
             slices, ks = splitk_slices(rec.rt, M, N, K)
         if slices > 1:
