@@ -2,8 +2,9 @@
 
 The driver keeps compiled pipelines in its shader disk cache: run a product with
     __GL_SHADER_DISK_CACHE=1 __GL_SHADER_DISK_CACHE_SKIP_CLEANUP=1 __GL_SHADER_DISK_CACHE_PATH=/tmp/glc
-then `python sass_stats.py /tmp/glc/GLCache/*/*/*.bin` (needs the `zstd` tool and CUDA's
-`nvdisasm`, NVDISASM=path).  Each cache entry is a zstd frame; the kernel entries start with
+bring the cache files back and run `python sass_stats.py FILE.bin ...` (needs the `zstd` tool
+and CUDA's `nvdisasm`, NVDISASM=path; the device machine's copy runs here too; SASS_DIR=dir
+keeps each kernel's disassembly).  Each cache entry is a zstd frame; the kernel entries start with
 "NVDANVVMNVuc", hold the code's size and offset at 0x4c/0x50 and the register count 8 bytes
 before the code.  The format is the driver's own (580.159 here) and undocumented: what this
 reads is what was observed, for diagnosis only.
@@ -39,8 +40,8 @@ def main():
             ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text)
             mix = collections.Counter(o.split(".")[0] for o in ops).most_common(10)
             print(f"{os.path.basename(path)} kernel {j}: {regs} registers, {len(ops)} instructions, {dict(mix)}")
-            if len(sys.argv) == 2 and "-v" in os.environ.get("SASS", ""):
-                print(text)
+            if os.environ.get("SASS_DIR"):   # keep the disassembly too
+                open(os.path.join(os.environ["SASS_DIR"], f"{os.path.basename(path)}.{j}.sass"), "w").write(text)
 
 
 if __name__ == "__main__":
