@@ -143,7 +143,7 @@ def _info(o: InfoOptions, ui: UI) -> None:
                                          for k, v in d.items()])
         ui.emit(d)
         return
-    ref = resolve(o.ckpt, o.revision, o.model_type)
+    ref = resolve(o.ckpt, o.revision, o.model_type, weights=False)   # an uncached id: headers from the Hub
     c = open_checkpoint(ref, ui.warn, read_tensors=False)   # the headers: no weight is read
     cfg = c.config
     n_params = c.n_params
@@ -154,6 +154,8 @@ def _info(o: InfoOptions, ui: UI) -> None:
     weight_files = c.extra.get("weight_files", [])
     files = weight_files if ref.path.is_file() else sorted(p for p in ref.path.iterdir() if p.is_file())
     nbytes = int(sum(p.stat().st_size for p in files))
+    if ref.headers:   # the weights stayed on the Hub: their tensor data, by the headers
+        nbytes += sum(h.file_size for h in ref.headers)
     plan = None
     try:
         from memengine.engine.gpu import get_runtime
@@ -181,9 +183,11 @@ def _info(o: InfoOptions, ui: UI) -> None:
         ("tensors", len(c.shapes)),
         ("parameters", f"{n_params:,}"),
         ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(dtypes.items()))),
-        ("size on disk", f"{nbytes:,} bytes"),
+        ("size on disk", f"{nbytes:,} bytes" if not ref.headers else
+         f"{nbytes:,} bytes (the weights' tensor data on the Hub; not downloaded)"),
         ("tokenizer", str(tok) if tok else "byte-level (built-in)"),
-        ("optimizer state", "yes" if c.extra.get("optimizer_path") else "no"),
+        ("optimizer state", "yes" if c.extra.get("optimizer_path") else
+         "not looked for (not downloaded)" if ref.headers else "no"),
         ("adapter", adapter),
         ("GPU features", "n/a" if caps is None else
          f"{', '.join(caps['features']) or 'none'}; largest binding "
@@ -210,6 +214,7 @@ def _info(o: InfoOptions, ui: UI) -> None:
                     for n, shape in c.shapes.items()},
         "dtypes": dtypes,
         "bytes": nbytes,
+        "weights_downloaded": not ref.headers,
         "tokenizer": str(tok) if tok else None,
         "adapter": adapter,
         "gpu": caps,
@@ -222,7 +227,7 @@ run_command(app, InfoOptions, _info, name="info", help="""Show a checkpoint's co
 The plan estimates what eval, train and adapt need for --batch-size x --seq-len (parameters, gradients, moments, activations, logits chunk, scratch) and checks it against the adapter's largest buffer and binding and, where one is known, the memory budget.""", epilog=_examples(
     "memengine info tiny-model",
     "memengine info model/model.safetensors --json | jq .parameters",
-    "memengine info state-spaces/mamba-130m-hf                # a model id (local cache, else download)",
+    "memengine info state-spaces/mamba-1.4b-hf                # a model id: its weights' headers only, no download",
     "memengine info my-org/my-mamba --revision v1.0            # a tag, branch or commit",
     "memengine info weights.safetensors --model-type falcon_mamba",
     "memengine info mamba-130m --seq-len 2048 --batch-size 4    # will train fit this adapter?",

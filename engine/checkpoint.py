@@ -242,7 +242,8 @@ def _locate(p: Path) -> tuple[Path, Path | None, Path]:
     return p, (cfg_file if p.name == MODEL_FILE else None), d
 
 
-def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_tensors: bool = True) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_tensors: bool = True,
+                    headers: list[SafetensorsHeader] | None = None) -> Checkpoint:
     """Load a checkpoint directory, a bare .safetensors file or a shard set (see module doc).
 
     `model_type` ("mamba" | "falcon_mamba") settles a checkpoint whose config does not state
@@ -251,17 +252,26 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_ten
     `read_tensors=False` reads the config and the safetensors headers only (`tensors` stays
     empty; names, shapes and dtypes are checked as for a load): what `memengine info` shows,
     in a moment and without the host memory the weights would take.
+    `headers` (with read_tensors=False): the weight files' headers as read elsewhere (a model
+    id's, from the Hub, `resolve.remote_headers`); `path` is then the directory holding the
+    rest of the checkpoint (config, tokenizer) and no weight file is looked for there.
     """
     p = Path(path)
     if model_type is not None and model_type not in MODEL_TYPES:
         raise MemengineError(f"model type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})")
     if not p.exists():
         raise MemengineError(f"checkpoint '{p}' not found")
-    weights, cfg_file, directory = _locate(p)
-    if weights.name.endswith(".index.json"):
-        headers = _sharded_headers(weights)
+    if headers is not None:
+        assert not read_tensors and headers, "remote headers describe the weights; they hold none"
+        directory = p
+        weights = headers[0].path if len(headers) == 1 else p / INDEX_FILE
+        cfg_file = p / CONFIG_FILE if _present(p / CONFIG_FILE, "config file") else None
     else:
-        headers = [read_header(weights)]
+        weights, cfg_file, directory = _locate(p)
+        if weights.name.endswith(".index.json"):
+            headers = _sharded_headers(weights)
+        else:
+            headers = [read_header(weights)]
     where = str(weights)
 
     stated: str | None = None

@@ -6,13 +6,18 @@ revision), a download of the checkpoint's files when online, nothing but the cac
 `HF_HUB_OFFLINE=1`. Only the files memengine reads are fetched (config, safetensors weights or
 shards with their index, tokenizer and generation configs).
 
+`memengine info` asks for less (`weights=False`): for a model id whose weights are not in the
+cache (and when online) it fetches the small files only and reads the weights' safetensors
+headers from the Hub (`remote_headers`: ranges of the files), so a model can be looked at,
+and its memory plan checked, before gigabytes are downloaded.
+
 `public_name` gives what may be written into an output's metadata or run record: a model id,
 a relative path as the user gave it, or only the base name of an absolute path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import MemengineError
@@ -23,6 +28,8 @@ HUB_FILES = [
     "special_tokens_map.json", "model.safetensors", "model.safetensors.index.json",
     "model-*-of-*.safetensors", "optimizer.safetensors",
 ]
+# all of them but the weights (and the optimizer state): what `info` fetches when they are not cached
+HEADER_FILES = [f for f in HUB_FILES if not f.endswith(".safetensors")]
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,8 @@ class CheckpointRef:
     repo_id: str | None = None   # when it came through the Hugging Face cache
     revision: str | None = None
     model_type: str | None = None  # "mamba" | "falcon_mamba" when the user said which
+    # the weights' headers read from the Hub when only those were asked for (`weights=False`)
+    headers: tuple | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         return self.spec
@@ -52,9 +61,12 @@ def public_path(path: str | Path) -> str:
 
 
 def resolve_checkpoint(spec: str | Path | CheckpointRef, revision: str | None = None,
-                       model_type: str | None = None, *, cache_dir: str | Path | None = None) -> CheckpointRef:
+                       model_type: str | None = None, *, cache_dir: str | Path | None = None,
+                       weights: bool = True) -> CheckpointRef:
     """A local path as it is, else a model id through the Hugging Face cache (see module doc).
-    Any failure is one MemengineError line."""
+    `weights=False`: a model id whose weights are not cached comes with their headers read
+    from the Hub instead (`CheckpointRef.headers`; online only). Any failure is one
+    MemengineError line."""
     if isinstance(spec, CheckpointRef):
         return spec
     s = str(spec)
@@ -63,8 +75,12 @@ def resolve_checkpoint(spec: str | Path | CheckpointRef, revision: str | None = 
         if revision is not None:
             raise MemengineError(f"--revision {revision}: '{s}' is a local path; a revision applies to model ids")
         return CheckpointRef(s, p, model_type=model_type)
+    if not weights and not _weights_cached(s, revision, cache_dir):
+        local = _snapshot(s, revision, cache_dir, HEADER_FILES)
+        return CheckpointRef(s, local, repo_id=s, revision=revision, model_type=model_type,
+                             headers=tuple(remote_headers(s, revision, local)))
     local = _snapshot(s, revision, cache_dir)
-    if not any((local / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+    if not _has_weights(local):
         raise MemengineError(f"model id '{s}'{_at(revision)} has no model.safetensors or model.safetensors.index.json "
                              "(memengine reads safetensors weights only)")
     return CheckpointRef(s, local, repo_id=s, revision=revision, model_type=model_type)
@@ -74,7 +90,67 @@ def _at(revision: str | None) -> str:
     return f" (revision {revision})" if revision else ""
 
 
-def _snapshot(repo_id: str, revision: str | None, cache_dir) -> Path:
+def _has_weights(local: Path) -> bool:
+    return any((local / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def _weights_cached(repo_id: str, revision: str | None, cache_dir) -> bool:
+    """Whether the cache holds this revision with its weights (True offline: there the cache
+    is all there is, and resolving as usual says what is missing)."""
+    from huggingface_hub import constants, snapshot_download
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        local = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                       allow_patterns=HUB_FILES, local_files_only=True))
+    except Exception:   # not cached, or not a model id at all (resolving as usual says which)
+        return False
+    if not (local / "model.safetensors.index.json").is_file():
+        return (local / "model.safetensors").is_file()
+    from .shards import read_index   # every shard the index names
+
+    try:
+        return all((local / f).is_file() for f in set(read_index(local / "model.safetensors.index.json").values()))
+    except MemengineError:
+        return True   # resolving as usual reports the broken index
+
+
+def remote_headers(repo_id: str, revision: str | None, local: Path) -> list:
+    """The safetensors headers of a model id's weights, read from the Hub by ranges of the
+    files (huggingface_hub.get_safetensors_metadata), as SafetensorsHeader under `local`
+    (the files are not there). Their data offsets are the Hub's; a header's own size is not
+    known, so `file_size` is the size of its tensor data."""
+    from huggingface_hub import errors as herr
+    from huggingface_hub import get_safetensors_metadata
+
+    from .safetensors_io import SafetensorsHeader, TensorInfo
+
+    try:
+        meta = get_safetensors_metadata(repo_id, revision=revision)
+    except herr.NotASafetensorsRepoError:
+        raise MemengineError(f"model id '{repo_id}'{_at(revision)} has no model.safetensors or "
+                             "model.safetensors.index.json (memengine reads safetensors weights only)") from None
+    except herr.SafetensorsParsingError as e:
+        raise MemengineError(f"model id '{repo_id}'{_at(revision)}: its weights' headers do not parse "
+                             f"({str(e).strip().splitlines()[0][:200]})") from None
+    except (herr.HfHubHTTPError, OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise MemengineError(f"model id '{repo_id}'{_at(revision)}: cannot read its weights' headers ({first})") from None
+    headers = []
+    for fname in sorted(meta.files_metadata):
+        fm = meta.files_metadata[fname]
+        tensors = {name: TensorInfo(name, str(t.dtype), tuple(int(d) for d in t.shape),
+                                    int(t.data_offsets[0]), int(t.data_offsets[1]))
+                   for name, t in fm.tensors.items()}
+        headers.append(SafetensorsHeader(path=local / fname, tensors=tensors, metadata=dict(fm.metadata or {}),
+                                         data_start=0, file_size=max((t.end for t in tensors.values()), default=0)))
+    if not headers:
+        raise MemengineError(f"model id '{repo_id}'{_at(revision)}: the Hub lists no weight files")
+    return headers
+
+
+def _snapshot(repo_id: str, revision: str | None, cache_dir, patterns: list = HUB_FILES) -> Path:
     try:
         from huggingface_hub import constants, snapshot_download
         from huggingface_hub import errors as herr
@@ -90,7 +166,7 @@ def _snapshot(repo_id: str, revision: str | None, cache_dir) -> Path:
     offline = constants.HF_HUB_OFFLINE
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                          allow_patterns=HUB_FILES))
+                                          allow_patterns=patterns))
     except herr.RevisionNotFoundError:
         raise MemengineError(f"--revision {revision}: not found in model id '{repo_id}'") from None
     except herr.RepositoryNotFoundError:  # also gated/private without a token

@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-def resolve(spec, revision: Optional[str] = None, model_type: Optional[str] = None):
-    """CKPT -> CheckpointRef (a local path as it is, else a model id through the HF cache)."""
+def resolve(spec, revision: Optional[str] = None, model_type: Optional[str] = None, weights: bool = True):
+    """CKPT -> CheckpointRef (a local path as it is, else a model id through the HF cache;
+    `weights=False`: an uncached model id's weight headers from the Hub instead of its weights)."""
     from .resolve import resolve_checkpoint
 
-    return resolve_checkpoint(spec, revision, model_type)
+    return resolve_checkpoint(spec, revision, model_type, weights=weights)
 
 
 def open_checkpoint(ref, warn: Optional[Callable[[str], None]] = None, read_tensors: bool = True):
@@ -19,7 +20,9 @@ def open_checkpoint(ref, warn: Optional[Callable[[str], None]] = None, read_tens
     the loader's assumptions go to `warn`."""
     from .checkpoint import load_checkpoint
 
-    c = load_checkpoint(ref.path, model_type=ref.model_type, read_tensors=read_tensors)
+    remote = list(ref.headers) if getattr(ref, "headers", None) else None
+    assert remote is None or not read_tensors, "a model id resolved without its weights has only headers"
+    c = load_checkpoint(ref.path, model_type=ref.model_type, read_tensors=read_tensors, headers=remote)
     for w in c.warnings:
         if warn is not None:
             warn(w)

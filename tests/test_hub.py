@@ -135,3 +135,114 @@ def test_cli_id_through_hf_home(hf_home, tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 2
     assert_one_line_error(p.stderr, "HF_HUB_OFFLINE=1")
+
+
+# ----------------------------------------------------------------- info without the weights
+def _header_json(path: Path) -> dict:
+    """A safetensors file's header by plain json (not memengine's parser)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n])
+
+
+@pytest.fixture
+def online_hub(hf_home, tmp_path, monkeypatch):
+    """Online, against a stand-in for the Hub: repo id -> a local checkpoint directory.
+    snapshot_download copies the files its patterns select into a snapshot (local_files_only:
+    only an earlier copy); get_safetensors_metadata returns the weight files' headers, parsed
+    with json into huggingface_hub's own classes. Records which files were fetched."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub import errors as herr
+    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+
+    root, _ = hf_home
+    repos = {"org/remote": root / "a", "org/remote-sharded": root / "b"}
+    fetched: list = []
+
+    def snapshot_download(repo_id, revision=None, cache_dir=None, allow_patterns=None, local_files_only=False):
+        dest = tmp_path / "snapshots" / repo_id.replace("/", "--")
+        if local_files_only:
+            if not dest.is_dir():
+                raise herr.LocalEntryNotFoundError(f"{repo_id} is not cached")
+            return str(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in repos[repo_id].iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, dest / f.name)
+                fetched.append(f.name)
+        return str(dest)
+
+    def get_safetensors_metadata(repo_id, revision=None):
+        src = repos[repo_id]
+        index = src / "model.safetensors.index.json"
+        wm = json.loads(index.read_text())["weight_map"] if index.exists() else None
+        files = sorted(set(wm.values())) if wm else ["model.safetensors"]
+        fm = {}
+        for f in files:
+            h = _header_json(src / f)
+            meta = h.pop("__metadata__", {})
+            fm[f] = SafetensorsFileMetadata(metadata=meta, tensors={
+                k: TensorInfo(dtype=v["dtype"], shape=v["shape"], data_offsets=tuple(v["data_offsets"]))
+                for k, v in h.items()})
+        return SafetensorsRepoMetadata(metadata=None, sharded=wm is not None,
+                                       weight_map=wm or {k: "model.safetensors" for k in fm["model.safetensors"].tensors},
+                                       files_metadata=fm)
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", get_safetensors_metadata)
+    return root, fetched
+
+
+@pytest.mark.parametrize("repo_id,local", [("org/remote", "a"), ("org/remote-sharded", "b")])
+def test_info_on_an_uncached_id_reads_the_headers_from_the_hub(online_hub, repo_id, local):
+    """`info` on a model id whose weights are not cached fetches the small files only and
+    shows what `info` on the same checkpoint on disk shows: config, tensors, dtypes, parameters."""
+    root, fetched = online_hub
+    by_id = run("info", repo_id, "--json")
+    by_path = run("info", root / local, "--json")
+    assert by_id.exit_code == 0, by_id.stderr
+    a, b = json.loads(by_id.stdout), json.loads(by_path.stdout)
+    for key in ("config", "parameters", "tensors", "dtypes", "model_type", "weight_files", "plan"):
+        assert a[key] == b[key], key
+    assert a["weights_downloaded"] is False and b["weights_downloaded"] is True
+    assert fetched and not [f for f in fetched if f.endswith(".safetensors")], fetched
+    data = sum(max(v["data_offsets"][1] for k, v in _header_json(root / local / f).items() if k != "__metadata__")
+               for f in b["weight_files"])
+    assert a["bytes"] >= data and a["bytes"] < b["bytes"]
+
+
+def test_info_on_a_downloaded_id_uses_the_files(online_hub, monkeypatch, tmp_path):
+    """Once a run has fetched the weights, `info` reads them from the cache, not the Hub."""
+    import huggingface_hub
+
+    root, fetched = online_hub
+    data = tmp_path / "d.txt"
+    data.write_text(SAMPLE_TEXT)
+    assert run("eval", "org/remote", "--data", data, "--seq-len", "64").exit_code == 0
+    assert "model.safetensors" in fetched
+
+    def no_hub(*a, **k):
+        raise AssertionError("the Hub was asked for headers the cache has")
+
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", no_hub)
+    r = run("info", "org/remote", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["weights_downloaded"] is True
+
+
+def test_info_on_an_id_without_safetensors_is_one_line(online_hub, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import errors as herr
+
+    def not_safetensors(repo_id, revision=None):
+        raise herr.NotASafetensorsRepoError(f"'{repo_id}' is not a safetensors repo")
+
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", not_safetensors)
+    r = run("info", "org/remote")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "has no model.safetensors")
