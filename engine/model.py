@@ -638,9 +638,10 @@ class MambaModel:
     def trainable_views(self, names: list) -> tuple[dict, dict]:
         """(parameter views, gradient views) of `names`: the base's, or the adapter's."""
         params, grads = {}, {}
+        G = self.grad_store(names)   # None when every name is the adapter's
         for n in names:
             if n in self.P.views:
-                params[n], grads[n] = self.P.views[n], self.grad_store(names).views[n]
+                params[n], grads[n] = self.P.views[n], G.views[n]
             else:
                 params[n], grads[n] = self.lora.P.views[n], self.lora.G.views[n]
         return params, grads
