@@ -199,9 +199,12 @@ def online_hub(hf_home, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("repo_id,local", [("org/remote", "a"), ("org/remote-sharded", "b")])
-def test_info_on_an_uncached_id_reads_the_headers_from_the_hub(online_hub, repo_id, local):
+def test_info_on_an_uncached_id_reads_the_headers_from_the_hub(online_hub, repo_id, local, monkeypatch):
     """`info` on a model id whose weights are not cached fetches the small files only and
     shows what `info` on the same checkpoint on disk shows: config, tensors, dtypes, parameters."""
+    from memengine.engine.plan import ENV_MAX_MEMORY
+
+    monkeypatch.setenv(ENV_MAX_MEMORY, "8G")   # one budget for both plans (not the host's free memory)
     root, fetched = online_hub
     by_id = run("info", repo_id, "--json")
     by_path = run("info", root / local, "--json")
