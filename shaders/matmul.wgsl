@@ -139,17 +139,22 @@ const TQ: u32 = 32u;
 var<workgroup> As4: array<array<vec4<f32>, TQ>, BK>;
 var<workgroup> Bs4: array<array<vec4<f32>, TQ>, BK>;
 
-// The operands' layouts: pipeline constants (TA, TB, declared with matmul_lanes below) where
-// FIXED_LAYOUT is set, else the flags.  matmul.py fixes them where A is K-contiguous (the
-// forward and input-gradient products, 1-2% faster on the H200 with the layout branches
-// gone); for A^T (the weight gradients) the specialised kernel came out of the H200's
-// compiler with more register moves and ran 6% slower, so the flags stay there.
-override FIXED_LAYOUT: bool = false;
-fn a_trans() -> bool { if (FIXED_LAYOUT) { return TA; } return (F.flags & 4u) != 0u; }
-fn b_trans() -> bool { if (FIXED_LAYOUT) { return TB; } return (F.flags & 8u) != 0u; }
+// The operands' layouts: the pipeline constants TA, TB (declared with matmul_lanes below).
+// The load functions below are the form measured: an equivalent rewrite (one function per
+// operand, TA/TB in place of these helpers) compiled to other register numbers on the
+// H200 and ran 2% slower (benchmarks/results/h200/diagnostics/loads_ab.txt).
+fn a_trans() -> bool { return TA; }
+fn b_trans() -> bool { return TB; }
 
-// Tile loads: vec4 number e of the tile (0 <= e < NA or NB).
-fn fast_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
+// Tile loads: vec4 number e of the tile (0 <= e < NA or NB), loaded by the same thread at
+// every tile, in one of two forms (OFFSETS below picks):
+// - index form (index_load_a/b): the index and its bounds worked out again at each tile;
+// - offset form (offset_load_a/b): the offset at K = 0 worked out once (fast_base_a/b, in
+//   vec4), a tile adding k0's part (one multiply-add); rows of A past M and columns of B past
+//   N read the last one instead of zeros, which only reaches rows and columns of C that are
+//   never stored.
+// Both read zeros for K at or past k_hi (a partial last tile, or the next split-K slice).
+fn index_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
     if (e >= NA) { return vec4<f32>(0.0); }
     if (a_trans()) {            // A^T stored [K, lda]: M contiguous
         let k = e / AQ;
@@ -167,23 +172,21 @@ fn fast_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
     return vec4<f32>(0.0);
 }
 
-fn fast_store_a(v: vec4<f32>, e: u32) {
-    if (e >= NA) { return; }
-    if (a_trans()) {
-        As4[e / AQ][e % AQ] = v;
-    } else {
-        let m = e / (BK / 4u);
-        let kq = e % (BK / 4u);
-        let q = m / 4u;
-        let c = m % 4u;
-        As4[kq * 4u][q][c] = v.x;
-        As4[kq * 4u + 1u][q][c] = v.y;
-        As4[kq * 4u + 2u][q][c] = v.z;
-        As4[kq * 4u + 3u][q][c] = v.w;
-    }
+fn fast_base_a(row0: u32, e: u32) -> u32 {
+    if (a_trans()) {            // A^T stored [K, lda]: M contiguous (M % 4 == 0)
+        return (F.a_off + (e / AQ) * F.lda + min(row0 + (e % AQ) * 4u, F.M - 4u)) / 4u;
+    }                           // A stored [M, lda]: K contiguous
+    return (F.a_off + min(row0 + e / (BK / 4u), F.M - 1u) * F.lda + (e % (BK / 4u)) * 4u) / 4u;
 }
 
-fn fast_load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f32> {
+fn fast_base_b(col0: u32, e: u32) -> u32 {
+    if (b_trans()) {            // B^T stored [N, ldb]: K contiguous
+        return (F.b_off + min(col0 + e / (BK / 4u), F.N - 1u) * F.ldb + (e % (BK / 4u)) * 4u) / 4u;
+    }                           // B stored [K, ldb]: N contiguous (N % 4 == 0)
+    return (F.b_off + (e / BQ) * F.ldb + min(col0 + (e % BQ) * 4u, F.N - 4u)) / 4u;
+}
+
+fn index_load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f32> {
     if (e >= NB) { return vec4<f32>(0.0); }
     if (b_trans()) {            // B^T stored [N, ldb]: K contiguous
         let n = e / (BK / 4u);
@@ -199,6 +202,56 @@ fn fast_load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f32> {
         }
     }
     return vec4<f32>(0.0);
+}
+
+fn offset_load_a(base: u32, k0: u32, k_hi: u32, e: u32) -> vec4<f32> {
+    if (e >= NA) { return vec4<f32>(0.0); }
+    if (a_trans()) {
+        if (k0 + e / AQ < k_hi) { return A4[base + k0 * (F.lda / 4u)]; }
+    } else {
+        if (k0 + (e % (BK / 4u)) * 4u < k_hi) { return A4[base + k0 / 4u]; }
+    }
+    return vec4<f32>(0.0);
+}
+
+fn offset_load_b(base: u32, k0: u32, k_hi: u32, e: u32) -> vec4<f32> {
+    if (e >= NB) { return vec4<f32>(0.0); }
+    if (b_trans()) {
+        if (k0 + (e % (BK / 4u)) * 4u < k_hi) { return B4[base + k0 / 4u]; }
+    } else {
+        if (k0 + e / BQ < k_hi) { return B4[base + k0 * (F.ldb / 4u)]; }
+    }
+    return vec4<f32>(0.0);
+}
+
+// OFFSETS: the offset form, which matmul.py picks for the products with A^T (the weight
+// gradients).  On the H200 it made them 4-26% faster (1,928 instructions a kernel instead
+// of 2,192); where A is K-contiguous its eight offsets took the kernel to 128 registers with
+// spills (the input gradients 37% slower), so those keep the index form.
+override OFFSETS: bool = false;
+fn fast_load_a(base: u32, k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f32> {
+    if (OFFSETS) { return offset_load_a(base, k0, k_hi, e); }
+    return index_load_a(k0, k_hi, row0, e);
+}
+fn fast_load_b(base: u32, k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f32> {
+    if (OFFSETS) { return offset_load_b(base, k0, k_hi, e); }
+    return index_load_b(k0, k_hi, col0, e);
+}
+
+fn fast_store_a(v: vec4<f32>, e: u32) {
+    if (e >= NA) { return; }
+    if (a_trans()) {
+        As4[e / AQ][e % AQ] = v;
+    } else {
+        let m = e / (BK / 4u);
+        let kq = e % (BK / 4u);
+        let q = m / 4u;
+        let c = m % 4u;
+        As4[kq * 4u][q][c] = v.x;
+        As4[kq * 4u + 1u][q][c] = v.y;
+        As4[kq * 4u + 2u][q][c] = v.z;
+        As4[kq * 4u + 3u][q][c] = v.w;
+    }
 }
 
 fn fast_store_b(v: vec4<f32>, e: u32) {
@@ -235,16 +288,20 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
     }
     var acc: Block;   // zero-initialised
     // slot i holds vec4 number tid + i*NT of the tile; slots past the tile are never used
-    var va0 = fast_load_a(k_lo, k_hi, row0, tid);
+    let ba0 = fast_base_a(row0, tid); let ba1 = fast_base_a(row0, tid + NT);
+    let ba2 = fast_base_a(row0, tid + 2u * NT); let ba3 = fast_base_a(row0, tid + 3u * NT);
+    let bb0 = fast_base_b(col0, tid); let bb1 = fast_base_b(col0, tid + NT);
+    let bb2 = fast_base_b(col0, tid + 2u * NT); let bb3 = fast_base_b(col0, tid + 3u * NT);
+    var va0 = fast_load_a(ba0, k_lo, k_hi, row0, tid);
     var va1 = vec4<f32>(0.0); var va2 = vec4<f32>(0.0); var va3 = vec4<f32>(0.0);
-    if (NT < NA) { va1 = fast_load_a(k_lo, k_hi, row0, tid + NT); }
-    if (2u * NT < NA) { va2 = fast_load_a(k_lo, k_hi, row0, tid + 2u * NT); }
-    if (3u * NT < NA) { va3 = fast_load_a(k_lo, k_hi, row0, tid + 3u * NT); }
-    var vb0 = fast_load_b(k_lo, k_hi, col0, tid);
+    if (NT < NA) { va1 = fast_load_a(ba1, k_lo, k_hi, row0, tid + NT); }
+    if (2u * NT < NA) { va2 = fast_load_a(ba2, k_lo, k_hi, row0, tid + 2u * NT); }
+    if (3u * NT < NA) { va3 = fast_load_a(ba3, k_lo, k_hi, row0, tid + 3u * NT); }
+    var vb0 = fast_load_b(bb0, k_lo, k_hi, col0, tid);
     var vb1 = vec4<f32>(0.0); var vb2 = vec4<f32>(0.0); var vb3 = vec4<f32>(0.0);
-    if (NT < NB) { vb1 = fast_load_b(k_lo, k_hi, col0, tid + NT); }
-    if (2u * NT < NB) { vb2 = fast_load_b(k_lo, k_hi, col0, tid + 2u * NT); }
-    if (3u * NT < NB) { vb3 = fast_load_b(k_lo, k_hi, col0, tid + 3u * NT); }
+    if (NT < NB) { vb1 = fast_load_b(bb1, k_lo, k_hi, col0, tid + NT); }
+    if (2u * NT < NB) { vb2 = fast_load_b(bb2, k_lo, k_hi, col0, tid + 2u * NT); }
+    if (3u * NT < NB) { vb3 = fast_load_b(bb3, k_lo, k_hi, col0, tid + 3u * NT); }
     for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
         fast_store_a(va0, tid);
         if (NT < NA) { fast_store_a(va1, tid + NT); }
@@ -257,14 +314,14 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
         workgroupBarrier();
         if (k0 + BK < k_hi) {   // the next tile's loads, in flight during this tile's arithmetic
             let k1 = k0 + BK;
-            va0 = fast_load_a(k1, k_hi, row0, tid);
-            if (NT < NA) { va1 = fast_load_a(k1, k_hi, row0, tid + NT); }
-            if (2u * NT < NA) { va2 = fast_load_a(k1, k_hi, row0, tid + 2u * NT); }
-            if (3u * NT < NA) { va3 = fast_load_a(k1, k_hi, row0, tid + 3u * NT); }
-            vb0 = fast_load_b(k1, k_hi, col0, tid);
-            if (NT < NB) { vb1 = fast_load_b(k1, k_hi, col0, tid + NT); }
-            if (2u * NT < NB) { vb2 = fast_load_b(k1, k_hi, col0, tid + 2u * NT); }
-            if (3u * NT < NB) { vb3 = fast_load_b(k1, k_hi, col0, tid + 3u * NT); }
+            va0 = fast_load_a(ba0, k1, k_hi, row0, tid);
+            if (NT < NA) { va1 = fast_load_a(ba1, k1, k_hi, row0, tid + NT); }
+            if (2u * NT < NA) { va2 = fast_load_a(ba2, k1, k_hi, row0, tid + 2u * NT); }
+            if (3u * NT < NA) { va3 = fast_load_a(ba3, k1, k_hi, row0, tid + 3u * NT); }
+            vb0 = fast_load_b(bb0, k1, k_hi, col0, tid);
+            if (NT < NB) { vb1 = fast_load_b(bb1, k1, k_hi, col0, tid + NT); }
+            if (2u * NT < NB) { vb2 = fast_load_b(bb2, k1, k_hi, col0, tid + 2u * NT); }
+            if (3u * NT < NB) { vb3 = fast_load_b(bb3, k1, k_hi, col0, tid + 3u * NT); }
         }
         for (var k = 0u; k < BK; k += 8u) {   // eight K steps written out (BK % 8 == 0)
             block_fma(&acc, As4[k][ty], As4[k][TY + ty], Bs4[k][tx], Bs4[k][TX + tx]);

@@ -156,10 +156,12 @@ def test_fast_config_choices_are_covered(rt):
         assert mm.fast_config(rt, M, N, K) in tested, (M, N, K)
 
 
+@pytest.mark.parametrize("offsets", [0, 1])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "{BM}x{BN}x{BK}".format(**c))
-def test_every_tile_configuration_matches_numpy(rt, cfg):
-    """Each configuration on partial tiles, all four transpose cases and a split-K product."""
-    cfg = {**mm.BASE, **cfg}
+def test_every_tile_configuration_matches_numpy(rt, cfg, offsets):
+    """Each configuration on partial tiles, all four transpose cases and a split-K product,
+    with either form of the tile loads (matmul.py picks the offset form where A^T)."""
+    cfg = {**mm.BASE, **cfg, "OFFSETS": offsets}
     assert mm.valid_config(cfg)
     rng = np.random.default_rng(5)
     old = mm.FORCE
@@ -173,7 +175,7 @@ def test_every_tile_configuration_matches_numpy(rt, cfg):
             bias = rng.standard_normal(N).astype(np.float32)
             ref = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b) + bias + c0
             got, _ = run(rt, "tiles", a, b, c0, bias, M, N, K, ta, tb)
-            consts = {**cfg, **({} if ta else {"FIXED_LAYOUT": 1, "TB": int(tb)})}   # layouts as constants
+            consts = {**cfg, "TA": int(ta), "TB": int(tb)}   # the layouts as constants
             assert ("matmul", "matmul_fast", tuple(sorted((k, int(v)) for k, v in consts.items()))) in rt._pipelines
             assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5, (M, N, K, ta, tb)
     finally:

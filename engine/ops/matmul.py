@@ -198,8 +198,8 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         else:
             cfg = fast_config(rt, M, N, K)
             consts = {k: int(v) for k, v in cfg.items()}
-            if not trans_a:   # the layouts as constants (FIXED_LAYOUT in shaders/matmul.wgsl)
-                consts.update(FIXED_LAYOUT=1, TB=int(trans_b))
+            consts.update(TA=int(trans_a), TB=int(trans_b))   # the layouts as constants
+            consts.setdefault("OFFSETS", int(trans_a))   # the tile loads' form (shaders/matmul.wgsl)
             bm, bn = cfg["BM"], cfg["BN"]
             slices, ks = splitk_slices(rec.rt, M, N, K)
         if slices > 1:
