@@ -564,6 +564,11 @@ class Runtime:
         self._pool.clear()
         self.bytes_allocated = 0
 
+    def forget(self, buf) -> None:
+        """A buffer made by create_buffer that its owner drops (its memory goes with the last
+        reference): no longer counted in bytes_allocated."""
+        self.bytes_allocated = max(0, self.bytes_allocated - buf.size)
+
     def free(self, t: Tensor) -> None:
         """Return a tensor's buffer to the pool (the tensor must not be used again)."""
         if t is None:

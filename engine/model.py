@@ -132,6 +132,11 @@ class FlatStore:
         for t in self.segments:
             rec.clear(t)
 
+    def drop(self) -> None:
+        """The store is no longer used: its buffers leave the runtime's allocation count."""
+        for t in self.segments:
+            self.rt.forget(t.buffer)
+
     def write(self, tensors: dict) -> None:
         """Upload every tensor (host arrays by name), one segment at a time."""
         for i, seg in enumerate(self.segments):
@@ -293,6 +298,8 @@ class MambaModel:
             return None
         if self._G is None or not want <= set(self._G.views):
             have = set(self._G.views) if self._G is not None else set()
+            if self._G is not None:
+                self._G.drop()
             self._G = None
             self._G = FlatStore(self.rt, {n: self.gpu_shapes[n] for n in self.names if n in want | have}, "grads")
             self._grads = _structured(self.cfg, self._G.views)

@@ -198,3 +198,21 @@ def test_mamba_1_4b_config_and_its_plan(rt, monkeypatch):
     assert rep["eval"]["ok"] and not rep["train"]["ok"]
     assert "for the weights alone" in rep["train"]["problem"]
     assert rep["train"]["advice"].startswith("no --batch-size or --seq-len can help")
+
+
+def test_a_remade_gradient_store_is_counted_once(rt):
+    """An x_proj-only gradient store remade over every tensor (a WSLA run, then a full one in
+    the same process) adds to the allocation count what a fresh full store adds."""
+    from memengine.engine.model import MambaModel
+
+    cfg = MambaConfig.from_dict(SMALL)
+    fresh = MambaModel(rt, cfg, init_weights(cfg, 0))
+    before = rt.bytes_allocated
+    fresh.grad_store(fresh.names)
+    full = rt.bytes_allocated - before
+    model = MambaModel(rt, cfg, init_weights(cfg, 0))
+    before = rt.bytes_allocated
+    model.grad_store([n for n in model.names if "x_proj" in n])
+    assert 0 < rt.bytes_allocated - before < full
+    model.grad_store(model.names)
+    assert rt.bytes_allocated - before == full
