@@ -204,13 +204,14 @@ def _yaml_loader():
                 raise Refused(None, None, f"an alias (*{ev.anchor}) is not accepted: write the value out "
                                           "(aliases can expand a few lines into billions of values)", ev.start_mark)
             # collections count, as in JSON's limit (a scalar inside 64 lists is 64 deep)
-            self._depth += isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
+            level = int(isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)))
+            self._depth += level
             try:
                 if self._depth > MAX_DEPTH:
                     raise Refused(None, None, f"nested more than {MAX_DEPTH} levels deep", ev.start_mark)
                 return super().compose_node(parent, index)
             finally:
-                self._depth -= isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
+                self._depth -= level
 
         def construct_mapping(self, node, deep=False):
             seen = set()

@@ -213,17 +213,12 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     # pair per trained tensor; the gradient store holds the trained tensors only
     trained = _trainable(kind, list(shapes))
     if kind == "lora":
-        plan.parts["gradients"] = a_store if a_sizes else 0
+        plan.parts["gradients"], plan.parts["moments"] = (a_store if a_sizes else 0), 2 * a_store
     elif len(trained) == len(shapes):
-        plan.parts["gradients"] = store
+        plan.parts["gradients"], plan.parts["moments"] = store, 2 * store
     else:
         plan.parts["gradients"] = _store_bytes({n: shapes[n] for n in trained}, lim) if trained else 0
-    if len(trained) == len(shapes):
-        plan.parts["moments"] = 2 * store
-    else:
         plan.parts["moments"] = sum(2 * _buf(4 * _numel(shapes[n])) for n in trained)
-    if kind == "lora":
-        plan.parts["moments"] = 2 * a_store
 
     # -- activations (adapt also evaluates before training: a light workspace as well)
     acts = 0

@@ -81,13 +81,17 @@ def resolve_checkpoint(spec: str | Path | CheckpointRef, revision: str | None = 
                              headers=tuple(remote_headers(s, revision, local)))
     local = _snapshot(s, revision, cache_dir)
     if not _has_weights(local):
-        raise MemengineError(f"model id '{s}'{_at(revision)} has no model.safetensors or model.safetensors.index.json "
-                             "(memengine reads safetensors weights only)")
+        raise _no_safetensors(s, revision)
     return CheckpointRef(s, local, repo_id=s, revision=revision, model_type=model_type)
 
 
 def _at(revision: str | None) -> str:
     return f" (revision {revision})" if revision else ""
+
+
+def _no_safetensors(repo_id: str, revision: str | None) -> MemengineError:
+    return MemengineError(f"model id '{repo_id}'{_at(revision)} has no model.safetensors or "
+                          "model.safetensors.index.json (memengine reads safetensors weights only)")
 
 
 def _has_weights(local: Path) -> bool:
@@ -129,8 +133,7 @@ def remote_headers(repo_id: str, revision: str | None, local: Path) -> list:
     try:
         meta = get_safetensors_metadata(repo_id, revision=revision)
     except herr.NotASafetensorsRepoError:
-        raise MemengineError(f"model id '{repo_id}'{_at(revision)} has no model.safetensors or "
-                             "model.safetensors.index.json (memengine reads safetensors weights only)") from None
+        raise _no_safetensors(repo_id, revision) from None
     except herr.SafetensorsParsingError as e:
         raise MemengineError(f"model id '{repo_id}'{_at(revision)}: its weights' headers do not parse "
                              f"({str(e).strip().splitlines()[0][:200]})") from None
