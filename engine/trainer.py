@@ -126,12 +126,12 @@ class Trainer:
             model.record_gradients(rec, ws, b.ids, self.trainable, self.step_loss, clear=(i == 0))
             if i == len(micro) - 1:
                 self.clipper.record(rec, self._norm_views, self.options.max_grad_norm, self.scaler)
-                rec.copy(self.step_loss, self.trace.view((1,), j))
-                rec.copy(self.clipper.norm, self.trace.view((1,), self.capacity + j))
+                rec.copy(self.step_loss, self.trace.view((1,), j), slot=True)
+                rec.copy(self.clipper.norm, self.trace.view((1,), self.capacity + j), slot=True)
                 skip = None
                 if self.scaler is not None:
                     skip = self.scaler.amp
-                    rec.copy(skip.view((1,)), self.trace.view((1,), 2 * self.capacity + j))
+                    rec.copy(skip.view((1,)), self.trace.view((1,), 2 * self.capacity + j), slot=True)
                 self.opt.record_step(rec, self.params, self.grads, self.clipper.factor, skip,
                                      whole=self._whole)
             self.fence.mark(rec)
@@ -204,7 +204,7 @@ def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = No
         for r in range(int(batch.n_windows)):
             for k, x in enumerate((ws.loss_rows, hits.view((M,)), hits.view((M,), M))):
                 sum_into(rec, block.view((1,), k * B + r), x.view((L,), r * L))
-        rec.copy(block, sums.view((3 * B,), 3 * B * i))
+        rec.copy(block, sums.view((3 * B,), 3 * B * i), slot=True)
         fence.mark(rec)
         rec.submit()
         if on_progress is not None:

@@ -43,14 +43,11 @@ fn softplus_stable(v: f32) -> f32 {
     return max(v, 0.0) + log1p_unit(exp(-abs(v)));
 }
 
-fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
-    return (wid.x + wid.y * nwg.x) * 256u + lid.x;
-}
 
 @compute @workgroup_size(256)
 fn silu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = lin(wid, nwg, lid);
+    let i = lin(wid, nwg, lid.x);
     if (i >= P.n) { return; }
     let v = x[P.o_b + i];
     out[P.o_a + i] = v * sigmoid(v);
@@ -59,7 +56,7 @@ fn silu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 @compute @workgroup_size(256)
 fn silu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = lin(wid, nwg, lid);
+    let i = lin(wid, nwg, lid.x);
     if (i >= PB.n) { return; }
     let v = xb[PB.o_c + i];
     let s = sigmoid(v);
@@ -69,7 +66,7 @@ fn silu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
 @compute @workgroup_size(256)
 fn softplus_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                     @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = lin(wid, nwg, lid);
+    let i = lin(wid, nwg, lid.x);
     if (i >= P.n) { return; }
     out[P.o_a + i] = softplus_stable(x[P.o_b + i]);
 }
@@ -77,7 +74,7 @@ fn softplus_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
 @compute @workgroup_size(256)
 fn softplus_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = lin(wid, nwg, lid);
+    let i = lin(wid, nwg, lid.x);
     if (i >= PB.n) { return; }
     let v = xb[PB.o_c + i];
     var g = 1.0;

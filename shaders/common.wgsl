@@ -13,3 +13,9 @@ fn softplus(x: f32) -> f32 {
     if (w == 1.0) { return e; }
     return log(w) * e / (w - 1.0);
 }
+
+// The index of invocation `lid` of a 256-wide workgroup in a dispatch of (x, y) workgroups
+// (gpu.grid folds counts past 65535 into y).
+fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
+    return (wid.x + wid.y * nwg.x) * 256u + lid;
+}

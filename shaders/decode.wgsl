@@ -42,9 +42,6 @@ struct DP {
 @group(0) @binding(10) var<storage, read> bias: array<f32>;
 
 
-fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
-    return (wid.x + wid.y * nwg.x) * 256u + lid;
-}
 
 // ---------------------------------------------------------------- conv step
 // out = xc [Di] (o_a); st = conv state [K-1, Di] (o_b); xz (o_c: x at +0); wt = conv1d.weight

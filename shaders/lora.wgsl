@@ -17,9 +17,6 @@ struct Drop { rows: u32, cols: u32, ld_out: u32, ld_x: u32, o_out: u32, o_x: u32
 @group(0) @binding(2) var<storage, read> rng: array<u32>;
 @group(0) @binding(3) var<uniform> P: Drop;
 
-fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
-    return (wid.x + wid.y * nwg.x) * 256u + lid.x;
-}
 
 // PCG output permutation (O'Neill), as an integer hash
 fn pcg(v: u32) -> u32 {
@@ -31,7 +28,7 @@ fn pcg(v: u32) -> u32 {
 @compute @workgroup_size(256)
 fn lora_scale(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = lin(wid, nwg, lid);
+    let i = lin(wid, nwg, lid.x);
     if (i >= S.n) { return; }
     xs[S.o + i] = xs[S.o + i] * S.s;
 }
@@ -39,7 +36,7 @@ fn lora_scale(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 @compute @workgroup_size(256)
 fn lora_dropout(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_id) lid: vec3<u32>) {
-    let k = lin(wid, nwg, lid);
+    let k = lin(wid, nwg, lid.x);
     if (k >= P.rows * P.cols) { return; }
     let r = k / P.cols;
     let c = k - r * P.cols;

@@ -83,7 +83,7 @@ def checked_limits(rt, monkeypatch, binding: int, buffer: int | None = None):
     binding of a model tensor must fit the forced binding limit (wgpu itself only checks
     the adapter's real limit, so without this a kernel that did not split would pass).
     Kernel scratch is exempt (it is sized against the adapter's limit).  Yields a dict
-    counting the dispatches."""
+    counting the dispatches, in all and per entry point."""
     from memengine.engine.gpu import Recorder, Tensor
 
     seen = {"dispatches": 0}
@@ -96,6 +96,7 @@ def checked_limits(rt, monkeypatch, binding: int, buffer: int | None = None):
                 assert r.nbytes <= rt.max_binding, (
                     f"{shader}.{entry} binding {i} ({r.name}) is {r.nbytes} bytes, over {rt.max_binding}")
         seen["dispatches"] += 1
+        seen[entry] = seen.get(entry, 0) + 1
         return orig(self, shader, entry, bindings, groups, constants)
 
     with rt.forced_limits(binding, buffer):

@@ -190,12 +190,14 @@ def test_steps_match_torch_adamw_with_clipping(rt):
     print(f"weights after 2 steps: largest rel err {worst:.2e}")
 
 
-def test_steps_and_evaluations_create_nothing_per_call(rt):
+@pytest.mark.parametrize("copies", ["buffer", "dispatch"])
+def test_steps_and_evaluations_create_nothing_per_call(rt, monkeypatch, copies):
     """After the first step and the first evaluation, more steps (with a changing lr and a
     trace read every few steps) and a longer evaluation create no buffer, bind group or
-    uniform block."""
+    uniform block, with copies recorded either way (gpu.Recorder.copy)."""
     from memengine.engine.trainer import Trainer
 
+    monkeypatch.setattr(rt, "copy_by_dispatch", copies == "dispatch")
     model = MambaModel(rt, CFG, init_weights(CFG, 8))
     o = TrainOptions(batch_size=2, seq_len=32, grad_accum=2)
     tr = Trainer(model, o, trace_capacity=4)

@@ -128,7 +128,7 @@ def ssm_prefill(rec: Recorder, ssm_state: Tensor, states: Tensor, xc: Tensor, de
     assert xc.numel == L * Di and delta.numel == L * Di and xdbl.numel == L * (R + 2 * N)
     rt = rec.rt
     last = (L - 1) // CHUNK
-    rec.copy(states.view((Di * N,), last * Di * N), ssm_state)
+    rec.copy(states.view((Di * N,), last * Di * N), ssm_state, slot=True)
     t0, ld = last * CHUNK, R + 2 * N
     _fits(rt, f"one layer's SSM state and constants ({Di} x {N} values)", 4 * (Di * N + 2 * Di))
     (bs, os_), (bk, ok) = bound(rt, ssm_state), bound(rt, consts)
