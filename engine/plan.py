@@ -36,7 +36,7 @@ from .gpu import BindingError, binding_refusal, cdiv, env_bytes, fmt_bytes, spli
 from .model import logits_chunk_rows, store_layout, workspace_shapes
 from .ops import conv1d as _conv1d, rmsnorm as _rmsnorm
 from .ops.matmul import splitk_slices
-from .ops.lanes import cpu_lanes, seq_conv
+from .ops.lanes import cpu_lanes
 from .ops.scan import channels_per_workgroup, sequence_scratch, sequence_windows
 
 KINDS = ("eval", "train", "adapt")
@@ -55,7 +55,6 @@ class Limits:
     memory: int | None = None        # bytes a run may use in all; None: not known
     memory_source: str = "unknown (a GPU reports no memory size)"
     lanes: bool = False              # the 8-lane kernels run (ops/lanes.py: CPU adapters)
-    seq_conv: bool = False           # conv1d runs as a lane per channel (ops/lanes.seq_conv)
 
     def __post_init__(self):
         self.adapter_max_binding = self.adapter_max_binding or self.max_binding
@@ -64,7 +63,7 @@ class Limits:
     def of(cls, rt) -> "Limits":
         memory, source = memory_budget(getattr(rt, "adapter_type", ""))
         return cls(rt.max_buffer, rt.max_binding, rt.storage_align, rt.adapter_max_binding, memory, source,
-                   cpu_lanes(rt), seq_conv(rt))
+                   cpu_lanes(rt))
 
     def to_dict(self) -> dict:
         return {"max_buffer_bytes": self.max_buffer, "max_binding_bytes": self.max_binding,
@@ -255,10 +254,9 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
         if kind == "train":  # the norms' and conv's weight gradients (adapt and LoRA compute none)
             rpc, nch = _rmsnorm._chunks(lim, M, E)
             scratch += _buf(4 * nch * E)
-            rpc, _ = _conv1d._chunks(lim, M, Di, K)
-            nch = _conv1d.partial_rows(B, L, lim.seq_conv, [B], rpc)
+            nch = _conv1d.partial_rows(B, L)
             scratch += _buf(4 * nch * Di * (K + 1)) + _buf(4 * Di * K) + _buf(4 * Di)
-        elif lim.seq_conv:  # the seq kernel's unused partials binding
+        else:  # the conv1d backward's unused partials binding
             scratch += _buf(4 * Di)
         n_partials = sum(cdiv(_numel(shapes[n]), 2048) + 1 for n in _trainable(kind, list(shapes)))
         n_partials += sum(cdiv(n, 2048) + 1 for n in a_sizes) if kind == "lora" else 0

@@ -6,18 +6,15 @@
 //   dx[b, t, c]  = sum_k w[c, k] * dpre[b, t + (K-1) - k, c]   (t' < L)  -> dxz[:, 0:Di] WRITE
 //   dw[c, k]    += sum_{b,t} dpre[b, t, c] * x[b, t - (K-1) + k, c]        (ACC)
 //   dbias[c]    += sum_{b,t} dpre[b, t, c]                                 (ACC)
-// dw/dbias go through a two-stage reduction (fixed row chunks into scratch, then an
-// ordered sum), so every output element has one writer. K <= 7.
+// dw/dbias go through a two-stage reduction (a partial row per (sequence, SEQ_T steps) into
+// scratch, then an ordered sum), so every output element has one writer. K <= 7.
 // Activations larger than one storage binding are processed in ranges of whole sequences
-// (batch rows), each a call of its own; a range's partials go to chunks pbase .. .
-struct Params { M: u32, L: u32, Di: u32, K: u32, ld: u32, has_bias: u32, rows_per_chunk: u32, nchunks: u32,
+// (batch rows), each a call of its own; a range's partials go to rows pbase .. .
+struct Params { M: u32, L: u32, Di: u32, K: u32, ld: u32, has_bias: u32, _p0: u32, nchunks: u32,
                 o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, pbase: u32, _p1: u32, _p2: u32 }
 
 fn dsilu(p: f32) -> f32 { let s = sigmoid(p); return s * (1.0 + p * (1.0 - s)); }
 
-fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
-    return (wid.x + wid.y * nwg.x) * 256u + lid.x;
-}
 
 // ---------------------------------------------------------------- forward
 @group(0) @binding(0) var<storage, read_write> out: array<f32>;
@@ -27,69 +24,32 @@ fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
 @group(0) @binding(4) var<storage, read> bias: array<f32>;
 @group(0) @binding(5) var<uniform> P: Params;
 
-@compute @workgroup_size(256)
-fn conv1d_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                  @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = lin(wid, nwg, lid);
-    if (i >= P.M * P.Di) { return; }
-    let m = i / P.Di;
-    let c = i - m * P.Di;
-    let t = m % P.L;
-    var acc = 0.0;
-    if (P.has_bias != 0u) { acc = bias[P.o_e + c]; }
-    for (var k = 0u; k < P.K; k = k + 1u) {
-        let back = P.K - 1u - k;            // input row m - back
-        if (t >= back) {
-            acc = acc + weight[P.o_d + c * P.K + k] * xz[P.o_c + (m - back) * P.ld + c];
-        }
-    }
-    pre[P.o_b + i] = acc;
-    out[P.o_a + i] = acc * sigmoid(acc);
-}
-
-// ---------------------------------------------------------------- backward: dx
+// ---------------------------------------------------------------- backward
 @group(0) @binding(0) var<storage, read_write> dxz: array<f32>;
 @group(0) @binding(1) var<storage, read> dout: array<f32>;
 @group(0) @binding(2) var<storage, read> preb: array<f32>;
 // (binding 3, the taps: the forward's `weight`)
 @group(0) @binding(4) var<uniform> PB: Params;
 
-@compute @workgroup_size(256)
-fn conv1d_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                   @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = lin(wid, nwg, lid);
-    if (i >= PB.M * PB.Di) { return; }
-    let m = i / PB.Di;
-    let c = i - m * PB.Di;
-    let t = m % PB.L;
-    var acc = 0.0;
-    for (var k = 0u; k < PB.K; k = k + 1u) {
-        let fwd = PB.K - 1u - k;            // output row m + fwd used input m with tap k
-        if (t + fwd < PB.L) {
-            let j = (m + fwd) * PB.Di + c;
-            acc = acc + weight[PB.o_d + c * PB.K + k] * dout[PB.o_b + j] * dsilu(preb[PB.o_c + j]);
-        }
-    }
-    dxz[PB.o_a + m * PB.ld + c] = acc;
-}
-
-// ---------------------------------------------------------------- CPU adapters
-// The forward and dx again for CPU adapters (engine/ops/lanes.py): a workgroup of 8 lanes
-// over 8 consecutive channels, each lane walking SEQ_T steps of one sequence with its K taps
-// and the window in vec4 registers, so an output costs one load of x (two of dout and pre)
-// instead of 2K; the sums run in the order of the kernels above (the terms those skip at a
-// sequence's start are zeros here).  These kernels, and the weight gradient below, copy their
-// uniforms once at the top: on lavapipe a uniform read inside a loop or after a branch is a
-// gather over the lanes.
+// ---------------------------------------------------------------- kernels
+// A workgroup of WG lanes over WG consecutive channels (engine/ops/conv1d.py: 8, one SIMD
+// vector, on CPU adapters; 128 on GPUs), each lane walking SEQ_T steps of one sequence with
+// its K taps and the window in vec4 registers, so an output costs one load of x (two of dout
+// and pre, one more of x for the weight gradient) instead of 2K: on the H200 these ran a
+// step's conv1d in 9.4 ms where a thread per output and a separate weight-gradient pass took
+// 12.7 (benchmarks/README.md).  The sums run in the order of a loop over k (the terms a
+// sequence's start lacks are zeros here).  The kernels copy their uniforms once at the top:
+// on lavapipe a uniform read inside a loop or after a branch is a gather over the lanes.
 const SEQ_T: u32 = 64u;
+override WG: u32 = 8u;   // lanes (consecutive channels) per workgroup
 
 struct SeqLane { b: u32, c: u32, t0: u32, t1: u32, ok: bool }
 
 fn seq_lane(wid: vec3<u32>, nwg: vec3<u32>, l: u32, M: u32, L: u32, Di: u32) -> SeqLane {
-    let nc = (Di + 7u) / 8u;
+    let nc = (Di + WG - 1u) / WG;
     let nt = (L + SEQ_T - 1u) / SEQ_T;
     let g = wid.x + wid.y * nwg.x;
-    let c = (g % nc) * 8u + l;
+    let c = (g % nc) * WG + l;
     let t0 = ((g / nc) % nt) * SEQ_T;
     let b = g / (nc * nt);
     return SeqLane(b, c, t0, min(L, t0 + SEQ_T), b * L < M && c < Di);
@@ -118,8 +78,8 @@ fn shift_in(x0: ptr<function, vec4<f32>>, x1: ptr<function, vec4<f32>>, x: f32, 
 // The windows of both kernels shift along in two vec4 registers (no per-step array indexing):
 // slot k of the forward's window holds x at step t - (K-1) + k (zeros before the sequence and
 // from slot K on), slot k of the backward's holds step t + (K-1) - k.
-@compute @workgroup_size(8)
-fn conv1d_forward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+@compute @workgroup_size(WG)
+fn conv1d_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_id) lid: vec3<u32>) {
     let p = P;   // read once (see the note above seq_lane)
     let q = seq_lane(wid, nwg, lid.x, p.M, p.L, p.Di);
@@ -144,16 +104,16 @@ fn conv1d_forward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     }
 }
 
-// With SEQ_DW the lane also sums its segment's weight-gradient terms, dpre_t * x[t-(K-1)+k]
-// and dpre_t, from the dout and pre it loads anyway (one more load, of x, per step) into
-// partial row pbase + b * (segments per sequence) + segment: conv1d_dweight_partial's pass,
-// and its three loads per element, are then not needed.
+// With SEQ_DW (the weight or bias gradient wanted) the lane also sums its segment's
+// weight-gradient terms, dpre_t * x[t-(K-1)+k] and dpre_t, from the dout and pre it loads
+// anyway (one more load, of x, per step) into partial row pbase + b * (segments per
+// sequence) + segment, which conv1d_dweight_reduce sums.
 override SEQ_DW: bool = false;
 @group(0) @binding(5) var<storage, read> xs: array<f32>;
 @group(0) @binding(6) var<storage, read_write> partials: array<f32>;
 
-@compute @workgroup_size(8)
-fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+@compute @workgroup_size(WG)
+fn conv1d_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_id) lid: vec3<u32>) {
     let pb = PB;   // read once (see the note above seq_lane)
     let q = seq_lane(wid, nwg, lid.x, pb.M, pb.L, pb.Di);
@@ -211,52 +171,8 @@ fn conv1d_backward_seq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
 }
 
 // ---------------------------------------------------------------- backward: dw, dbias
-// partial[(p * Di + c) * (K+1) + k]: k < K weight taps, k = K the bias.
-@group(0) @binding(0) var<storage, read_write> partial: array<f32>;
-@group(0) @binding(1) var<storage, read> dout2: array<f32>;
-@group(0) @binding(2) var<storage, read> pre2: array<f32>;
-@group(0) @binding(3) var<storage, read> xz2: array<f32>;
-@group(0) @binding(4) var<uniform> P2: Params;
-
-// The K taps (K <= 8) as two vec4 sums: the window of inputs x[t-K+1 .. t] (zeros before the
-// sequence) shifts along in two vec4 registers, so every row loads one input, not K.
-@compute @workgroup_size(64)
-fn conv1d_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                          @builtin(local_invocation_id) lid: vec3<u32>) {
-    let p2 = P2;   // read once (see the note above seq_lane)
-    let g = wid.x + wid.y * nwg.x;
-    let nblk = (p2.Di + 63u) / 64u;
-    let p = g / nblk;
-    let c = (g - p * nblk) * 64u + lid.x;
-    if (p >= p2.nchunks || c >= p2.Di) { return; }
-    let m0 = p * p2.rows_per_chunk;
-    let m1 = min(p2.M, m0 + p2.rows_per_chunk);
-    let kq = vec4<u32>(0u, 1u, 2u, 3u);
-    let at0 = kq == vec4<u32>(p2.K - 1u);
-    let at1 = kq + 4u == vec4<u32>(p2.K - 1u);
-    var a0 = vec4<f32>(0.0);   // taps 0..3: sum of dp_t * x[t - (K-1) + k]
-    var a1 = vec4<f32>(0.0);   // taps 4..7
-    var ab = 0.0;              // the bias: sum of dp_t
-    var w0 = vec4<f32>(0.0);   // the window: w[k] = x[t - (K-1) + k], k < K; zeros from K on
-    var w1 = vec4<f32>(0.0);
-    // the K-1 rows before the chunk (of the same sequence) only fill the window
-    let mw = m0 - min(m0 % p2.L, p2.K - 1u);
-    for (var m = mw; m < m1; m = m + 1u) {
-        if (m % p2.L == 0u) { w0 = vec4<f32>(0.0); w1 = vec4<f32>(0.0); }
-        shift_in(&w0, &w1, xz2[p2.o_d + m * p2.ld + c], at0, at1);
-        if (m >= m0) {
-            let j = m * p2.Di + c;
-            let dp = dout2[p2.o_b + j] * dsilu(pre2[p2.o_c + j]);
-            a0 = a0 + dp * w0;
-            a1 = a1 + dp * w1;
-            ab = ab + dp;
-        }
-    }
-    let base = ((p2.pbase + p) * p2.Di + c) * (p2.K + 1u);
-    for (var k = 0u; k < p2.K; k = k + 1u) { partial[base + k] = select(a1[k % 4u], a0[k % 4u], k < 4u); }
-    partial[base + p2.K] = ab;
-}
-
+// partial[(p * Di + c) * (K+1) + k]: k < K weight taps, k = K the bias (written by
+// conv1d_backward with SEQ_DW); summed over p in order.
 @group(0) @binding(0) var<storage, read_write> dweight: array<f32>;
 @group(0) @binding(1) var<storage, read_write> dbias: array<f32>;
 @group(0) @binding(2) var<storage, read> partial3: array<f32>;
@@ -265,7 +181,7 @@ fn conv1d_dweight_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
 @compute @workgroup_size(256)
 fn conv1d_dweight_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = lin(wid, nwg, lid);                 // i = c * (K+1) + k
+    let i = lin(wid, nwg, lid.x);                 // i = c * (K+1) + k
     let K1 = P3.K + 1u;
     if (i >= P3.Di * K1) { return; }
     let c = i / K1;

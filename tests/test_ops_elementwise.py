@@ -16,7 +16,7 @@ from memengine.engine.ops.activation import silu_backward, silu_forward, softplu
 from memengine.engine.ops.conv1d import conv1d_backward, conv1d_forward
 from memengine.engine.ops.cross_entropy import cross_entropy
 from memengine.engine.ops.embedding import EmbeddingBackward, embedding_forward
-from memengine.engine.ops import lanes
+from memengine.engine.ops import conv1d, lanes
 from memengine.engine.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 
 SENTINEL = 12345.0
@@ -276,11 +276,10 @@ def test_rmsnorm_column_slice(rt, M, ld, col, E, row_wg):
 
 
 # ----------------------------------------------------------------------------- conv1d
-@pytest.fixture(params=["seq", "flat"])
+@pytest.fixture(params=[8, 128])
 def conv_kernels(request, monkeypatch):
-    """conv1d's forward and dx as a lane per channel walking the sequence (CPU adapters'
-    choice) and as a thread per output."""
-    monkeypatch.setattr(lanes, "SEQ_CONV", request.param == "seq")
+    """conv1d's workgroups of 8 lanes (CPU adapters) and of 128 (GPUs)."""
+    monkeypatch.setattr(conv1d, "SEQ_WG", request.param)
     return request.param
 
 

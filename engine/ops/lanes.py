@@ -3,8 +3,8 @@ as SIMD vectors of 8 invocations: a load whose address differs between lanes is 
 and a barrier switches coroutines, one per vector.  So there the 8-lane kernels
 (matmul_lanes in shaders/matmul.wgsl, scan_lanes_* in shaders/selective_scan.wgsl: one
 8-lane subgroup per workgroup, operands shared by subgroup operations) replace the GPU
-kernels, the row reductions run with few invocations per row, and conv1d walks each
-sequence per lane (benchmarks/README.md)."""
+kernels, the row reductions run with few invocations per row, and conv1d's workgroups are
+one vector of 8 lanes (ops/conv1d.py; benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -40,14 +40,6 @@ ROW_WG = None
 # None: 8-invocation rows sum by subgroup shuffles where cpu_lanes; False: through workgroup
 # memory (tests)
 ROW_SG = None
-# None: the sequential conv1d where the adapter is a CPU; True / False force it (tests)
-SEQ_CONV = None
-
-
-def seq_conv(rt) -> bool:
-    """Whether conv1d's forward and dx run as conv1d_forward_seq / conv1d_backward_seq (a
-    lane per channel walking the sequence: one load per output instead of 2K)."""
-    return is_cpu(rt) if SEQ_CONV is None else bool(SEQ_CONV)
 
 
 def row_workgroup(rt, n: int, default: int) -> dict | None:
