@@ -402,6 +402,9 @@ class Runtime:
         self.bounded = True  # submit steps in pieces (Recorder.boundary); the trainer clears it for fast steps
         self.piece_depth = MIN_PIECES  # pieces kept queued while bounded; the trainer sets it from the step time
         self.pieces = 0  # pieces submitted at boundaries so far
+        self.piece_span = 1  # boundaries per piece while bounded; the trainer sets it from the step time
+        self.boundaries = 0  # boundaries passed while bounded so far
+        self._since_piece = 0  # boundaries passed since the last submission
         # Recorder.copy / clear as dispatches (shaders/copy.wgsl) rather than buffer copies
         # and clears, which end the compute pass: on the H200 a step's 194 copies cost 1.6%
         # of it that way; on a CPU adapter a dispatch costs more than a pass break
@@ -775,12 +778,22 @@ BOUNDED_STEP_S = 0.25
 # H200: 37,235 tokens/s with 2, 37,781 with 4, 38,050 with 8; benchmarks/README.md)
 QUEUED_PIECES_S = 0.1
 MIN_PIECES, MAX_PIECES = 2, 8
+# a piece spans as many boundaries (a layer's forward or backward, an LM-head chunk) as hold
+# about PIECE_S of GPU work: each submission costs the GPU time (H200, mamba-130m B 8 L 2048,
+# 61 boundaries of 6.6 ms: 40,616 / 40,640 tokens/s with a piece at each, 40,895 / 40,904 at
+# every second, 40,949 / 40,992 at every fourth; benchmarks/README.md)
+PIECE_S = 0.03
 
 
 def piece_depth(step_s: float, pieces: int) -> int:
     """Pieces to keep queued when a step of `step_s` seconds is submitted in `pieces`."""
     per_piece = step_s / max(1, pieces)
     return int(min(MAX_PIECES, max(MIN_PIECES, QUEUED_PIECES_S // max(per_piece, 1e-9))))
+
+
+def piece_span(step_s: float, boundaries: int) -> int:
+    """Layer boundaries per piece when a step of `step_s` seconds has `boundaries`."""
+    return max(1, int(PIECE_S // max(step_s / max(1, boundaries), 1e-9)))
 
 
 class StepFence:
@@ -907,10 +920,15 @@ class Recorder:
 
     def boundary(self):
         """A point where the recorded work may be submitted (between layers): while the
-        runtime bounds its submissions (`Runtime.bounded`), submit it here and keep at most
-        `Runtime.piece_depth` pieces queued, checking for an interrupt while waiting."""
+        runtime bounds its submissions (`Runtime.bounded`), submit it at every
+        `Runtime.piece_span`-th boundary and keep at most `Runtime.piece_depth` pieces
+        queued, checking for an interrupt while waiting."""
         rt = self.rt
         if not rt.bounded or not self.dispatches:
+            return
+        rt.boundaries += 1
+        rt._since_piece += 1
+        if rt._since_piece < rt.piece_span:
             return
         fence = rt.piece_fence()
         fence.wait()
@@ -929,6 +947,7 @@ class Recorder:
             prof.flush()
         self.encoder = self.rt.device.create_command_encoder()
         self.dispatches = 0
+        self.rt._since_piece = 0
 
 
 _RUNTIMES: dict = {}

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import MemengineError
-from .gpu import BOUNDED_STEP_S, StepFence, piece_depth
+from .gpu import BOUNDED_STEP_S, StepFence, cdiv, piece_depth, piece_span
 from .model import MambaModel, perplexity
 from .ops.reduce import sum_into
 from .optim import AdamW, GradClipper, LossScaler
@@ -95,6 +95,7 @@ class Trainer:
         self.fence = StepFence(rt)
         self._last_step = None
         self._last_pieces = rt.pieces
+        self._last_boundaries = rt.boundaries
 
     def optimizer_state(self) -> dict:
         state = self.opt.state_dict()
@@ -142,8 +143,9 @@ class Trainer:
         return tokens
 
     def _pace(self, rt) -> None:
-        """Submit steps whole while they are fast, in pieces (a layer each) while they are
-        slow, so that an interrupt acts within a piece at any model size (gpu.Recorder.boundary)."""
+        """Submit steps whole while they are fast, in pieces (layers holding ~gpu.PIECE_S of
+        work each) while they are slow, so that an interrupt acts within a piece at any model
+        size (gpu.Recorder.boundary)."""
         now = time.perf_counter()
         if self._last_step is not None:
             dt = now - self._last_step
@@ -151,10 +153,13 @@ class Trainer:
                 rt.bounded = False
             elif dt > 4 * BOUNDED_STEP_S:
                 rt.bounded = True
-            if rt.pieces > self._last_pieces:   # this step went in pieces: queue ~0.1 s of them
-                rt.piece_depth = piece_depth(dt, rt.pieces - self._last_pieces + 1)
+            if rt.pieces > self._last_pieces:   # this step went in pieces of ~PIECE_S; ~0.1 s queued
+                n = rt.boundaries - self._last_boundaries
+                rt.piece_span = piece_span(dt, n)
+                rt.piece_depth = piece_depth(dt, cdiv(n, rt.piece_span) + 1)
         self._last_step = now
         self._last_pieces = rt.pieces
+        self._last_boundaries = rt.boundaries
 
     def read_trace(self) -> tuple[np.ndarray, np.ndarray]:
         """(losses, grad norms) of the steps since the last read (a GPU sync point);

@@ -224,9 +224,9 @@ def test_steps_and_evaluations_create_nothing_per_call(rt, monkeypatch, copies):
 
 
 def test_slow_steps_go_in_pieces_with_a_tenth_of_a_second_queued(rt, monkeypatch):
-    """While steps are slow the trainer submits them a layer at a time and keeps as many
-    pieces queued as hold about 0.1 s of work (2 to 8); the weights are the same bits as
-    with whole steps."""
+    """While steps are slow the trainer submits them in pieces of about 40 ms of work (whole
+    layers) and keeps as many pieces queued as hold about 0.1 s of work (2 to 8); the
+    weights are the same bits as with whole steps."""
     from types import SimpleNamespace
 
     from memengine.engine import gpu
@@ -235,35 +235,44 @@ def test_slow_steps_go_in_pieces_with_a_tenth_of_a_second_queued(rt, monkeypatch
     assert gpu.piece_depth(0.44, 50) == 8    # 9 ms pieces (mamba-130m B 8 on the H200): the most
     assert gpu.piece_depth(1.5, 50) == 3     # 30 ms pieces
     assert gpu.piece_depth(20.0, 50) == 2    # 0.4 s pieces: the fewest
+    assert gpu.piece_span(0.405, 61) == 4    # mamba-130m B 8: 6.6 ms a layer's forward or backward
+    assert gpu.piece_span(2.0, 61) == 1      # 33 ms a boundary: a piece each
 
-    cfg = MambaConfig(vocab_size=256, hidden_size=24, state_size=4, num_hidden_layers=3, expand=2, conv_kernel=4)
+    cfg = MambaConfig(vocab_size=256, hidden_size=24, state_size=4, num_hidden_layers=9, expand=2, conv_kernel=4)
     o = TrainOptions(batch_size=2, seq_len=32)
     bs = batches()
     clock = [0.0]
     monkeypatch.setattr(trmod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    saved = (rt.bounded, rt.piece_depth)
+    saved = (rt.bounded, rt.piece_depth, rt.piece_span)
     weights = []
     try:
         for step_s, bounded in ((0.1, False), (0.26, True)):
             model = MambaModel(rt, cfg, init_weights(cfg, 3))
             tr = trmod.Trainer(model, o, trace_capacity=4)
-            rt.bounded, rt.piece_depth = bounded, 2
+            rt.bounded, rt.piece_depth, rt.piece_span = bounded, 2, 1
             before, fence = rt.pieces, rt.piece_fence()
+            per_step = []
             for k in range(3):
                 clock[0] += step_s
+                b0 = rt.boundaries
                 tr.step(bs[k:k + 1], 1e-3)
+                per_step.append(rt.boundaries - b0)
             tr.read_trace()
             pieces = rt.pieces - before
-            if bounded:   # 3 steps, each at least a piece per layer; 0.26 s a step at that count
-                assert pieces >= 3 * cfg.num_hidden_layers
-                assert rt.bounded and rt.piece_depth == gpu.piece_depth(step_s, pieces // 3 + 1) > 2
+            if bounded:   # 0.26 s a step over 19 boundaries (9 layers forward and back, the head): 14 ms each
+                n = per_step[0]
+                assert n >= 2 * cfg.num_hidden_layers and per_step == [n] * 3
+                assert rt.bounded and rt.piece_span == gpu.piece_span(step_s, n) == 2
+                # a piece per layer until the second step had timed the first, then two layers
+                assert pieces == 2 * n + n // 2
+                assert rt.piece_depth == gpu.piece_depth(step_s, -(-n // 2) + 1) > 2
                 # the depth changed on the same fence: no new buffers
                 assert rt.piece_fence() is fence and len(fence.bufs) == gpu.MAX_PIECES
             else:
                 assert pieces == 0 and not rt.bounded
             weights.append(model.state_dict())
     finally:
-        rt.bounded, rt.piece_depth = saved
+        rt.bounded, rt.piece_depth, rt.piece_span = saved
     for n in weights[0]:
         np.testing.assert_array_equal(weights[0][n], weights[1][n], err_msg=n)
 
