@@ -429,7 +429,8 @@ class MambaModel:
         for i, (lp, lp16) in enumerate(zip(p.layers, p16)):
             h, hn = ws.h[i], ws.h[i + 1]
             w16 = (lambda name: getattr(lp16, name) if mixed else None)
-            rmsnorm_forward(rec, ws.un[i], ws.rstd[i], h, lp.norm_weight, c.layer_norm_epsilon)
+            # the norm also writes h_next = h, which out_proj then adds into (the residual)
+            rmsnorm_forward(rec, ws.un[i], ws.rstd[i], h, lp.norm_weight, c.layer_norm_epsilon, copy=hn)
             linear_forward(rec, ws.xz[i], ws.un[i], lp.in_proj_weight, lp.in_proj_bias, M=M, N=2 * Di, K=E,
                            x16=f16(ws.un16[i] if mixed else None, ws.un[i]), w16=w16("in_proj_weight"))
             if lora is not None:
@@ -449,8 +450,7 @@ class MambaModel:
                            w16=w16("dt_proj_weight"))
             selective_scan_forward(rec, ws.y[i], ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias,
                                    lp.A_log, lp.D, ws.xdbl_n[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
-            # residual add fused into out_proj: h_next = h, then h_next += y @ out_proj^T (+ b)
-            rec.copy(h, hn)
+            # residual add fused into out_proj: h_next (= h, from the norm) += y @ out_proj^T (+ b)
             linear_forward(rec, hn, ws.y[i], lp.out_proj_weight, lp.out_proj_bias, M=M, N=E, K=Di, acc=True,
                            x16=f16(ws.y16[i] if mixed else None, ws.y[i]), w16=w16("out_proj_weight"))
             if after_layer is not None:

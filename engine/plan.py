@@ -246,6 +246,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
         _, work, pbc = sequence_scratch(nb, L, Di, N, R, db)
         scratch += (_buf(work) + _buf(pbc)) if grad else 0
     scratch += _buf(sequence_scratch(1, L, Di, N, R)[0])  # the forward's parameter copy, any B
+    scratch += _buf(4)  # the final norm's unused copy binding (ops/rmsnorm.py)
     chunk = logits_chunk_rows(lim.max_binding, M, V)
     products = {(M, o, i) for o, i in _linears(cfg)} | {(chunk, V, E)}
     if grad:

@@ -41,6 +41,10 @@ fn wg_sum(v: f32, l: u32) -> f32 {
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(3) var<storage, read> weight: array<f32>;
 @group(0) @binding(4) var<uniform> P: Params;
+// COPY: x's row also goes to xcopy (o_e, the same row stride): the model's residual stream
+// h_next = h, which out_proj then adds into, without a pass of its own over h
+override COPY: bool = false;
+@group(0) @binding(5) var<storage, read_write> xcopy: array<f32>;
 
 @compute @workgroup_size(WG)
 fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -56,7 +60,11 @@ fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     let r = 1.0 / sqrt(tot / f32(pr.E) + pr.eps);
     if (l == 0u) { rstd[pr.o_b + m] = r; }
     let ob = pr.o_a + m * pr.ld;
-    for (var e = l; e < pr.E; e = e + WG) { out[ob + e] = weight[pr.o_d + e] * (x[xb + e] * r); }
+    for (var e = l; e < pr.E; e = e + WG) {
+        let v = x[xb + e];
+        out[ob + e] = weight[pr.o_d + e] * (v * r);
+        if (COPY) { xcopy[pr.o_e + m * pr.ld + e] = v; }
+    }
 }
 
 // ---------------------------------------------------------------- backward: dx

@@ -184,11 +184,13 @@ def test_rmsnorm(rt, M, E, row_wg):
     w, dw = Flat(rt, W, front=3), Flat(rt, DW0, front=6)
     xt, gt, dx = rt.upload(X), rt.upload(G), rt.upload(DX0)
     out, rstd = rt.upload(np.full((M, E), 9.0, np.float32)), rt.upload(np.full(M, 9.0, np.float32))
+    copy = rt.upload(np.full((M, E), 7.0, np.float32))
     rec = rt.recorder()
-    rmsnorm_forward(rec, out, rstd, xt, w.view, eps)
+    rmsnorm_forward(rec, out, rstd, xt, w.view, eps, copy=copy)
     rmsnorm_backward(rec, dx, dw.view, gt, xt, w.view, rstd)
     rec.submit()
     y, rs, gx, gw = _rms_ref(X, W, G, eps)
+    np.testing.assert_array_equal(rt.read(copy), X)   # the residual stream's copy: the same bits
     _check(f"rmsnorm forward M={M} E={E}", rt.read(out), y, atol=2e-6, rtol=2e-6)
     _check(f"rmsnorm rstd M={M} E={E}", rt.read(rstd), rs, atol=0, rtol=2e-6)
     _check(f"rmsnorm dx (ACC) M={M} E={E}", rt.read(dx) - DX0.astype(np.float64), gx, atol=5e-6, rtol=1e-5)
@@ -259,8 +261,9 @@ def test_rmsnorm_column_slice(rt, M, ld, col, E, row_wg):
     DX0 = r.standard_normal((M, ld)).astype(np.float32)
     xt, gt, wt, dx, dw = rt.upload(X), rt.upload(G), rt.upload(W), rt.upload(DX0), rt.zeros((E,))
     out, rstd = rt.upload(np.full((M, ld), 9.0, np.float32)), rt.zeros((M,))
+    copy = rt.upload(np.full((M, ld), 7.0, np.float32))
     rec = rt.recorder()
-    rmsnorm_forward(rec, out, rstd, xt, wt, eps, col=col, ld=ld)
+    rmsnorm_forward(rec, out, rstd, xt, wt, eps, col=col, ld=ld, copy=copy)
     rmsnorm_backward(rec, dx, dw, gt, xt, wt, rstd, col=col, ld=ld)
     rec.submit()
     sl = slice(col, col + E)
@@ -273,6 +276,8 @@ def test_rmsnorm_column_slice(rt, M, ld, col, E, row_wg):
     rest = np.ones(ld, bool)
     rest[sl] = False
     assert np.all(got_out[:, rest] == 9.0) and np.array_equal(got_dx[:, rest], DX0[:, rest])
+    got_copy = rt.read(copy)
+    assert np.array_equal(got_copy[:, sl], X[:, sl]) and np.all(got_copy[:, rest] == 7.0)
 
 
 # ----------------------------------------------------------------------------- conv1d

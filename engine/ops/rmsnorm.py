@@ -37,20 +37,28 @@ def _ranges(rt, M: int, E: int, ld: int, n_mats: int, step: int = 1) -> list:
 
 
 def rmsnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, x: Tensor, weight: Tensor, eps: float,
-                    *, col: int = 0, ld: int | None = None) -> None:
-    """out[M, E] = weight * x * rstd (WRITE); rstd[M] = 1/sqrt(mean(x^2) + eps) (WRITE)."""
+                    *, col: int = 0, ld: int | None = None, copy: Tensor | None = None) -> None:
+    """out[M, E] = weight * x * rstd (WRITE); rstd[M] = 1/sqrt(mean(x^2) + eps) (WRITE);
+    `copy` (the layout of x): x's columns col..col+E written there too (WRITE)."""
     E = int(weight.numel)
     M, ld = _rows(x, E, col, ld)
     assert out.numel == M * ld and rstd.numel == M, (out.shape, rstd.shape, x.shape, weight.shape)
+    assert copy is None or copy.numel == M * ld, (copy.shape, x.shape)
     if M == 0:
         return
     rt = rec.rt
-    for r0, n in _ranges(rt, M, E, ld, 2):
+    for r0, n in _ranges(rt, M, E, ld, 2 if copy is None else 3):
         (bo, oo), (br, orr), (bx, ox), (bw, ow) = (
             bound(rt, t) for t in (rows(out, r0, n, ld), rows(rstd, r0, n, 1), rows(x, r0, n, ld), weight))
-        u = rt.uniform(pack("IIfI8I", n, E, float(eps), 0, oo + col, orr, ox + col, ow, 0, 0, ld, 0))
-        rec.dispatch("rmsnorm", "rmsnorm_forward", {0: bo, 1: br, 2: bx, 3: bw, 4: u}, n,
-                     row_workgroup(rt, E, 128))
+        bindings = {0: bo, 1: br, 2: bx, 3: bw}
+        if copy is not None:
+            bindings[5], oc = bound(rt, rows(copy, r0, n, ld))
+            oc += col
+        else:   # bound, never written
+            bindings[5], oc = rt.scratch("rmsnorm_copy_sink", (1,)), 0
+        bindings[4] = rt.uniform(pack("IIfI8I", n, E, float(eps), 0, oo + col, orr, ox + col, ow, oc, 0, ld, 0))
+        rec.dispatch("rmsnorm", "rmsnorm_forward", bindings, n,
+                     {**(row_workgroup(rt, E, 128) or {}), "COPY": int(copy is not None)})
 
 
 def rmsnorm_backward(rec: Recorder, dx: Tensor, dweight: Tensor, dout: Tensor, x: Tensor,
