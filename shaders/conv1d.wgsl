@@ -137,17 +137,34 @@ fn conv1d_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
             shift_in(&x0, &x1, xs[pb.o_e + (row0 + t) * pb.ld + q.c], at0, at1);
         }
     }
+    // the step's dout, pre and x, loaded a step ahead, so that their latency overlaps a
+    // step's work (H200: a step's conv1d backward 5.63 -> 4.45 ms; the same in the forward
+    // took it from 2.74 to 2.82 ms, so the forward loads as it goes)
+    var gl = 0.0;
+    var pl = 0.0;
+    var xl = 0.0;
+    if (q.t0 < pb.L) {
+        gl = dout[pb.o_b + (row0 + q.t0) * pb.Di + q.c];
+        pl = preb[pb.o_c + (row0 + q.t0) * pb.Di + q.c];
+        if (SEQ_DW) { xl = xs[pb.o_e + (row0 + q.t0) * pb.ld + q.c]; }
+    }
     // the window enters at step t + K - 1; the first K - 1 steps only fill it
     for (var ta = q.t0; ta < q.t1 + pb.K - 1u; ta = ta + 1u) {
         var gn = 0.0;
         var sn = 0.0;
         if (ta < pb.L) {
-            let j = (row0 + ta) * pb.Di + q.c;
-            gn = dout[pb.o_b + j];
-            sn = dsilu(preb[pb.o_c + j]);
+            gn = gl;
+            sn = dsilu(pl);
+        }
+        let xv = xl;
+        if (ta + 1u < pb.L && ta + 1u < q.t1 + pb.K - 1u) {
+            let j = (row0 + ta + 1u) * pb.Di + q.c;
+            gl = dout[pb.o_b + j];
+            pl = preb[pb.o_c + j];
+            if (SEQ_DW && ta + 1u < q.t1) { xl = xs[pb.o_e + (row0 + ta + 1u) * pb.ld + q.c]; }
         }
         if (SEQ_DW && ta < q.t1) {
-            shift_in(&x0, &x1, xs[pb.o_e + (row0 + ta) * pb.ld + q.c], at0, at1);
+            shift_in(&x0, &x1, xv, at0, at1);
             let dp = gn * sn;
             a0 = a0 + dp * x0;
             a1 = a1 + dp * x1;

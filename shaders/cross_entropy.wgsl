@@ -61,15 +61,25 @@ fn ce_row(row: u32, l: u32, want_grad: bool, want_rank: bool) -> f32 {
     let base = P.o_logits + row * P.V;
     let t = targets[P.o_tgt + row];
     let valid = t >= 0 && u32(t) < P.V;
-    if (l == 0u) { tlogit = 0.0; }
-    workgroupBarrier();
-    // one pass: per-invocation online (max, sum exp(v - max)), then merged across the group
+    if (valid && u32(t) % WG == l) { tlogit = logits[base + u32(t)]; }   // its owner, before any write
+    // one pass: per-invocation online (max, sum exp(v - max)), then merged across the group;
+    // four of the invocation's columns a turn, loaded before any is used (here and in the
+    // gradient's pass: a step's cross-entropy backward on the H200 4.66 -> 3.92 ms)
     var m = -3.4028235e38;
     var se = 0.0;
-    for (var i = l; i < P.V; i = i + WG) {
+    var i = l;
+    for (; i + 3u * WG < P.V; i = i + 4u * WG) {
+        let v0 = logits[base + i];
+        let v1 = logits[base + i + WG];
+        let v2 = logits[base + i + 2u * WG];
+        let v3 = logits[base + i + 3u * WG];
+        let m4 = max(max(v0, v1), max(v2, v3));
+        if (m4 > m) { se = se * exp(m - m4); m = m4; }
+        se = se + exp(v0 - m) + exp(v1 - m) + exp(v2 - m) + exp(v3 - m);
+    }
+    for (; i < P.V; i = i + WG) {
         let v = logits[base + i];
         if (v > m) { se = se * exp(m - v) + 1.0; m = v; } else { se = se + exp(v - m); }
-        if (valid && i == u32(t)) { tlogit = v; }
     }
     let mx = wg_max(m, l);
     workgroupBarrier();                      // publishes tlogit
@@ -82,14 +92,23 @@ fn ce_row(row: u32, l: u32, want_grad: bool, want_rank: bool) -> f32 {
     if (want_grad) {
         let sc = scale[P.o_scale] * lscale[0];
         let inv = 1.0 / se;
-        for (var i = l; i < P.V; i = i + WG) {
-            var g = 0.0;
-            if (valid) {
-                g = exp(logits[base + i] - mx) * inv;
-                if (i == u32(t)) { g = g - 1.0; }
-                g = g * sc;
+        var i = l;
+        if (valid) {
+            for (; i + 3u * WG < P.V; i = i + 4u * WG) {
+                let v0 = logits[base + i];
+                let v1 = logits[base + i + WG];
+                let v2 = logits[base + i + 2u * WG];
+                let v3 = logits[base + i + 3u * WG];
+                logits[base + i] = exp(v0 - mx) * inv * sc;
+                logits[base + i + WG] = exp(v1 - mx) * inv * sc;
+                logits[base + i + 2u * WG] = exp(v2 - mx) * inv * sc;
+                logits[base + i + 3u * WG] = exp(v3 - mx) * inv * sc;
             }
-            logits[base + i] = g;
+            for (; i < P.V; i = i + WG) { logits[base + i] = exp(logits[base + i] - mx) * inv * sc; }
+            // the target's column, by its owner (which wrote it above): softmax - 1
+            if (u32(t) % WG == l) { logits[base + u32(t)] = (exp(tlogit - mx) * inv - 1.0) * sc; }
+        } else {
+            for (; i < P.V; i = i + WG) { logits[base + i] = 0.0; }
         }
     }
     var rank = 0.0;
