@@ -406,7 +406,7 @@ class Runtime:
         self.boundaries = 0  # boundaries passed while bounded so far
         self._since_piece = 0  # boundaries passed since the last submission
         # Recorder.copy / clear as dispatches (shaders/copy.wgsl) rather than buffer copies
-        # and clears, which end the compute pass: on the H200 a step's 194 copies cost 1.6%
+        # and clears, which end the compute pass: on the H200 a step's 194 copies cost 1.4%
         # of it that way; on a CPU adapter a dispatch costs more than a pass break
         self.copy_by_dispatch = "cpu" not in _adapter_kind(info)
         self._piece_fence = None
