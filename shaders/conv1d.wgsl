@@ -15,7 +15,6 @@ struct Params { M: u32, L: u32, Di: u32, K: u32, ld: u32, has_bias: u32, _p0: u3
 
 fn dsilu(p: f32) -> f32 { let s = sigmoid(p); return s * (1.0 + p * (1.0 - s)); }
 
-
 // ---------------------------------------------------------------- forward
 @group(0) @binding(0) var<storage, read_write> out: array<f32>;
 @group(0) @binding(1) var<storage, read_write> pre: array<f32>;
@@ -35,11 +34,12 @@ fn dsilu(p: f32) -> f32 { let s = sigmoid(p); return s * (1.0 + p * (1.0 - s)); 
 // A workgroup of WG lanes over WG consecutive channels (engine/ops/conv1d.py: 8, one SIMD
 // vector, on CPU adapters; 128 on GPUs), each lane walking SEQ_T steps of one sequence with
 // its K taps and the window in vec4 registers, so an output costs one load of x (two of dout
-// and pre, one more of x for the weight gradient) instead of 2K: on the H200 these ran a
-// step's conv1d in 9.4 ms where a thread per output and a separate weight-gradient pass took
-// 12.7 (benchmarks/README.md).  The sums run in the order of a loop over k (the terms a
-// sequence's start lacks are zeros here).  The kernels copy their uniforms once at the top:
-// on lavapipe a uniform read inside a loop or after a branch is a gather over the lanes.
+// and pre, one more of x for the weight gradient) instead of 2K: on the H200 a step's conv1d
+// took 12.6 ms as a thread per output and a separate weight-gradient pass, 9.4 this way (8.1
+// with the backward's loads a step ahead; benchmarks/README.md).  The sums run in the order
+// of a loop over k (the terms a sequence's start lacks are zeros here).  The kernels copy
+// their uniforms once at the top: on lavapipe a uniform read inside a loop or after a branch
+// is a gather over the lanes.
 const SEQ_T: u32 = 64u;
 override WG: u32 = 8u;   // lanes (consecutive channels) per workgroup
 
@@ -80,7 +80,7 @@ fn shift_in(x0: ptr<function, vec4<f32>>, x1: ptr<function, vec4<f32>>, x: f32, 
 // from slot K on), slot k of the backward's holds step t + (K-1) - k.
 @compute @workgroup_size(WG)
 fn conv1d_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                      @builtin(local_invocation_id) lid: vec3<u32>) {
+                  @builtin(local_invocation_id) lid: vec3<u32>) {
     let p = P;   // read once (see the note above seq_lane)
     let q = seq_lane(wid, nwg, lid.x, p.M, p.L, p.Di);
     if (!q.ok) { return; }
@@ -114,7 +114,7 @@ override SEQ_DW: bool = false;
 
 @compute @workgroup_size(WG)
 fn conv1d_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                       @builtin(local_invocation_id) lid: vec3<u32>) {
+                   @builtin(local_invocation_id) lid: vec3<u32>) {
     let pb = PB;   // read once (see the note above seq_lane)
     let q = seq_lane(wid, nwg, lid.x, pb.M, pb.L, pb.Di);
     if (!q.ok) { return; }

@@ -92,9 +92,9 @@ def conv1d_backward(rec: Recorder, dxz: Tensor, dweight: Tensor | None, dbias: T
     nch = partial_rows(B, L)
     if want_dw:   # a partial row per (sequence, SEQ_T steps), summed by conv1d_dweight_reduce
         split(rt, 1, lambda _: (4 * nch * Di * (K + 1),), unit=f"the conv1d weight-gradient partials ({nch} x {Di})")
-        sink = rt.scratch("conv1d_dweight_partial", (nch, Di, K + 1))
+        partials = rt.scratch("conv1d_dweight_partial", (nch, Di, K + 1))
     else:         # bound, never written
-        sink = rt.scratch("conv1d_dbias_sink", (Di,))
+        partials = rt.scratch("conv1d_dbias_sink", (Di,))
     wg = _seq_wg(rt)
     for b0, nb in parts:
         g, p, x, d = ((dout, pre, xz, dxz) if len(parts) == 1 else
@@ -102,7 +102,7 @@ def conv1d_backward(rec: Recorder, dxz: Tensor, dweight: Tensor | None, dbias: T
                        _seq_view(xz, b0, nb, 2 * L * Di), _seq_view(dxz, b0, nb, 2 * L * Di)))
         (bg, og), (bp, op), (bd, od), (bx, ox) = (bound(rt, t) for t in (g, p, d, x))
         u = rt.uniform(_params(nb * L, L, Di, K, 0, 0, od, og, op, ow, ox, pbase=partial_rows(b0, L)))
-        rec.dispatch("conv1d", "conv1d_backward", {0: bd, 1: bg, 2: bp, 3: bw, 4: u, 5: bx, 6: sink},
+        rec.dispatch("conv1d", "conv1d_backward", {0: bd, 1: bg, 2: bp, 3: bw, 4: u, 5: bx, 6: partials},
                      _groups(nb, L, Di, wg), {"SEQ_DW": int(want_dw), "WG": wg})
     if not want_dw:
         return
@@ -117,5 +117,5 @@ def conv1d_backward(rec: Recorder, dxz: Tensor, dweight: Tensor | None, dbias: T
     else:
         bdb, odb = rt.scratch("conv1d_dbias_sink", (Di,)), 0
     u = rt.uniform(_params(M, L, Di, K, int(dbias is not None), nch, odw, odb))
-    rec.dispatch("conv1d", "conv1d_dweight_reduce", {0: bdw, 1: bdb, 2: sink, 3: u},
+    rec.dispatch("conv1d", "conv1d_dweight_reduce", {0: bdw, 1: bdb, 2: partials, 3: u},
                  cdiv(Di * (K + 1), 256))
