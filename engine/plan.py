@@ -253,7 +253,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
         products |= {(M, i, o) for o, i in _linears(cfg)} | {(o, i, M) for o, i in _linears(cfg)}
         products |= {(chunk, E, V), (V, E, chunk)}
         if kind == "train":  # the norms' and conv's weight gradients (adapt and LoRA compute none)
-            rpc, nch = _rmsnorm._chunks(lim, M, E)
+            _, nch = _rmsnorm._chunks(lim, M, E)
             scratch += _buf(4 * nch * E)
             nch = _conv1d.partial_rows(B, L)
             scratch += _buf(4 * nch * Di * (K + 1)) + _buf(4 * Di * K) + _buf(4 * Di)
