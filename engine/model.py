@@ -204,7 +204,7 @@ def workspace_shapes(cfg: MambaConfig, B: int, L: int, grad: bool, max_binding: 
     if cfg.is_falcon:  # the normalised dt_low/B/C and the three norms' rstd
         t.update({"xdbl_n": ((M, R + 2 * N), "f32", per), "mixer_rstd": ((3 * M,), "f32", per)})
     if grad:  # backward scratch shared by all layers, the embedding's scatter plan
-        t.update({"dh": ((M, E), "f32", 1), "dhf": ((M, E), "f32", 1), "dy": ((M, Di), "f32", 1),
+        t.update({"dh": ((M, E), "f32", 1), "dhf": ((M, E), "f32", 1),
                   "du": ((M, Di), "f32", 1), "ddelta": ((M, Di), "f32", 1),
                   "dxdbl": ((M, R + 2 * N), "f32", 1), "dxz": ((M, 2 * Di), "f32", 1),
                   "dun": ((M, E), "f32", 1), "ones": ((M,), "f32", 1),
@@ -245,7 +245,7 @@ class Workspace:
         self.rstd_f, self.hf, self.logits = made["rstd_f"][0], made["hf"][0], made["logits"][0]
         self.chunk = int(shapes["logits"][0][0])
         if grad:
-            for name in ("dh", "dhf", "dy", "du", "ddelta", "dxdbl", "dxz", "dun", "ones"):
+            for name in ("dh", "dhf", "du", "ddelta", "dxdbl", "dxz", "dun", "ones"):
                 setattr(self, name, made[name][0])
             self.dxdbl_raw = made["dxdbl_raw"][0] if c.is_falcon else self.dxdbl
             rt.write(self.ones, np.ones(M, np.float32))
@@ -525,13 +525,14 @@ class MambaModel:
             mx = (lambda act, w: dict(x16=act[i], w16=getattr(lp16, w), dout16=ws.d16) if mixed else {})
             pre = f"backbone.layers.{i}."
             mz = pre + "mixer."
-            linear_backward(rec, ws.dy, g(mz + "out_proj.weight", "out_proj_weight", i),
+            # dy (the gated scan output's gradient) goes into du: the scan reads it there
+            linear_backward(rec, ws.du, g(mz + "out_proj.weight", "out_proj_weight", i),
                             g(mz + "out_proj.bias", "out_proj_bias", i),
                             ws.dh, ws.y[i], lp.out_proj_weight, ws.ones, M=M, N=E, K=Di,
                             **mx(ws.y16 if mixed else None, "out_proj_weight"))
             selective_scan_backward(rec, ws.du, ws.ddelta, g(mz + "dt_proj.bias", "dt_proj_bias", i),
                                     g(mz + "A_log", "A_log", i), g(mz + "D", "D", i), ws.dxdbl, ws.dxz,
-                                    ws.dy, ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias, lp.A_log,
+                                    ws.du, ws.states[i], ws.xc[i], ws.delta[i], lp.dt_proj_bias, lp.A_log,
                                     lp.D, ws.xdbl_n[i], ws.xz[i], B=B, L=L, Di=Di, N=N, R=R)
             linear_backward(rec, ws.dxdbl, g(mz + "dt_proj.weight", "dt_proj_weight", i),
                             None, ws.ddelta, ws.xdbl_n[i], lp.dt_proj_weight, M=M, N=Di, K=R,

@@ -239,12 +239,12 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     db = channels_per_workgroup(lim.lanes, N)
     try:
         seqs = split(lim, B, lambda nb: sequence_windows(nb, L, Di, N, R),
-                     scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db))
+                     scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db, grad))
     except BindingError:
         seqs = [(0, 1)]
     for nb in sorted({nb for _, nb in seqs}):
-        _, work, pbc = sequence_scratch(nb, L, Di, N, R, db)
-        scratch += (_buf(work) + _buf(pbc)) if grad else 0
+        _, work = sequence_scratch(nb, L, Di, N, R, db)
+        scratch += _buf(work) if grad else 0
     scratch += _buf(sequence_scratch(1, L, Di, N, R)[0])  # the forward's parameter copy, any B
     scratch += _buf(4)  # the final norm's unused copy binding (ops/rmsnorm.py)
     chunk = logits_chunk_rows(lim.max_binding, M, V)
@@ -276,7 +276,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     plan.units.append((f"one sequence of the conv1d and selective scan at --seq-len {L} ({L} x {2 * Di} values)",
                        max(sequence_windows(1, L, Di, N, R)), True, "tensor"))
     plan.units.append((f"the selective scan's scratch for one sequence at --seq-len {L}",
-                       max(sequence_scratch(1, L, Di, N, R)),
+                       max(sequence_scratch(1, L, Di, N, R, backward=grad)),
                        True, "adapter"))
     if grad:
         plan.units.append((f"the embedding's scatter plan for batch {B} x {L}", 4 * (2 + 3 * M), True, "tensor"))

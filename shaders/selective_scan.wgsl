@@ -30,7 +30,7 @@ struct Params {
     B: u32, L: u32, Di: u32, N: u32,
     R: u32, ldx: u32, nchk: u32, nblk: u32,
     o_y: u32, o_u: u32, o_delta: u32, o_xdbl: u32,
-    o_xz: u32, o_states: u32, o_dy: u32, o_du: u32,
+    o_xz: u32, o_states: u32, off_pbc: u32, o_du: u32,
     o_ddelta: u32, o_dxz: u32, o_dxdbl: u32, off_st: u32,
     off_hc: u32, off_pa: u32, off_pb: u32, off_pd: u32,
     pbc_half: u32, _p0: u32, _p1: u32, _p2: u32,
@@ -46,11 +46,10 @@ struct AccParams { n: u32, K: u32, base: u32, stride: u32, o_out: u32, scale_a: 
 @group(0) @binding(4) var<storage, read> xdbl: array<f32>;
 @group(0) @binding(5) var<storage, read> xz: array<f32>;
 @group(0) @binding(6) var<storage, read_write> work: array<f32>;
-@group(0) @binding(7) var<storage, read> dy: array<f32>;
 @group(0) @binding(8) var<storage, read_write> du: array<f32>;
 @group(0) @binding(9) var<storage, read_write> ddelta: array<f32>;
 @group(0) @binding(10) var<storage, read_write> dxz: array<f32>;
-@group(0) @binding(11) var<storage, read_write> pbc: array<f32>;
+@group(0) @binding(11) var<storage, read_write> pbc: array<f32>;   // `work`, bound again (dbc)
 @group(0) @binding(12) var<storage, read_write> dxdbl: array<f32>;
 @group(0) @binding(13) var<storage, read_write> acc_out: array<f32>;
 @group(0) @binding(14) var<uniform> P: Params;
@@ -346,25 +345,21 @@ fn in_z4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
 }
 
 // ---------------------------------------------------------------- backward
-// (dy * silu(z), dy * silu'(z)): the output gate's two gradients, for prep and the 8-lane
-// backward (which does prep's work itself)
+// (dy * silu(z), dy * silu'(z)): the output gate's two gradients, taken by the backward
+// kernels from dy (in du, which they overwrite) and z as they go
 fn gate_grads(g: f32, z: f32) -> vec2<f32> {
     let sz = sigmoid(z);
     return vec2<f32>(g * z * sz, g * sz * (1.0 + z * (1.0 - sz)));
 }
 
-// prep (m, d): du <- dy' = dy*silu(z);  dxz[:, Di+d] <- dy*silu'(z)   (finished by the scan)
-@compute @workgroup_size(256)
-fn selective_scan_backward_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                                @builtin(local_invocation_index) lid: u32) {
-    let pr = P;   // read once: on lavapipe a uniform read after a branch is a gather
-    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (i >= pr.B * pr.L * pr.Di) { return; }
-    let m = i / pr.Di;
-    let zi = m * 2u * pr.Di + pr.Di + i % pr.Di;
-    let gg = gate_grads(dy[pr.o_dy + i], xz[pr.o_xz + zi]);
-    du[pr.o_du + i] = gg.x;
-    dxz[pr.o_dxz + zi] = gg.y;
+// the same for four steps: .g = dy*silu(z), .s = dy*silu'(z)
+struct Gate4 { g: vec4<f32>, s: vec4<f32> }
+fn gate4(dy: vec4<f32>, z: vec4<f32>) -> Gate4 {
+    let a = gate_grads(dy.x, z.x);
+    let b = gate_grads(dy.y, z.y);
+    let c = gate_grads(dy.z, z.z);
+    let d = gate_grads(dy.w, z.w);
+    return Gate4(vec4<f32>(a.x, b.x, c.x, d.x), vec4<f32>(a.y, b.y, c.y, d.y));
 }
 
 // owner of (d, n) in phase B of the backward: the segments' start states from the chunk's
@@ -426,8 +421,9 @@ fn bfly1(lo: f32, hi: f32, m: u32, dl: u32, tid: u32, qs: u32) -> f32 {
     return keep + got;
 }
 
-// scan (b, block): du, ddelta WRITE; dxz[:, Di..] = (dy*silu'(z) from prep) * y_pre WRITE;
-// dBm/dCm partial sums of the block -> pbc [2][M][nblk][N]; per-b partials of dA_log (over A),
+// scan (b, block): du (holding dy on entry: each step's dy is read before its du is
+// written, by the same thread), ddelta WRITE; dxz[:, Di..] = dy*silu'(z) * y_pre WRITE;
+// dBm/dCm partial sums of the block -> work[off_pbc..] [2][M][nblk][N]; per-b partials of dA_log (over A),
 // of dt_bias and of D into work (summed over b by selective_scan_accumulate).
 // `work` holds, besides the parameters: a copy of `states` at off_st and, when N > NG, the
 // adjoint carried between chunks at off_hc.
@@ -483,8 +479,10 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
         let dt1 = dt_of4(cur.r1, t0 + 4u, live, bias);
         let u0 = cur.u0;
         let u1 = cur.u1;
-        let g0 = cur.g0;
-        let g1 = cur.g1;
+        let gz0 = gate4(cur.g0, cur.z0);   // dy' = dy*silu(z) and dy*silu'(z)
+        let gz1 = gate4(cur.g1, cur.z1);
+        let g0 = gz0.g;
+        let g1 = gz1.g;
         let du0 = dt0 * u0;
         let du1 = dt1 * u1;
         let sdt = dot(dt0 + dt1, vec4<f32>(1.0));
@@ -591,7 +589,7 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 let w1 = bfly1(w2.x, w2.y, 1u, dl, tid, QS);
                 let t = c * T + j * K + dl % K;
                 if (t < P.L) {
-                    pbc[(dl / K) * P.pbc_half + ((b * P.L + t) * P.nblk + blk) * P.N + n0 + n] = w1;
+                    work[P.off_pbc + (dl / K) * P.pbc_half + ((b * P.L + t) * P.nblk + blk) * P.N + n0 + n] = w1;
                 }
             }
             workgroupBarrier();
@@ -611,14 +609,14 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 da1 += sb;
             }
         }
-        bsum += out_bwd(b, t0, d, live, bias, Dd, dt0.x, gb0.x, gd0.x, yp0.x, g0.x, u0.x, cur.r0.x, cur.x0.x);
-        bsum += out_bwd(b, t0 + 1u, d, live, bias, Dd, dt0.y, gb0.y, gd0.y, yp0.y, g0.y, u0.y, cur.r0.y, cur.x0.y);
-        bsum += out_bwd(b, t0 + 2u, d, live, bias, Dd, dt0.z, gb0.z, gd0.z, yp0.z, g0.z, u0.z, cur.r0.z, cur.x0.z);
-        bsum += out_bwd(b, t0 + 3u, d, live, bias, Dd, dt0.w, gb0.w, gd0.w, yp0.w, g0.w, u0.w, cur.r0.w, cur.x0.w);
-        bsum += out_bwd(b, t0 + 4u, d, live, bias, Dd, dt1.x, gb1.x, gd1.x, yp1.x, g1.x, u1.x, cur.r1.x, cur.x1.x);
-        bsum += out_bwd(b, t0 + 5u, d, live, bias, Dd, dt1.y, gb1.y, gd1.y, yp1.y, g1.y, u1.y, cur.r1.y, cur.x1.y);
-        bsum += out_bwd(b, t0 + 6u, d, live, bias, Dd, dt1.z, gb1.z, gd1.z, yp1.z, g1.z, u1.z, cur.r1.z, cur.x1.z);
-        bsum += out_bwd(b, t0 + 7u, d, live, bias, Dd, dt1.w, gb1.w, gd1.w, yp1.w, g1.w, u1.w, cur.r1.w, cur.x1.w);
+        bsum += out_bwd(b, t0, d, live, bias, Dd, dt0.x, gb0.x, gd0.x, yp0.x, g0.x, u0.x, cur.r0.x, gz0.s.x);
+        bsum += out_bwd(b, t0 + 1u, d, live, bias, Dd, dt0.y, gb0.y, gd0.y, yp0.y, g0.y, u0.y, cur.r0.y, gz0.s.y);
+        bsum += out_bwd(b, t0 + 2u, d, live, bias, Dd, dt0.z, gb0.z, gd0.z, yp0.z, g0.z, u0.z, cur.r0.z, gz0.s.z);
+        bsum += out_bwd(b, t0 + 3u, d, live, bias, Dd, dt0.w, gb0.w, gd0.w, yp0.w, g0.w, u0.w, cur.r0.w, gz0.s.w);
+        bsum += out_bwd(b, t0 + 4u, d, live, bias, Dd, dt1.x, gb1.x, gd1.x, yp1.x, g1.x, u1.x, cur.r1.x, gz1.s.x);
+        bsum += out_bwd(b, t0 + 5u, d, live, bias, Dd, dt1.y, gb1.y, gd1.y, yp1.y, g1.y, u1.y, cur.r1.y, gz1.s.y);
+        bsum += out_bwd(b, t0 + 6u, d, live, bias, Dd, dt1.z, gb1.z, gd1.z, yp1.z, g1.z, u1.z, cur.r1.z, gz1.s.z);
+        bsum += out_bwd(b, t0 + 7u, d, live, bias, Dd, dt1.w, gb1.w, gd1.w, yp1.w, g1.w, u1.w, cur.r1.w, gz1.s.w);
         dsum += dot(g0, u0) + dot(g1, u1);
     }
     if (ngrp == 1u && live) {
@@ -643,7 +641,7 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     }
 }
 
-fn in_g(b: u32, t: u32, d: u32, ok: bool) -> f32 {   // dy' from the prep pass
+fn in_g(b: u32, t: u32, d: u32, ok: bool) -> f32 {   // dy, in du until the step is written
     if (ok && t < P.L) { return du[P.o_du + (b * P.L + t) * P.Di + d]; }
     return 0.0;
 }
@@ -653,17 +651,10 @@ fn in_g4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
 // A segment's inputs (steps t..t+7), loaded a chunk before they are used: raw values only,
 // so nothing waits for the loads until the next chunk starts.
 struct SegIn { r0: vec4<f32>, r1: vec4<f32>, u0: vec4<f32>, u1: vec4<f32>, g0: vec4<f32>, g1: vec4<f32>,
-               x0: vec4<f32>, x1: vec4<f32> }
+               z0: vec4<f32>, z1: vec4<f32> }
 fn seg_in(b: u32, t: u32, d: u32, ok: bool) -> SegIn {
     return SegIn(in_raw4(b, t, d, ok), in_raw4(b, t + 4u, d, ok), in_u4(b, t, d, ok), in_u4(b, t + 4u, d, ok),
-                 in_g4(b, t, d, ok), in_g4(b, t + 4u, d, ok), in_zs4(b, t, d, ok), in_zs4(b, t + 4u, d, ok));
-}
-fn in_zs(b: u32, t: u32, d: u32, ok: bool) -> f32 {   // dy*silu'(z) from the prep pass
-    if (ok && t < P.L) { return dxz[P.o_dxz + (b * P.L + t) * 2u * P.Di + P.Di + d]; }
-    return 0.0;
-}
-fn in_zs4(b: u32, t: u32, d: u32, ok: bool) -> vec4<f32> {
-    return vec4<f32>(in_zs(b, t, d, ok), in_zs(b, t + 1u, d, ok), in_zs(b, t + 2u, d, ok), in_zs(b, t + 3u, d, ok));
+                 in_g4(b, t, d, ok), in_g4(b, t + 4u, d, ok), in_z4(b, t, d, ok), in_z4(b, t + 4u, d, ok));
 }
 
 // writes the step's outputs; returns its ddelta (0 past L or Di) for the dt_bias sum
@@ -676,13 +667,14 @@ fn out_bwd(b: u32, t: u32, d: u32, ok: bool, bias: f32, Dd: f32, dt: f32, gb: f3
         let dd = gd * sigmoid(raw + bias);
         ddelta[P.o_ddelta + e] = dd;
         let zi = P.o_dxz + m * 2u * P.Di + P.Di + d;
-        dxz[zi] = zs * fma(Dd, uu, yp);   // (dy * silu'(z) from the prep pass) * y_pre
+        dxz[zi] = zs * fma(Dd, uu, yp);   // dy * silu'(z) * y_pre
         return dd;
     }
     return 0.0;
 }
 
 // dbc (m, n): dxdbl[m, R+n] = sum over the channel blocks of the dBm partials; dCm likewise
+// (the partials in `work` from off_pbc, bound here at binding 11)
 @compute @workgroup_size(256)
 fn selective_scan_backward_dbc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                                @builtin(local_invocation_index) lid: u32) {
@@ -696,8 +688,8 @@ fn selective_scan_backward_dbc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(n
     var sc = 0.0;
     for (var q = 0u; q < pr.nblk; q++) {
         let o = (m * pr.nblk + q) * pr.N + n;
-        sb += pbc[o];
-        sc += pbc[pr.pbc_half + o];
+        sb += pbc[pr.off_pbc + o];
+        sc += pbc[pr.off_pbc + pr.pbc_half + o];
     }
     let row = pr.o_dxdbl + m * pr.ldx + pr.R;
     dxdbl[row + n] = sb;
@@ -823,10 +815,10 @@ fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     }
 }
 
-// The prep pass's work done in the step loop (dy' = dy*silu(z), dy*silu'(z): one load of dy
-// and z instead of the prep kernel's four accesses and the reloads, 10 storage bindings),
-// with the saved states copied into work at off_st: du, ddelta WRITE; dxz[:, Di..] WRITE;
-// dBm/dCm partial sums of the 8 channels -> pbc [2][M][nblk][N]; dA_log (over A), dt_bias
+// The output gate's gradients taken in the step loop (dy' = dy*silu(z), dy*silu'(z): dy read
+// from du just before the step's du is written, z from xz), with the saved states copied
+// into work at off_st: du, ddelta WRITE; dxz[:, Di..] WRITE; dBm/dCm partial sums of the 8
+// channels -> pbc (`work` bound again as vec4, from off_pbc) [2][M][nblk][N]; dA_log (over A), dt_bias
 // and D partials of (b, d) into work.
 // states 4q..4q+3 of a saved state row at `base` of work (zeros past NS)
 fn load4(base: u32, q: u32) -> vec4<f32> {
@@ -909,8 +901,8 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             let draw = c_raw[k];
             let dt = c_dt[k];
             let uu = select(0.0, c_u[k], ln.live);
-            // the prep pass's work, done here: dy' = dy * silu(z), and dy * silu'(z) for dz
-            let gg = gate_grads(select(0.0, dy[p.o_dy + e], ln.live), xz[p.o_xz + m * 2u * p.Di + p.Di + ln.dc]);
+            // the output gate's gradients: dy' = dy * silu(z), and dy * silu'(z) for dz
+            let gg = gate_grads(select(0.0, du[p.o_du + e], ln.live), xz[p.o_xz + m * 2u * p.Di + p.Di + ln.dc]);
             let g = gg.x;
             let bc = c_bc[k];
             let r = k * 4u;
@@ -935,7 +927,7 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             let pb = (m * p.nblk + ln.blk) * NS;
             if (4u * (l % 4u) < NS) {
                 let isc = l >= 4u;
-                pbc4[(select(0u, p.pbc_half, isc) + pb) / 4u + l % 4u] = select(
+                pbc4[(p.off_pbc + select(0u, p.pbc_half, isc) + pb) / 4u + l % 4u] = select(
                     lane_quad(j0.rb, j1.rb, j2.rb, j3.rb, l), lane_quad(j0.rc, j1.rc, j2.rc, j3.rc, l), isc);
             }
         }

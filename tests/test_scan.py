@@ -125,7 +125,7 @@ def kernel(request, monkeypatch):
     return request.param
 
 
-def run_backward(rt, p, B, L, Di, N, R, seed=1, raw=False):
+def run_backward(rt, p, B, L, Di, N, R, seed=1, raw=False, in_place=False):
     rng = np.random.default_rng(seed)
     M = B * L
     _, t, states = gpu_forward(rt, p, B, L, Di, N, R)
@@ -138,6 +138,9 @@ def run_backward(rt, p, B, L, Di, N, R, seed=1, raw=False):
     g["dxdbl"] = rt.upload(np.full((M, R + 2 * N), SENT, np.float32))
     g["dxz"] = rt.upload(np.full((M, 2 * Di), SENT, np.float32))
     tdy = rt.upload(dy.astype(np.float32))
+    if in_place:   # dy given in du itself, as the model passes it
+        rt.write(g["du"], dy.astype(np.float32))
+        tdy = g["du"]
     rec = rt.recorder()
     selective_scan_backward(rec, g["du"], g["ddelta"], g["ddt_bias"], g["dA_log"], g["dD"], g["dxdbl"],
                             g["dxz"], tdy, states, t["u"], t["delta"], t["dt_bias"], t["A_log"], t["D"],
@@ -174,6 +177,16 @@ def test_backward_vs_torch(rt, shape, kernel):
     print(f"backward {shape} {kernel}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
     for k, v in errs.items():
         assert v < 2e-4, (k, v)
+
+
+def test_backward_in_place(rt, kernel):
+    """dy given in du (read there, overwritten by du): the same bits as dy in its own tensor."""
+    shape = (2, 70, 21, 16, 3)
+    p = make_inputs(*shape, seed=5)
+    apart = run_backward(rt, p, *shape, raw=True)
+    inside = run_backward(rt, p, *shape, raw=True, in_place=True)
+    for k in apart:
+        assert np.array_equal(apart[k], inside[k]), k
 
 
 def test_large_inputs_stable(rt, kernel):

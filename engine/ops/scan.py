@@ -24,7 +24,8 @@ step (the same saved states and partial sums; `LANES = False` keeps the kernels 
 They read Bm|Cm as vec4s, so they take time_step_rank values divisible by 4 (that of every
 released Mamba checkpoint); other calls take the kernels above.
 
-Backward outputs: du, ddelta WRITE; ddt_bias, dA_log, dD ACC (+=; None: not computed); dxdbl
+Backward: dy may be du itself (the kernels read each step's dy from du before they write
+its du; a dy elsewhere is first copied into du).  Outputs: du, ddelta WRITE; ddt_bias, dA_log, dD ACC (+=; None: not computed); dxdbl
 WRITE on columns R..R+2N only; dxz WRITE on columns Di..2Di only.
 
 Tensors may be views at any 4-byte offset (they are bound from an aligned offset and the
@@ -84,8 +85,12 @@ def _layout(B, L, Di, N, db=DB):
     off_pa = off_hc + B * Di * N          # dA_log partials per (b, d, n)
     off_pb = off_pa + B * Di * N          # dt_bias partials per (b, d)
     off_pd = off_pb + B * Di              # D partials per (b, d)
+    off_q = off_pd + B * Di               # the butterfly's lane count (butterfly_lanes)
+    off_pbc = cdiv(off_q + 1, 64) * 64    # dBm, then dCm partials per (m, block, n), 256-byte aligned
+    pbc_half = M * nblk * N
     return dict(M=M, nblk=nblk, nchk=nchk, off_st=off_st, off_hc=off_hc, off_pa=off_pa,
-                off_pb=off_pb, off_pd=off_pd, work_size=off_pd + B * Di + 1, pbc_half=M * nblk * N)
+                off_pb=off_pb, off_pd=off_pd, off_q=off_q, off_pbc=off_pbc,
+                work_size=off_pbc + 2 * pbc_half, pbc_half=pbc_half)
 
 
 def sequence_windows(B, L, Di, N, R) -> list:
@@ -95,18 +100,18 @@ def sequence_windows(B, L, Di, N, R) -> list:
 
 
 @functools.lru_cache(maxsize=256)
-def sequence_scratch(B, L, Di, N, R, db=DB) -> list:
+def sequence_scratch(B, L, Di, N, R, db=DB, backward=True) -> list:
     """Bytes of the scan's own scratch for B sequences: the forward's parameter copy (the
-    same for any B), the backward's work buffer and its dB/dC partials (`db` channels per
-    workgroup: LANE_DB where the 8-lane scan runs)."""
-    lay = _layout(B, L, Di, N, db)
-    return [4 * (Di * N + 2 * Di), 4 * lay["work_size"], 8 * lay["pbc_half"]]
+    same for any B) and, with `backward`, the backward's work buffer, which holds its dB/dC
+    partials (`db` channels per workgroup: LANE_DB where the 8-lane scan runs)."""
+    params = 4 * (Di * N + 2 * Di)
+    return [params, 4 * _layout(B, L, Di, N, db)["work_size"]] if backward else [params]
 
 
-def _sequences(rt, B, L, Di, N, R) -> list:
+def _sequences(rt, B, L, Di, N, R, backward: bool) -> list:
     db = channels_per_workgroup(cpu_lanes(rt), N)
     return split(rt, B, lambda nb: sequence_windows(nb, L, Di, N, R),
-                 scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db),
+                 scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db, backward),
                  unit=f"one sequence of the selective scan (seq_len {L}; a smaller --seq-len helps)")
 
 
@@ -122,10 +127,10 @@ def _params(rec: Recorder, work: Tensor, dt_bias: Tensor, A_log: Tensor, D: Tens
 
 
 def _uniform(rt, B, L, Di, N, R, lay, offs):
-    o = dict(y=0, u=0, delta=0, xdbl=0, xz=0, states=0, dy=0, du=0, ddelta=0, dxz=0, dxdbl=0)
+    o = dict(y=0, u=0, delta=0, xdbl=0, xz=0, states=0, du=0, ddelta=0, dxz=0, dxdbl=0)
     o.update(offs)
     vals = [B, L, Di, N, R, R + 2 * N, lay["nchk"], lay["nblk"],
-            o["y"], o["u"], o["delta"], o["xdbl"], o["xz"], o["states"], o["dy"], o["du"],
+            o["y"], o["u"], o["delta"], o["xdbl"], o["xz"], o["states"], lay["off_pbc"], o["du"],
             o["ddelta"], o["dxz"], o["dxdbl"], lay["off_st"],
             lay["off_hc"], lay["off_pa"], lay["off_pb"], lay["off_pd"],
             lay["pbc_half"], 0, 0, 0]
@@ -152,7 +157,7 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
     rt = rec.rt
     if B * L * Di == 0:
         return
-    parts = _sequences(rt, B, L, Di, N, R)
+    parts = _sequences(rt, B, L, Di, N, R, False)
     if len(parts) > 1:
         S, W, X = cdiv(L, CHUNK) * Di * N, L * Di, L * (R + 2 * N)
         for b0, nb in parts:
@@ -185,7 +190,7 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     rt = rec.rt
     if B * L * Di == 0:
         return
-    parts = _sequences(rt, B, L, Di, N, R)
+    parts = _sequences(rt, B, L, Di, N, R, True)
     if len(parts) > 1:  # ACC outputs add up over the ranges; the others are per row
         S, W, X = cdiv(L, CHUNK) * Di * N, L * Di, L * (R + 2 * N)
         for b0, nb in parts:
@@ -198,29 +203,28 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     _check(B, L, Di, N, R, du=du, ddelta=ddelta, dxdbl=dxdbl, dxz=dxz, dy=dy, u=u, delta=delta,
            xdbl=xdbl, xz=xz)
     assert states.numel == cdiv(L, CHUNK) * B * Di * N, (states.shape, scan_state_shape(B, L, Di, N))
+    if (dy.buffer, dy.offset) != (du.buffer, du.offset):   # the kernels read dy from du
+        rec.copy(dy, du)
     bt, offs = {}, {}
-    for name, t in (("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz), ("dy", dy), ("du", du),
+    for name, t in (("u", u), ("delta", delta), ("xdbl", xdbl), ("xz", xz), ("du", du),
                     ("ddelta", ddelta), ("dxdbl", dxdbl), ("dxz", dxz)):
         bt[name], offs[name] = bound(rt, t)
     lanes = _lanes(rt, N, R, offs["xdbl"])
     lay = _layout(B, L, Di, N, LANE_DB if lanes else DB)
     M = lay["M"]
     work = rt.scratch("selective_scan.bwd_work", (lay["work_size"],))
-    pbc = rt.scratch("selective_scan.bwd_pbc", (2 * lay["pbc_half"],))
     _params(rec, work, dt_bias, A_log, D, Di, N)
-    # the saved states go into `work` too: the kernels then bind 8 storage buffers
+    # the saved states and the dB/dC partials go into `work` too: the kernels then bind 8
+    # storage buffers (the 8-lane one binds `work` a second time, as vec4, for the partials)
     rec.copy(states, work.view((states.numel,), lay["off_st"]))
     uni = _uniform(rt, B, L, Di, N, R, lay, offs)
-    bindings = {2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 6: work, 8: bt["du"], 9: bt["ddelta"],
-                10: bt["dxz"], 11: pbc, 14: uni}
-    if lanes:   # the prep pass's work inside (10 storage bindings)
-        rec.dispatch(SHADER, "scan_lanes_backward", {**bindings, 5: bt["xz"], 7: bt["dy"]},
-                     B * lay["nblk"], {"NS": N})
+    bindings = {2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 5: bt["xz"], 6: work, 8: bt["du"],
+                9: bt["ddelta"], 10: bt["dxz"], 14: uni}
+    if lanes:
+        rec.dispatch(SHADER, "scan_lanes_backward", {**bindings, 11: work}, B * lay["nblk"], {"NS": N})
     else:
-        rec.dispatch(SHADER, "selective_scan_backward_prep",
-                     {5: bt["xz"], 7: bt["dy"], 8: bt["du"], 10: bt["dxz"], 14: uni}, cdiv(M * Di, 256))
         rec.dispatch(SHADER, "selective_scan_backward", bindings, B * lay["nblk"], _constants())
-    rec.dispatch(SHADER, "selective_scan_backward_dbc", {11: pbc, 12: bt["dxdbl"], 14: uni}, cdiv(M * N, 256))
+    rec.dispatch(SHADER, "selective_scan_backward_dbc", {11: work, 12: bt["dxdbl"], 14: uni}, cdiv(M * N, 256))
     for out, n, base, stride, scale_a in ((ddt_bias, Di, lay["off_pb"], Di, 0),
                                           (dD, Di, lay["off_pd"], Di, 0),
                                           (dA_log, Di * N, lay["off_pa"], Di * N, 1)):
@@ -237,4 +241,4 @@ def butterfly_lanes(rt, B, L, Di, N) -> int:
     backward at this shape summed with subgroup shuffles, 1 = all through workgroup memory."""
     lay = _layout(int(B), int(L), int(Di), int(N))
     work = rt.scratch("selective_scan.bwd_work", (lay["work_size"],))
-    return int(rt.read(work.view((1,), lay["work_size"] - 1))[0])
+    return int(rt.read(work.view((1,), lay["off_q"]))[0])
