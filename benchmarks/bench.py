@@ -809,8 +809,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default="mamba-130m", help="model shapes for train, matmul and decode")
     ap.add_argument("--seq", default="2048")
     ap.add_argument("--batch", default="8,1")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--peer-steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="timed training steps (after a warm-up step)")
+    ap.add_argument("--peer-steps", type=int, default=None,
+                    help="timed steps of the PyTorch peers (default: --steps, so both sides average as many)")
     ap.add_argument("--device", default=None, help="memengine --device (auto|gpu|cpu|NAME)")
     ap.add_argument("--peer-wait", type=float, default=0.0,
                     help="seconds to wait for mamba-ssm to become importable (a build in the background)")
@@ -833,6 +834,8 @@ def main(argv=None):
     ap.add_argument("--lora-rank", type=int, default=8,
                     help="train: also time a LoRA step (an adapter of this rank on in_proj and x_proj); 0 = off")
     a = ap.parse_args(argv)
+    if a.peer_steps is None:
+        a.peer_steps = a.steps
 
     from memengine.engine.gpu import get_runtime
 
