@@ -61,6 +61,8 @@ const SEG: u32 = 8u;    // time segments per chunk
 const K: u32 = 8u;      // steps per segment (the register tile: two vec4)
 const T: u32 = 64u;     // steps per chunk = SEG * K = CHUNK in engine/ops/scan.py
 const NG: u32 = 16u;    // states per pass over workgroup memory
+const NH: u32 = 8u;     // the backward's states per half of a pass (= SEG: one owner per segment)
+const XR: u32 = NH * XS;   // the backward's butterfly exchange slots in xs (4 * WG of them)
 const XS: u32 = 144u;   // row stride of xs/hs (= 16 mod 32: phase B reads without bank conflicts)
 const BCS: u32 = 17u;   // row stride of bcv in vec4 (odd: the tile's writes spread over banks)
 
@@ -70,10 +72,13 @@ override SUBGROUPS: bool = true;   // false: the workgroup-memory butterfly even
 // memory): a segment's K = 8 steps are two vec4 registers, and the steps are written out.
 var<workgroup> bcv: array<vec4<f32>, 544>;  // [NG][Bm, Cm][BCS]: vec4 q = steps 4q..4q+3 of the chunk
 var<workgroup> xs: array<f32, 2304>;   // [NG][XS]: segment end state -> start state (-> dA partial)
-var<workgroup> hs: array<f32, 2304>;   // [NG][XS]: segment adjoint total -> adjoint entering from the right
+// [NH][XS]: segment adjoint total -> adjoint entering from the right.  The backward walks a
+// group's states in halves of NH (rows 0..NH of xs and hs; rows NH.. of xs are its butterfly's
+// exchange slots without subgroups): its workgroup memory then stays at or under 24 KiB,
+// which lets the H200 run two of its workgroups on an SM (30 KiB ran one).
+var<workgroup> hs: array<f32, 1152>;
 var<workgroup> ssum: array<f32, 128>;  // [WG]: sum of dt over each thread's segment
 var<workgroup> ash: array<f32, 256>;   // [NG][DB]: A = -exp(A_log) of the block's channels
-var<workgroup> red: array<vec4<f32>, 128>;  // [WG]: butterfly exchange without subgroups
 var<workgroup> qs_w: atomic<u32>;
 
 
@@ -390,9 +395,10 @@ fn bfly(lo: vec4<f32>, hi: vec4<f32>, m: u32, dl: u32, tid: u32, qs: u32) -> vec
     let keep = select(lo, hi, up);
     let send = select(hi, lo, up);
     if (m < qs) { return keep + sg_xor4(send, m); }
-    red[tid] = send;
+    xs[XR + tid] = send.x; xs[XR + WG + tid] = send.y; xs[XR + 2u * WG + tid] = send.z; xs[XR + 3u * WG + tid] = send.w;
     workgroupBarrier();
-    let got = red[tid ^ m];
+    let o = tid ^ m;
+    let got = vec4<f32>(xs[XR + o], xs[XR + WG + o], xs[XR + 2u * WG + o], xs[XR + 3u * WG + o]);
     workgroupBarrier();
     return keep + got;
 }
@@ -402,9 +408,9 @@ fn bfly2(lo: vec2<f32>, hi: vec2<f32>, m: u32, dl: u32, tid: u32, qs: u32) -> ve
     let keep = select(lo, hi, up);
     let send = select(hi, lo, up);
     if (m < qs) { return keep + sg_xor2(send, m); }
-    red[tid] = vec4<f32>(send, 0.0, 0.0);
+    xs[XR + tid] = send.x; xs[XR + WG + tid] = send.y;
     workgroupBarrier();
-    let got = red[tid ^ m].xy;
+    let got = vec2<f32>(xs[XR + (tid ^ m)], xs[XR + WG + (tid ^ m)]);
     workgroupBarrier();
     return keep + got;
 }
@@ -414,9 +420,9 @@ fn bfly1(lo: f32, hi: f32, m: u32, dl: u32, tid: u32, qs: u32) -> f32 {
     let keep = select(lo, hi, up);
     let send = select(hi, lo, up);
     if (m < qs) { return keep + sg_xor1(send, m); }
-    red[tid] = vec4<f32>(send, 0.0, 0.0, 0.0);
+    xs[XR + tid] = send;
     workgroupBarrier();
-    let got = red[tid ^ m].x;
+    let got = xs[XR + (tid ^ m)];
     workgroupBarrier();
     return keep + got;
 }
@@ -517,33 +523,40 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 load_group(b, c, blk, n0, ng, tid);
             }
             workgroupBarrier();
+            // the group's states in halves of NH (rows k = n - nh0 of xs and hs); owner (dl, j)
+            // of phase B takes state nh0 + j of each half (half 0: hc0, st0, da0; half 1: hc1, ...)
+            for (var nh0 = 0u; nh0 < ng; nh0 += NH) {
+            let nk = min(NH, ng - nh0);
+            if (nh0 > 0u) { workgroupBarrier(); }   // the previous half's dA sums have read xs
             // A: the segment's end state from a zero start, and its adjoint total
             //    h = sum_k exp(A * (dt_0 + .. + dt_k)) * Cm_k * dy'_k  (what it passes to the left)
-            for (var n = 0u; n < ng; n++) {
+            for (var k = 0u; k < nk; k++) {
+                let n = nh0 + k;
                 let a = ash[n * DB + dl];
                 let e0 = exp(dt0 * a);
                 let e1 = exp(dt1 * a);
                 let s0 = walk4(0.0, e0, du0 * bc4(n, 0u, j, 0u));
                 let s1 = walk4(s0.w, e1, du1 * bc4(n, 0u, j, 1u));
-                xs[n * XS + tid] = s1.w;
+                xs[k * XS + tid] = s1.w;
                 // running decay products w_k = e_0 * .. * e_k
                 let w0 = vec4<f32>(e0.x, e0.x * e0.y, e0.x * e0.y * e0.z, e0.x * e0.y * e0.z * e0.w);
                 let w1 = w0.w * vec4<f32>(e1.x, e1.x * e1.y, e1.x * e1.y * e1.z, e1.x * e1.y * e1.z * e1.w);
-                hs[n * XS + tid] = dot(w0, bc4(n, 1u, j, 0u) * g0) + dot(w1, bc4(n, 1u, j, 1u) * g1);
+                hs[k * XS + tid] = dot(w0, bc4(n, 1u, j, 0u) * g0) + dot(w1, bc4(n, 1u, j, 1u) * g1);
             }
             ssum[tid] = sdt;
             workgroupBarrier();
             // B: the owners carry the state rightwards from the saved chunk state and the
             //    adjoint leftwards from the next chunk's
-            if (j < ng) { hc0 = bwd_carry(j, dl, ash[j * DB + dl], st0, hc0); }
-            if (j + 8u < ng) { hc1 = bwd_carry(j + 8u, dl, ash[(j + 8u) * DB + dl], st1, hc1); }
-            if (ngrp > 1u && live) {
-                if (j < ng) { work[hbase + j] = hc0; }
-                if (j + 8u < ng) { work[hbase + j + 8u] = hc1; }
+            let second = nh0 > 0u;
+            if (j < nk) {
+                let hc = bwd_carry(j, dl, ash[(nh0 + j) * DB + dl], select(st0, st1, second), select(hc0, hc1, second));
+                if (second) { hc1 = hc; } else { hc0 = hc; }
+                if (ngrp > 1u && live) { work[hbase + nh0 + j] = hc; }
             }
             workgroupBarrier();
             // C: per state, the 8 steps forward (states) and backward (adjoint, gradients)
-            for (var n = 0u; n < ng; n++) {
+            for (var k = 0u; k < nk; k++) {
+                let n = nh0 + k;
                 let a = ash[n * DB + dl];
                 let e0 = exp(dt0 * a);
                 let e1 = exp(dt1 * a);
@@ -554,14 +567,14 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 let p0 = du0 * b0;
                 let p1 = du1 * b1;
                 // states after each step, then before each step
-                let sa0 = walk4(xs[n * XS + tid], e0, p0);
+                let sa0 = walk4(xs[k * XS + tid], e0, p0);
                 let sa1 = walk4(sa0.w, e1, p1);
-                let sb0 = vec4<f32>(xs[n * XS + tid], sa0.xyz);
+                let sb0 = vec4<f32>(xs[k * XS + tid], sa0.xyz);
                 let sb1 = vec4<f32>(sa0.w, sa1.xyz);
                 // adjoint g_k = Cm_k dy'_k + e_{k+1} g_{k+1}, from the right
                 let cd0 = c0 * g0;
                 let cd1 = c1 * g1;
-                let a7 = cd1.w + hs[n * XS + tid];
+                let a7 = cd1.w + hs[k * XS + tid];
                 let a6 = fma(e1.w, a7, cd1.z);
                 let a5 = fma(e1.z, a6, cd1.y);
                 let a4 = fma(e1.y, a5, cd1.x);
@@ -579,7 +592,7 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 gd1 = fma(ad1, fma(vec4<f32>(a), q1, b1 * u1), gd1);
                 yp0 = fma(sa0, c0, yp0);
                 yp1 = fma(sa1, c1, yp1);
-                xs[n * XS + tid] = dot(ad0 * q0, dt0) + dot(ad1 * q1, dt1);   // dA term (slot read above)
+                xs[k * XS + tid] = dot(ad0 * q0, dt0) + dot(ad1 * q1, dt1);   // dA term (slot read above)
                 // dBm = adjoint*dt*u and dCm = s*dy' summed over the segment's 16 channels:
                 // lane dl ends with value dl of (dBm steps 0..7, dCm steps 0..7)
                 let w8a = bfly(ad0 * du0, sa0 * g0, 8u, dl, tid, QS);
@@ -593,20 +606,19 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
                 }
             }
             workgroupBarrier();
-            // dA_log partial of (b, d, n): this chunk's sum over the segments
-            var sa = 0.0;
-            var sb = 0.0;
-            for (var jj = 0u; jj < SEG; jj++) {
-                sa += xs[j * XS + jj * DB + dl];
-                sb += xs[min(j + 8u, NG - 1u) * XS + jj * DB + dl];
+            // dA_log partial of (b, d, state nh0 + j): this chunk's sum over the segments
+            if (j < nk) {
+                var sa = 0.0;
+                for (var jj = 0u; jj < SEG; jj++) { sa += xs[j * XS + jj * DB + dl]; }
+                if (ngrp > 1u) {
+                    let pa = P.off_pa + (b * P.Di + d) * P.N + n0 + nh0 + j;
+                    if (live) { work[pa] = select(0.0, work[pa], cc > 0u) + sa; }
+                } else if (second) {
+                    da1 += sa;
+                } else {
+                    da0 += sa;
+                }
             }
-            if (ngrp > 1u) {
-                let pa = P.off_pa + (b * P.Di + d) * P.N + n0;
-                if (live && j < ng) { work[pa + j] = select(0.0, work[pa + j], cc > 0u) + sa; }
-                if (live && j + 8u < ng) { work[pa + j + 8u] = select(0.0, work[pa + j + 8u], cc > 0u) + sb; }
-            } else {
-                da0 += sa;
-                da1 += sb;
             }
         }
         bsum += out_bwd(b, t0, d, live, bias, Dd, dt0.x, gb0.x, gd0.x, yp0.x, g0.x, u0.x, cur.r0.x, gz0.s.x);
