@@ -18,7 +18,7 @@
 //      carried in from the previous chunk), giving every segment its true start state;
 //   C  every thread re-walks its K steps from that state and produces its outputs.
 // The state dimension lives in registers (a loop over n, NG states per pass over shared
-// memory).  The forward saves the state before each chunk (states [B, nchk, Di, N]); the
+// memory; the backward walks a pass's states in halves of NH, see `hs`).  The forward saves the state before each chunk (states [B, nchk, Di, N]); the
 // backward walks the chunks in reverse, recomputes states from those, and runs the adjoint
 //   g_t = Cm_t*dy'_t + exp(dt_{t+1}A) g_{t+1}      (dy' = dy*silu(z))
 // as the mirror image of the same scan (its segment totals come out of phase A's forward
@@ -526,99 +526,99 @@ fn selective_scan_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
             // the group's states in halves of NH (rows k = n - nh0 of xs and hs); owner (dl, j)
             // of phase B takes state nh0 + j of each half (half 0: hc0, st0, da0; half 1: hc1, ...)
             for (var nh0 = 0u; nh0 < ng; nh0 += NH) {
-            let nk = min(NH, ng - nh0);
-            if (nh0 > 0u) { workgroupBarrier(); }   // the previous half's dA sums have read xs
-            // A: the segment's end state from a zero start, and its adjoint total
-            //    h = sum_k exp(A * (dt_0 + .. + dt_k)) * Cm_k * dy'_k  (what it passes to the left)
-            for (var k = 0u; k < nk; k++) {
-                let n = nh0 + k;
-                let a = ash[n * DB + dl];
-                let e0 = exp(dt0 * a);
-                let e1 = exp(dt1 * a);
-                let s0 = walk4(0.0, e0, du0 * bc4(n, 0u, j, 0u));
-                let s1 = walk4(s0.w, e1, du1 * bc4(n, 0u, j, 1u));
-                xs[k * XS + tid] = s1.w;
-                // running decay products w_k = e_0 * .. * e_k
-                let w0 = vec4<f32>(e0.x, e0.x * e0.y, e0.x * e0.y * e0.z, e0.x * e0.y * e0.z * e0.w);
-                let w1 = w0.w * vec4<f32>(e1.x, e1.x * e1.y, e1.x * e1.y * e1.z, e1.x * e1.y * e1.z * e1.w);
-                hs[k * XS + tid] = dot(w0, bc4(n, 1u, j, 0u) * g0) + dot(w1, bc4(n, 1u, j, 1u) * g1);
-            }
-            ssum[tid] = sdt;
-            workgroupBarrier();
-            // B: the owners carry the state rightwards from the saved chunk state and the
-            //    adjoint leftwards from the next chunk's
-            let second = nh0 > 0u;
-            if (j < nk) {
-                let hc = bwd_carry(j, dl, ash[(nh0 + j) * DB + dl], select(st0, st1, second), select(hc0, hc1, second));
-                if (second) { hc1 = hc; } else { hc0 = hc; }
-                if (ngrp > 1u && live) { work[hbase + nh0 + j] = hc; }
-            }
-            workgroupBarrier();
-            // C: per state, the 8 steps forward (states) and backward (adjoint, gradients)
-            for (var k = 0u; k < nk; k++) {
-                let n = nh0 + k;
-                let a = ash[n * DB + dl];
-                let e0 = exp(dt0 * a);
-                let e1 = exp(dt1 * a);
-                let b0 = bc4(n, 0u, j, 0u);
-                let b1 = bc4(n, 0u, j, 1u);
-                let c0 = bc4(n, 1u, j, 0u);
-                let c1 = bc4(n, 1u, j, 1u);
-                let p0 = du0 * b0;
-                let p1 = du1 * b1;
-                // states after each step, then before each step
-                let sa0 = walk4(xs[k * XS + tid], e0, p0);
-                let sa1 = walk4(sa0.w, e1, p1);
-                let sb0 = vec4<f32>(xs[k * XS + tid], sa0.xyz);
-                let sb1 = vec4<f32>(sa0.w, sa1.xyz);
-                // adjoint g_k = Cm_k dy'_k + e_{k+1} g_{k+1}, from the right
-                let cd0 = c0 * g0;
-                let cd1 = c1 * g1;
-                let a7 = cd1.w + hs[k * XS + tid];
-                let a6 = fma(e1.w, a7, cd1.z);
-                let a5 = fma(e1.z, a6, cd1.y);
-                let a4 = fma(e1.y, a5, cd1.x);
-                let a3 = fma(e1.x, a4, cd0.w);
-                let a2 = fma(e0.w, a3, cd0.z);
-                let a1 = fma(e0.z, a2, cd0.y);
-                let a0 = fma(e0.y, a1, cd0.x);
-                let ad0 = vec4<f32>(a0, a1, a2, a3);
-                let ad1 = vec4<f32>(a4, a5, a6, a7);
-                let q0 = e0 * sb0;   // decayed previous state
-                let q1 = e1 * sb1;
-                gb0 = fma(ad0, b0, gb0);
-                gb1 = fma(ad1, b1, gb1);
-                gd0 = fma(ad0, fma(vec4<f32>(a), q0, b0 * u0), gd0);
-                gd1 = fma(ad1, fma(vec4<f32>(a), q1, b1 * u1), gd1);
-                yp0 = fma(sa0, c0, yp0);
-                yp1 = fma(sa1, c1, yp1);
-                xs[k * XS + tid] = dot(ad0 * q0, dt0) + dot(ad1 * q1, dt1);   // dA term (slot read above)
-                // dBm = adjoint*dt*u and dCm = s*dy' summed over the segment's 16 channels:
-                // lane dl ends with value dl of (dBm steps 0..7, dCm steps 0..7)
-                let w8a = bfly(ad0 * du0, sa0 * g0, 8u, dl, tid, QS);
-                let w8b = bfly(ad1 * du1, sa1 * g1, 8u, dl, tid, QS);
-                let w4 = bfly(w8a, w8b, 4u, dl, tid, QS);
-                let w2 = bfly2(w4.xy, w4.zw, 2u, dl, tid, QS);
-                let w1 = bfly1(w2.x, w2.y, 1u, dl, tid, QS);
-                let t = c * T + j * K + dl % K;
-                if (t < P.L) {
-                    work[P.off_pbc + (dl / K) * P.pbc_half + ((b * P.L + t) * P.nblk + blk) * P.N + n0 + n] = w1;
+                let nk = min(NH, ng - nh0);
+                if (nh0 > 0u) { workgroupBarrier(); }   // the previous half's dA sums have read xs
+                // A: the segment's end state from a zero start, and its adjoint total
+                //    h = sum_k exp(A * (dt_0 + .. + dt_k)) * Cm_k * dy'_k  (what it passes to the left)
+                for (var k = 0u; k < nk; k++) {
+                    let n = nh0 + k;
+                    let a = ash[n * DB + dl];
+                    let e0 = exp(dt0 * a);
+                    let e1 = exp(dt1 * a);
+                    let s0 = walk4(0.0, e0, du0 * bc4(n, 0u, j, 0u));
+                    let s1 = walk4(s0.w, e1, du1 * bc4(n, 0u, j, 1u));
+                    xs[k * XS + tid] = s1.w;
+                    // running decay products w_k = e_0 * .. * e_k
+                    let w0 = vec4<f32>(e0.x, e0.x * e0.y, e0.x * e0.y * e0.z, e0.x * e0.y * e0.z * e0.w);
+                    let w1 = w0.w * vec4<f32>(e1.x, e1.x * e1.y, e1.x * e1.y * e1.z, e1.x * e1.y * e1.z * e1.w);
+                    hs[k * XS + tid] = dot(w0, bc4(n, 1u, j, 0u) * g0) + dot(w1, bc4(n, 1u, j, 1u) * g1);
                 }
-            }
-            workgroupBarrier();
-            // dA_log partial of (b, d, state nh0 + j): this chunk's sum over the segments
-            if (j < nk) {
-                var sa = 0.0;
-                for (var jj = 0u; jj < SEG; jj++) { sa += xs[j * XS + jj * DB + dl]; }
-                if (ngrp > 1u) {
-                    let pa = P.off_pa + (b * P.Di + d) * P.N + n0 + nh0 + j;
-                    if (live) { work[pa] = select(0.0, work[pa], cc > 0u) + sa; }
-                } else if (second) {
-                    da1 += sa;
-                } else {
-                    da0 += sa;
+                ssum[tid] = sdt;
+                workgroupBarrier();
+                // B: the owners carry the state rightwards from the saved chunk state and the
+                //    adjoint leftwards from the next chunk's
+                let second = nh0 > 0u;
+                if (j < nk) {
+                    let hc = bwd_carry(j, dl, ash[(nh0 + j) * DB + dl], select(st0, st1, second), select(hc0, hc1, second));
+                    if (second) { hc1 = hc; } else { hc0 = hc; }
+                    if (ngrp > 1u && live) { work[hbase + nh0 + j] = hc; }
                 }
-            }
+                workgroupBarrier();
+                // C: per state, the 8 steps forward (states) and backward (adjoint, gradients)
+                for (var k = 0u; k < nk; k++) {
+                    let n = nh0 + k;
+                    let a = ash[n * DB + dl];
+                    let e0 = exp(dt0 * a);
+                    let e1 = exp(dt1 * a);
+                    let b0 = bc4(n, 0u, j, 0u);
+                    let b1 = bc4(n, 0u, j, 1u);
+                    let c0 = bc4(n, 1u, j, 0u);
+                    let c1 = bc4(n, 1u, j, 1u);
+                    let p0 = du0 * b0;
+                    let p1 = du1 * b1;
+                    // states after each step, then before each step
+                    let sa0 = walk4(xs[k * XS + tid], e0, p0);
+                    let sa1 = walk4(sa0.w, e1, p1);
+                    let sb0 = vec4<f32>(xs[k * XS + tid], sa0.xyz);
+                    let sb1 = vec4<f32>(sa0.w, sa1.xyz);
+                    // adjoint g_k = Cm_k dy'_k + e_{k+1} g_{k+1}, from the right
+                    let cd0 = c0 * g0;
+                    let cd1 = c1 * g1;
+                    let a7 = cd1.w + hs[k * XS + tid];
+                    let a6 = fma(e1.w, a7, cd1.z);
+                    let a5 = fma(e1.z, a6, cd1.y);
+                    let a4 = fma(e1.y, a5, cd1.x);
+                    let a3 = fma(e1.x, a4, cd0.w);
+                    let a2 = fma(e0.w, a3, cd0.z);
+                    let a1 = fma(e0.z, a2, cd0.y);
+                    let a0 = fma(e0.y, a1, cd0.x);
+                    let ad0 = vec4<f32>(a0, a1, a2, a3);
+                    let ad1 = vec4<f32>(a4, a5, a6, a7);
+                    let q0 = e0 * sb0;   // decayed previous state
+                    let q1 = e1 * sb1;
+                    gb0 = fma(ad0, b0, gb0);
+                    gb1 = fma(ad1, b1, gb1);
+                    gd0 = fma(ad0, fma(vec4<f32>(a), q0, b0 * u0), gd0);
+                    gd1 = fma(ad1, fma(vec4<f32>(a), q1, b1 * u1), gd1);
+                    yp0 = fma(sa0, c0, yp0);
+                    yp1 = fma(sa1, c1, yp1);
+                    xs[k * XS + tid] = dot(ad0 * q0, dt0) + dot(ad1 * q1, dt1);   // dA term (slot read above)
+                    // dBm = adjoint*dt*u and dCm = s*dy' summed over the segment's 16 channels:
+                    // lane dl ends with value dl of (dBm steps 0..7, dCm steps 0..7)
+                    let w8a = bfly(ad0 * du0, sa0 * g0, 8u, dl, tid, QS);
+                    let w8b = bfly(ad1 * du1, sa1 * g1, 8u, dl, tid, QS);
+                    let w4 = bfly(w8a, w8b, 4u, dl, tid, QS);
+                    let w2 = bfly2(w4.xy, w4.zw, 2u, dl, tid, QS);
+                    let w1 = bfly1(w2.x, w2.y, 1u, dl, tid, QS);
+                    let t = c * T + j * K + dl % K;
+                    if (t < P.L) {
+                        work[P.off_pbc + (dl / K) * P.pbc_half + ((b * P.L + t) * P.nblk + blk) * P.N + n0 + n] = w1;
+                    }
+                }
+                workgroupBarrier();
+                // dA_log partial of (b, d, state nh0 + j): this chunk's sum over the segments
+                if (j < nk) {
+                    var sa = 0.0;
+                    for (var jj = 0u; jj < SEG; jj++) { sa += xs[j * XS + jj * DB + dl]; }
+                    if (ngrp > 1u) {
+                        let pa = P.off_pa + (b * P.Di + d) * P.N + n0 + nh0 + j;
+                        if (live) { work[pa] = select(0.0, work[pa], cc > 0u) + sa; }
+                    } else if (second) {
+                        da1 += sa;
+                    } else {
+                        da0 += sa;
+                    }
+                }
             }
         }
         bsum += out_bwd(b, t0, d, live, bias, Dd, dt0.x, gb0.x, gd0.x, yp0.x, g0.x, u0.x, cur.r0.x, gz0.s.x);
