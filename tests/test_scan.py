@@ -307,3 +307,20 @@ def test_lanes_kernels_run_on_cpu_adapters(rt, monkeypatch):
     shape = (1, 9, 20, 16, 2)
     run_backward(rt, make_inputs(*shape, seed=2), *shape, raw=True)
     assert "selective_scan_backward" in seen and "scan_lanes_backward" not in seen, seen
+
+
+def test_workgroup_memory_leaves_room_for_two_workgroups_an_sm():
+    """The module's workgroup memory (the backward uses every array of it) stays at or under
+    24 KiB: the H200's driver runs two of the backward's workgroups on an SM only
+    then (benchmarks/results/h200/diagnostics/scan_occupancy.txt; 30 KiB ran one, 1.5x slower)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(scan_mod.__file__).parents[2] / "shaders" / "selective_scan.wgsl").read_text()
+    size = {"f32": 4, "u32": 4, "vec2<f32>": 8, "vec4<f32>": 16}
+    total = 0
+    for kind, n in re.findall(r"^var<workgroup> \w+: array<([\w<>]+), (\d+)>;", text, re.M):
+        total += size[kind] * int(n)
+    total += 4 * len(re.findall(r"^var<workgroup> \w+: atomic<u32>;", text, re.M))
+    assert total >= 20000, total   # the arrays were found
+    assert total <= 24 * 1024, total
