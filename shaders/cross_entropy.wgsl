@@ -1,4 +1,4 @@
-// requires: subgroups
+// requires: subgroups, wg_reduce
 // Log-softmax + cross-entropy over rows of logits [Mc, V] (one workgroup per row).
 //   loss_rows[r] = logsumexp(logits[r, :]) - logits[r, target[r]]      (0 when target < 0 or >= V)
 // cross_entropy_backward also OVERWRITES the row with its gradient:
@@ -27,34 +27,7 @@ struct Params { Mc: u32, V: u32, o_loss: u32, o_logits: u32, o_tgt: u32, o_scale
 // the loss scale (--precision mixed; 1 otherwise): the gradient is multiplied by lscale[0]
 @group(0) @binding(6) var<storage, read> lscale: array<f32>;
 
-var<workgroup> red: array<f32, 256>;
 var<workgroup> tlogit: f32;
-
-fn wg_max(v: f32, l: u32) -> f32 {
-    if (SG8) { return lanes_max8(v); }
-    red[l] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s = s >> 1u) {
-        if (l < s) { red[l] = max(red[l], red[l + s]); }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn wg_sum(v: f32, l: u32) -> f32 {
-    if (SG8) { return lanes_sum8(v); }
-    red[l] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s = s >> 1u) {
-        if (l < s) { red[l] = red[l] + red[l + s]; }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
 
 // Returns how many logits of the row are strictly greater than the target's (when want_rank).
 fn ce_row(row: u32, l: u32, want_grad: bool, want_rank: bool) -> f32 {

@@ -278,14 +278,10 @@ fn matmul_fast(@builtin(local_invocation_index) tid: u32,
     let col0 = wid.x * BN;
     let tx = tid % TX;
     let ty = tid / TX;
-    var k_lo = 0u;
-    var k_hi = F.K;
-    var c_base = F.c_off;
-    if (F.ksplit != 0u) {
-        k_lo = wid.z * F.ksplit;
-        k_hi = min(F.K, k_lo + F.ksplit);
-        c_base = F.c_off + wid.z * F.M * F.ldc;
-    }
+    let ks = k_slice(wid.z);
+    let k_lo = ks.x;
+    let k_hi = ks.y;
+    let c_base = ks.z;
     var acc: Block;   // zero-initialised
     // slot i holds vec4 number tid + i*NT of the tile; slots past the tile are never used
     let ba0 = fast_base_a(row0, tid); let ba1 = fast_base_a(row0, tid + NT);

@@ -47,6 +47,14 @@ fn block_store(c_base: u32, r0: u32, r1: u32, q0: u32, q1: u32, t: Block) {
     store_fast(c_base, r1 + 3u, q0, t.c14); store_fast(c_base, r1 + 3u, q1, t.c15);
 }
 
+// The workgroup's range of K, [x, y), and the element offset of its output, z: all of K into
+// C, or under split-K slice zs of K (workgroup z = zs) into slice zs of the partial products.
+fn k_slice(zs: u32) -> vec3<u32> {
+    if (F.ksplit == 0u) { return vec3<u32>(0u, F.K, F.c_off); }
+    let lo = zs * F.ksplit;
+    return vec3<u32>(lo, min(F.K, lo + F.ksplit), F.c_off + zs * F.M * F.ldc);
+}
+
 // C[r, c..c+3] = acc (+ bias) (+ C), or the plain partial product of a split-K slice
 fn store_fast(c_base: u32, r: u32, c: u32, acc: vec4<f32>) {
     if (r >= F.M || c >= F.N) { return; }

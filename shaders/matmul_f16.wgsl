@@ -99,14 +99,10 @@ fn matmul_f16(@builtin(local_invocation_index) tid: u32,
     let col0 = wid.x * 128u;
     let tx = tid % 16u;
     let ty = tid / 16u;
-    var k_lo = 0u;
-    var k_hi = F.K;
-    var c_base = F.c_off;
-    if (F.ksplit != 0u) {
-        k_lo = wid.z * F.ksplit;
-        k_hi = min(F.K, k_lo + F.ksplit);
-        c_base = F.c_off + wid.z * F.M * F.ldc;
-    }
+    let ks = k_slice(wid.z);
+    let k_lo = ks.x;
+    let k_hi = ks.y;
+    let c_base = ks.z;
     var acc: Block;   // zero-initialised
 
     var va0 = fast_load_a(k_lo, k_hi, row0, tid);

@@ -1,4 +1,4 @@
-// requires: subgroups
+// requires: subgroups, wg_reduce
 // RMSNorm as transformers' MambaRMSNorm computes it (f32):
 //   rstd[m] = 1 / sqrt(mean_e x[m,e]^2 + eps);   out[m,e] = weight[e] * (x[m,e] * rstd[m])
 // Backward, with xh = x * rstd and g = dout * weight:
@@ -19,21 +19,6 @@ override SG8: bool = false;
 
 struct Params { M: u32, E: u32, eps: f32, rows_per_chunk: u32,
                 o_a: u32, o_b: u32, o_c: u32, o_d: u32, o_e: u32, nchunks: u32, ld: u32, pbase: u32 }
-
-var<workgroup> red: array<f32, 256>;
-
-fn wg_sum(v: f32, l: u32) -> f32 {
-    if (SG8) { return lanes_sum8(v); }
-    red[l] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s = s >> 1u) {
-        if (l < s) { red[l] = red[l] + red[l + s]; }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
 
 // ---------------------------------------------------------------- forward
 @group(0) @binding(0) var<storage, read_write> out: array<f32>;
