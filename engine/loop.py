@@ -160,8 +160,12 @@ class TrainingLoop:
         first = st.step - len(losses) + 1
         for i, v in enumerate(losses):
             if not math.isfinite(v):
-                raise NonFiniteError(f"loss became non-finite ({v}) at step {first + i} (epoch {epoch}); "
-                                     "try a smaller --lr or --max-grad-norm")
+                # loss scaling covers the gradients only: under --precision mixed a forward
+                # activation beyond f16's range gives a non-finite loss at any scale
+                hint = ("try --precision fp32 (an activation beyond f16's range, 65504, does this "
+                        "under mixed precision), or a smaller --lr or --max-grad-norm"
+                        if self.trainer.scaler is not None else "try a smaller --lr or --max-grad-norm")
+                raise NonFiniteError(f"loss became non-finite ({v}) at step {first + i} (epoch {epoch}); {hint}")
         skipped = self.trainer.last_skipped
         for sums in (st.epoch_sums, st.window_sums):
             sums["loss"] += float(np.sum(losses))

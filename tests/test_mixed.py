@@ -244,6 +244,7 @@ from memengine.engine.init import init_weights  # noqa: E402
 from memengine.engine.loop import fit  # noqa: E402
 from memengine.engine.options import TrainOptions  # noqa: E402
 from memengine.engine.trainer import Trainer  # noqa: E402
+from memengine.engine.errors import NonFiniteError  # noqa: E402
 
 CURVE_CFG = MambaConfig(vocab_size=256, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
                         conv_kernel=4, time_step_rank=4)
@@ -278,6 +279,24 @@ def test_forced_overflow_in_training_skips_steps_and_reports_them(rt):
                                                            log_every=1, precision="mixed"))
     steps = [e for e in loop.state.history if e["event"] == "step"]
     assert all("skipped_steps" in e for e in steps)
+
+
+def test_forward_overflow_of_f16_stops_the_run_and_names_fp32(rt):
+    """Loss scaling guards the gradients only: an activation beyond f16's range (65504) in
+    the forward gives a non-finite loss at any scale.  The run stops at its read, as an fp32
+    run with a non-finite loss does, and the error names --precision fp32; fp32 runs the
+    same weights with a finite loss."""
+    _need_f16(rt)
+    w = init_weights(CURVE_CFG, 0)
+    w["backbone.layers.0.norm.weight"] = np.full_like(w["backbone.layers.0.norm.weight"], 1e5)
+    ws = _demo_windows(16)[:4]
+    o = dict(max_steps=2, lr=1e-3, batch_size=2, seq_len=16, log_every=2)
+    fp32 = fit(MambaModel(rt, CURVE_CFG, w), ws, TrainOptions(**o))
+    assert all(np.isfinite(e["loss"]) for e in fp32.state.history if e["event"] == "step")
+    model = MambaModel(rt, CURVE_CFG, w)
+    model.set_precision("mixed")
+    with pytest.raises(NonFiniteError, match=r"step 1 .*--precision fp32"):
+        fit(model, ws, TrainOptions(**o, precision="mixed"))
 
 
 def test_200_step_loss_curve_within_1_percent_of_fp32(rt):
