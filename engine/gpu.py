@@ -46,6 +46,10 @@ MAX_GROUPS = 65535
 ENV_MAX_BINDING = "MEMENGINE_MAX_BINDING_BYTES"
 ENV_MAX_BUFFER = "MEMENGINE_MAX_BUFFER_BYTES"
 MIN_FORCED_LIMIT = 4096
+# storage buffers one entry point may bind, asked of the device up to what the adapter has:
+# the kernels bind at most 8 (WebGPU's default), the 8-lane scan backward of CPU adapters 9
+# (ops/lanes.py takes the 8-lane kernels only where the device grants that many)
+STORAGE_BUFFERS = 9
 
 
 def parse_bytes(text: str, what: str) -> int:
@@ -363,7 +367,8 @@ class Runtime:
                     "max-compute-workgroup-size-x", "max-compute-workgroup-size-y"):
             if key in alim:
                 want[key] = alim[key]
-        want["max-storage-buffers-per-shader-stage"] = min(alim.get("max-storage-buffers-per-shader-stage", 8), 10)
+        want["max-storage-buffers-per-shader-stage"] = min(alim.get("max-storage-buffers-per-shader-stage", 8),
+                                                           STORAGE_BUFFERS)
         feats = []
         self.has_timestamps = "timestamp-query" in self.adapter.features
         if self.has_timestamps:

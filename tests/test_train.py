@@ -292,3 +292,26 @@ def test_gradient_store_grows_from_x_proj_to_every_tensor(rt):
     for n in xp:
         np.testing.assert_array_equal(first[n], every[n], err_msg=n)
     assert any(np.abs(every[n]).max() > 0 for n in model.names if n not in xp)
+
+
+def test_a_device_with_webgpus_eight_storage_buffers_trains(rt, monkeypatch):
+    """WebGPU guarantees 8 storage buffers an entry point and the 8-lane scan backward binds
+    9: a device made with 8 takes the other kernels (wgpu refuses a pipeline that binds more
+    than its device allows, so every kernel of the steps is checked) and trains as the
+    default device does."""
+    from memengine.engine import gpu
+    from memengine.engine.ops.lanes import cpu_lanes
+
+    monkeypatch.setattr(gpu, "STORAGE_BUFFERS", 8)
+    rt8 = gpu.Runtime("auto")
+    assert rt8.limits["max-storage-buffers-per-shader-stage"] == 8
+    assert not cpu_lanes(rt8)
+    cfg = MambaConfig(vocab_size=256, hidden_size=64, state_size=16, num_hidden_layers=2)
+    o = TrainOptions(max_steps=3, lr=1e-3, batch_size=2, seq_len=32, log_every=1)
+    losses = []
+    for r in (rt8, rt):
+        loop = fit(MambaModel(r, cfg, init_weights(cfg, 0)), windows(), o)
+        losses.append([e["loss"] for e in loop.state.history if e["event"] == "step"])
+    print(f"\n8 storage buffers: {losses[0]}\ndefault ({cpu_lanes(rt)=}): {losses[1]}")
+    assert len(losses[0]) == 3
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)

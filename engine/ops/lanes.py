@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import weakref
 
+from ..gpu import STORAGE_BUFFERS   # the most a kernel binds: scan_lanes_backward's
+
 _OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -19,11 +21,13 @@ def is_cpu(rt) -> bool:
 
 def cpu_lanes(rt) -> bool:
     """Whether this runtime takes the 8-lane kernels: a CPU adapter with subgroups whose
-    subgroup is exactly a workgroup of 8 invocations (probed once per runtime)."""
+    subgroup is exactly a workgroup of 8 invocations (probed once per runtime), on a device
+    that lets an entry point bind STORAGE_BUFFERS storage buffers."""
     ok = _OK.get(rt)
     if ok is None:
         ok = False
-        if getattr(rt, "has_subgroups", False) and is_cpu(rt):
+        bindable = int(getattr(rt, "limits", {}).get("max-storage-buffers-per-shader-stage", 8))
+        if getattr(rt, "has_subgroups", False) and is_cpu(rt) and bindable >= STORAGE_BUFFERS:
             out = rt.zeros((4,))
             rec = rt.recorder()
             rec.dispatch("lanes", "lanes_probe", {0: out}, 1)
