@@ -238,6 +238,10 @@ fn fast_load_b(base: u32, k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f32> {
     return index_load_b(k0, k_hi, col0, e);
 }
 
+// The two stores repeat the transposing store of a K-contiguous tile: one helper for both
+// tiles would take a pointer to the workgroup array, and naga 0.32 refuses workgroup
+// pointers as function arguments ("a pointer of space WorkGroup, which can't be passed
+// into functions").
 fn fast_store_a(v: vec4<f32>, e: u32) {
     if (e >= NA) { return; }
     if (a_trans()) {
