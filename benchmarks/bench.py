@@ -148,8 +148,8 @@ def peer_mamba_ssm(wait_s: float = 0.0, ready: str = ""):
     while True:
         importlib.invalidate_caches()
         try:
-            import selective_scan_cuda  # noqa: F401  (the compiled extension)
             import mamba_ssm  # noqa: F401
+            import selective_scan_cuda  # noqa: F401  (the compiled extension)
 
             return mamba_ssm
         except Exception as e:
@@ -162,8 +162,8 @@ def peer_mamba_ssm(wait_s: float = 0.0, ready: str = ""):
 
 # ---------------------------------------------------------------------------- scan
 def bench_scan(rt, B, L, Di, N, R, variants=("default",)):
-    from memengine.engine.ops import scan as scan_mod
-    from memengine.engine.ops.scan import scan_state_shape, selective_scan_backward, selective_scan_forward
+    from memengine.engine.kernels import scan as scan_mod
+    from memengine.engine.kernels.scan import scan_state_shape, selective_scan_backward, selective_scan_forward
 
     rng = np.random.default_rng(0)
     M = B * L
@@ -289,7 +289,7 @@ def _stored(kw):
 
 
 def bench_matmul(rt, cases, torch, variants=("default",)):
-    from memengine.engine.ops import matmul as mm
+    from memengine.engine.kernels import matmul as mm
 
     rows = []
     rng = np.random.default_rng(0)
@@ -370,7 +370,7 @@ def bench_matmul(rt, cases, torch, variants=("default",)):
 
 # ---------------------------------------------------------------------------- train
 def _batch(cfg, B, L):
-    from memengine.engine.data import Batch
+    from memengine.engine.io.data import Batch
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, size=(B, L)).astype(np.int32)
@@ -382,11 +382,11 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False, preci
     """A full training step, or (lora_rank > 0) a LoRA step: an adapter of that rank on
     in_proj and x_proj, alpha 2r, the base frozen (no gradient buffer for it)."""
     from memengine.engine import lora
-    from memengine.engine.config import MambaConfig
-    from memengine.engine.init import init_weights
-    from memengine.engine.model import MambaModel
-    from memengine.engine.options import TrainOptions
-    from memengine.engine.trainer import Trainer
+    from memengine.engine.app.options import TrainOptions
+    from memengine.engine.models.mamba1.config import MambaConfig
+    from memengine.engine.models.mamba1.init import init_weights
+    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.train.trainer import Trainer
 
     cfg = MambaConfig(**SHAPES[shape])
     rt.trim()
@@ -633,11 +633,11 @@ def bench_decode(rt, shape, prompt_len, new_tokens, reps=3):
     """memengine's generation at one shape (random weights, random prompt, no EOS), greedy
     and sampling (T 0.8, top-k 50, top-p 0.95): one run to warm up, then `reps`; the host's
     arrival time of every token from the on_token callback."""
-    from memengine.engine.config import MambaConfig
-    from memengine.engine.generate import Decoder, generate
-    from memengine.engine.init import init_weights
-    from memengine.engine.model import MambaModel
-    from memengine.engine.options import SamplingOptions
+    from memengine.engine.app.generate import Decoder, generate
+    from memengine.engine.app.options import SamplingOptions
+    from memengine.engine.models.mamba1.config import MambaConfig
+    from memengine.engine.models.mamba1.init import init_weights
+    from memengine.engine.models.mamba1.model import MambaModel
 
     cfg = MambaConfig(**SHAPES[shape])
     ids = _decode_ids(shape, prompt_len)
@@ -837,7 +837,7 @@ def main(argv=None):
     if a.peer_steps is None:
         a.peer_steps = a.steps
 
-    from memengine.engine.gpu import get_runtime
+    from memengine.engine.runtime import get_runtime
 
     rt = get_runtime(a.device)
     torch, tdev = (None, None) if a.no_torch else _torch()

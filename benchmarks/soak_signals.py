@@ -84,9 +84,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="a JSON summary on stdout")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from memengine.engine import staging
-
     import transformers
+    from memengine.engine.io import staging
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

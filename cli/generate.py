@@ -10,7 +10,7 @@ shown, the JSON object says "stop": "interrupted") with exit status 130.
 
 from __future__ import annotations
 
-from memengine.engine.options import GenerateOptions
+from memengine.engine.app.options import GenerateOptions
 
 from .common import EXIT_INTERRUPTED
 from .ui import UI
@@ -33,7 +33,7 @@ EXAMPLES = (
 def run(o: GenerateOptions, ui: UI, *, stream: bool = True):
     """Generate and render; returns the result.  stream=False: nothing on stdout and no
     summary (the demo shows the text itself)."""
-    from memengine.engine.run import run_generate
+    from memengine.engine.app.run import run_generate
 
     show = stream and not ui.json_mode
     out = ui.stdout
@@ -55,7 +55,7 @@ def run(o: GenerateOptions, ui: UI, *, stream: bool = True):
 
 
 def command(o: GenerateOptions, ui: UI) -> int:
-    from memengine.engine.generate import STOP_INTERRUPTED
+    from memengine.engine.app.generate import STOP_INTERRUPTED
 
     res = run(o, ui)
     if res.stop == STOP_INTERRUPTED:

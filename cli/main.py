@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-
-from memengine.engine import staging
+from memengine.engine.app.options import AdaptOptions, EvalOptions, GenerateOptions, InfoOptions, TrainOptions
 from memengine.engine.errors import MemengineError
-from memengine.engine.options import AdaptOptions, EvalOptions, GenerateOptions, InfoOptions, TrainOptions
-from memengine.engine.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
+from memengine.engine.io import staging
+from memengine.engine.io.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 from . import generate as gen
 from .common import EXIT_ROLLED_BACK, CommandGroup, engine_version, guard
@@ -103,9 +102,9 @@ def init(
 
 def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
             max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    from memengine.engine.checkpoint import save_checkpoint
-    from memengine.engine.config import expected_shapes, load_config
-    from memengine.engine.init import init_weights
+    from memengine.engine.io.checkpoint import save_checkpoint
+    from memengine.engine.models.mamba1.config import expected_shapes, load_config
+    from memengine.engine.models.mamba1.init import init_weights
 
     cfg_path = Path(config) / "config.json" if Path(config).is_dir() else Path(config)  # as load_config reads it
     inputs = [("the config file", cfg_path)] if cfg_path.exists() else []
@@ -134,8 +133,9 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
 
 # =========================================================================== info
 def _info(o: InfoOptions, ui: UI) -> None:
-    from memengine.engine import lora, plan as mplan
-    from memengine.engine.setup import open_checkpoint, resolve
+    from memengine.engine import lora
+    from memengine.engine.app import plan as mplan
+    from memengine.engine.app.setup import open_checkpoint, resolve
 
     if lora.is_adapter(o.ckpt):
         d = lora.describe(o.ckpt)
@@ -158,7 +158,7 @@ def _info(o: InfoOptions, ui: UI) -> None:
         nbytes += sum(h.file_size for h in ref.headers)
     plan = None
     try:
-        from memengine.engine.gpu import get_runtime
+        from memengine.engine.runtime import get_runtime
 
         rt = get_runtime(o.device or None, verbose=ui.verbose)
         adapter, caps = rt.describe(), rt.capabilities()
@@ -243,8 +243,8 @@ def _eval_rows(r) -> list:
 
 
 def _eval(o: EvalOptions, ui: UI) -> None:
-    from memengine.engine.data import describe_sources
-    from memengine.engine.run import run_eval
+    from memengine.engine.app.run import run_eval
+    from memengine.engine.io.data import describe_sources
 
     with ui.run_view() as view:
         rep = run_eval(o, view, verbose=ui.verbose)
@@ -272,7 +272,7 @@ run_command(app, EvalOptions, _eval, name="eval", help="Loss, perplexity, bits p
 
 # =========================================================================== train
 def _train(o: TrainOptions, ui: UI) -> None:
-    from memengine.engine.run import run_train
+    from memengine.engine.app.run import run_train
 
     with ui.run_view() as view:
         res = run_train(o, view, verbose=ui.verbose)
@@ -299,7 +299,7 @@ Resumes the optimizer moments from optimizer.safetensors beside CKPT when presen
 
 # =========================================================================== adapt
 def _adapt(o: AdaptOptions, ui: UI) -> int:
-    from memengine.engine.run import run_adapt
+    from memengine.engine.app.run import run_adapt
 
     with ui.run_view() as view:
         res = run_adapt(o, view, verbose=ui.verbose)
@@ -393,11 +393,11 @@ def quantize(
     """Convert every floating tensor to fp16 or bf16 (IEEE round-to-nearest-even, bit-exact)."""
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
-        from memengine.engine.codec import quantize_target
+        from memengine.engine.io.codec import quantize_target
 
         d = quantize_target(dtype)
         parse_size(max_shard_size)
-        from memengine.engine.setup import resolve
+        from memengine.engine.app.setup import resolve
 
         do_quantize(ui, resolve(ckpt, revision, model_type), output, d, saturate, dry_run, force,
                     max_shard_size=max_shard_size)
@@ -405,9 +405,8 @@ def quantize(
 
 def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate: bool, dry_run: bool,
                 force: bool, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> dict:
-    from memengine.engine.quantize import quantize_checkpoint
-
-    from memengine.engine.setup import open_checkpoint, resolve
+    from memengine.engine.app.quantize import quantize_checkpoint
+    from memengine.engine.app.setup import open_checkpoint, resolve
 
     ref = resolve(ckpt_path)
     src = ref.spec
@@ -530,7 +529,7 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         do_quantize(ui, final, f16, "f16", False, False, True)
 
         ui.step("5/6  evaluate the fp16 model against the fp32 one")
-        from memengine.engine.run import run_eval
+        from memengine.engine.app.run import run_eval
 
         rows = []
         for label, path in ((f"{final.name} (fp32)", final), (f"{final.name} (fp16)", f16)):

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
-
-from memengine.engine import options as eo
+from memengine.engine.app import options as eo
 
 from .common import guard
 from .ui import UI

@@ -20,13 +20,12 @@ import threading
 import time
 from typing import Any, Iterable, Sequence
 
+from memengine.engine.listener import Listener
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
-
-from memengine.engine.listener import Listener
 
 
 def _fmt(v: Any, digits: int = 4) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import MemengineError
+from memengine.engine.errors import MemengineError
 
 MEMINFO = "/proc/meminfo"
 

@@ -33,9 +33,9 @@ SAMPLE_TEXT = (
 
 
 def make_checkpoint(out_dir: Path, overrides: dict | None = None, seed: int = 0) -> Path:
-    from memengine.engine.checkpoint import save_checkpoint
-    from memengine.engine.config import MambaConfig
-    from memengine.engine.init import init_weights
+    from memengine.engine.io.checkpoint import save_checkpoint
+    from memengine.engine.models.mamba1.config import MambaConfig
+    from memengine.engine.models.mamba1.init import init_weights
 
     cfg = MambaConfig.from_dict({**TINY, **(overrides or {})})
     tensors = init_weights(cfg, seed)
@@ -72,7 +72,7 @@ def sample_text(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def rt():
     """The GPU runtime on whatever adapter wgpu finds (MEMENGINE_DEVICE selects another)."""
-    from memengine.engine.gpu import get_runtime
+    from memengine.engine.runtime import get_runtime
 
     return get_runtime()
 
@@ -84,7 +84,7 @@ def checked_limits(rt, monkeypatch, binding: int, buffer: int | None = None):
     the adapter's real limit, so without this a kernel that did not split would pass).
     Kernel scratch is exempt (it is sized against the adapter's limit).  Yields a dict
     counting the dispatches, in all and per entry point."""
-    from memengine.engine.gpu import Recorder, Tensor
+    from memengine.engine.runtime import Recorder, Tensor
 
     seen = {"dispatches": 0}
     orig = Recorder.dispatch

@@ -8,12 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import checked_limits
-
 from memengine.engine.errors import MemengineError
-from memengine.engine.gpu import BindingError, parse_bytes, split
-from memengine.engine.model import FlatStore, store_layout
-from memengine.engine.ops import matmul as mm
-from memengine.engine.ops.embedding import EmbeddingBackward, embedding_forward
+from memengine.engine.kernels import matmul as mm
+from memengine.engine.kernels.embedding import EmbeddingBackward, embedding_forward
+from memengine.engine.models.mamba1.model import FlatStore, store_layout
+from memengine.engine.runtime import BindingError, parse_bytes, split
 
 KIB4 = 4096
 
@@ -161,7 +160,7 @@ def test_selective_scan_by_sequence_ranges(rt, monkeypatch):
 def test_split_k_inside_row_blocks(rt, monkeypatch):
     """A long-K product whose A does not fit the binding: row blocks, each on the split-K
     path (its partial products sized to the binding too), accumulated into C."""
-    from memengine.engine.gpu import Recorder
+    from memengine.engine.runtime import Recorder
 
     M, N, K = 48, 8, 4096
     rng = np.random.default_rng(5)
@@ -189,7 +188,7 @@ def test_split_k_inside_row_blocks(rt, monkeypatch):
 def test_cross_entropy_eval_hits_in_row_ranges(rt, monkeypatch):
     """Evaluation's top-1/top-5 hits when the logits exceed one binding (row ranges) equal
     numpy's ranks (a target is a top-k hit when fewer than k logits are strictly greater)."""
-    from memengine.engine.ops.cross_entropy import cross_entropy
+    from memengine.engine.kernels.cross_entropy import cross_entropy
 
     rng = np.random.default_rng(7)
     Mc, V = 37, 300                       # 1200-byte rows: 3 rows per 4 KiB binding

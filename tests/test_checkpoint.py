@@ -3,12 +3,11 @@ import struct
 
 import numpy as np
 import pytest
-
-from memengine.engine.checkpoint import infer_config, load_checkpoint, save_checkpoint
-from memengine.engine.config import MambaConfig, expected_shapes
 from memengine.engine.errors import MemengineError
-from memengine.engine.init import init_weights
-from memengine.engine.safetensors_io import read_header, read_safetensors, write_safetensors
+from memengine.engine.io.checkpoint import infer_config, load_checkpoint, save_checkpoint
+from memengine.engine.io.safetensors_io import read_header, read_safetensors, write_safetensors
+from memengine.engine.models.mamba1.config import MambaConfig, expected_shapes
+from memengine.engine.models.mamba1.init import init_weights
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -240,7 +239,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     w = init_weights(cfg, 0)
     out = save_checkpoint(tmp_path / "ck", cfg, w)
     before = (out / "model.safetensors").read_bytes()
-    import memengine.engine.safetensors_io as sio
+    import memengine.engine.io.safetensors_io as sio
 
     real = sio.os.replace
 

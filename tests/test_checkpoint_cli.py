@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_cli import assert_one_line_error, run
 
 torch = pytest.importorskip("torch")
@@ -115,7 +114,7 @@ def test_falcon_shards_every_command(falcon):
             "--no-rollback", "--max-shard-size", SHARD)
     assert r.exit_code == 0, r.stderr
     _check_output(src, adapted, root)
-    from memengine.engine.checkpoint import load_checkpoint
+    from memengine.engine.io.checkpoint import load_checkpoint
 
     before, after = load_checkpoint(trained).tensors, load_checkpoint(adapted).tensors
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
@@ -134,8 +133,8 @@ def test_bare_file_model_type(falcon, tmp_path):
     """A bare file without config: one warning line naming the assumption; --model-type settles it."""
     root, src, data = falcon
     DATA[:] = [data]
-    from memengine.engine.checkpoint import load_checkpoint
-    from memengine.engine.safetensors_io import write_safetensors
+    from memengine.engine.io.checkpoint import load_checkpoint
+    from memengine.engine.io.safetensors_io import write_safetensors
 
     ck = load_checkpoint(src)
     bare = tmp_path / "weights.safetensors"

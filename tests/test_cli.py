@@ -15,11 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
-
-from memengine.cli.main import app
-
 from conftest import SAMPLE_TEXT, make_checkpoint
+from memengine.cli.main import app
+from typer.testing import CliRunner
 
 COMMANDS = ["init", "info", "eval", "train", "adapt", "merge", "quantize", "generate", "demo"]
 EVAL_KEYS = {"loss", "perplexity", "tokens", "bits_per_token", "top1_accuracy", "top5_accuracy"}
@@ -183,7 +181,7 @@ def test_quantize_f16_and_dry_run(tiny_ckpt_ro, tmp_path):
 
 
 def test_quantize_overflow_refused_unless_saturate(tmp_path):
-    from memengine.engine.checkpoint import load_checkpoint, save_checkpoint
+    from memengine.engine.io.checkpoint import load_checkpoint, save_checkpoint
 
     src = make_checkpoint(tmp_path / "big")
     c = load_checkpoint(src)
@@ -303,8 +301,7 @@ def test_run_command_flags_come_from_the_options_dataclass(name):
     import dataclasses
 
     import typer
-
-    from memengine.engine.options import AdaptOptions, EvalOptions, InfoOptions, TrainOptions, spec_of
+    from memengine.engine.app.options import AdaptOptions, EvalOptions, InfoOptions, TrainOptions, spec_of
 
     cls = {"info": InfoOptions, "eval": EvalOptions, "train": TrainOptions, "adapt": AdaptOptions}[name]
     cmd = typer.main.get_command(app).commands[name]

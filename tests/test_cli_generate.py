@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
-
-from memengine.cli.main import app
-
 from conftest import make_checkpoint
+from memengine.cli.main import app
 from test_cli import assert_one_line_error, run_proc
+from typer.testing import CliRunner
 
 KEYS = {"prompt_tokens", "tokens", "text", "stop", "tokens_per_s", "ttft_s", "elapsed_s"}
 
@@ -67,7 +65,7 @@ def test_seeded_sampling_and_stop(tiny_ckpt_ro):
 
 
 def test_f16_bf16_and_bare_file_checkpoints(tiny_ckpt, tmp_path):
-    from memengine.engine.quantize import quantize_checkpoint
+    from memengine.engine.app.quantize import quantize_checkpoint
 
     base = gen_json(tiny_ckpt, "-p", "It", "-n", "5", "-t", "0")
     bare = gen_json(tiny_ckpt / "model.safetensors", "-p", "It", "-n", "5", "-t", "0")

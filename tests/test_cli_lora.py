@@ -12,9 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-
 from conftest import SAMPLE_TEXT, make_checkpoint
+from safetensors.numpy import load_file
 from test_cli import assert_one_line_error, run, tree_digest
 
 torch = pytest.importorskip("torch")
@@ -220,7 +219,7 @@ def test_generate_with_an_adapter_equals_peft_generate(lora_run, tmp_path):
     """Greedy tokens of `memengine generate ADAPTER` (prompt pass and decoding steps with the
     adapter applied, not merged) equal PEFT's generate on the base with the adapter."""
     from memengine.engine import lora as el
-    from memengine.engine.config import MambaConfig
+    from memengine.engine.models.mamba1.config import MambaConfig
 
     root, base, text, _, _ = lora_run
     cfg = MambaConfig.from_dict(json.loads((base / "config.json").read_text()))

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-
 from test_cli import assert_one_line_error, run, tree_digest
 
 FAST = ["--seq-len", "64", "--batch-size", "2"]
@@ -243,8 +242,8 @@ def test_tokenizer_override_and_copy(tiny_ckpt_ro, tmp_path):
 def test_engine_adapt_rollback_writes_nothing(tiny_ckpt_ro, sample_text, tmp_path):
     """engine.run.run_adapt: a forced regression trains, then rolls back (exit status 3,
     nothing written); with rollback off the adapted x_proj tensors are written."""
-    from memengine.engine.options import AdaptOptions
-    from memengine.engine.run import run_adapt
+    from memengine.engine.app.options import AdaptOptions
+    from memengine.engine.app.run import run_adapt
 
     seen = []
 

@@ -3,10 +3,9 @@ import math
 
 import numpy as np
 import pytest
-
-from memengine.engine.config import MambaConfig, expected_shapes, load_config
 from memengine.engine.errors import MemengineError
-from memengine.engine.init import init_weights
+from memengine.engine.models.mamba1.config import MambaConfig, expected_shapes, load_config
+from memengine.engine.models.mamba1.init import init_weights
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

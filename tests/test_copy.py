@@ -8,12 +8,11 @@ import contextlib
 
 import numpy as np
 import pytest
-
-from memengine.engine.config import MambaConfig
-from memengine.engine.init import init_weights
-from memengine.engine.loop import fit
-from memengine.engine.model import MambaModel
-from memengine.engine.options import TrainOptions
+from memengine.engine.app.options import TrainOptions
+from memengine.engine.models.mamba1.config import MambaConfig
+from memengine.engine.models.mamba1.init import init_weights
+from memengine.engine.models.mamba1.model import MambaModel
+from memengine.engine.train.loop import fit
 
 
 @contextlib.contextmanager

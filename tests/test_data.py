@@ -3,10 +3,9 @@ import json
 
 import numpy as np
 import pytest
-
-from memengine.engine.data import Batch, check_vocab, make_batches, make_windows, read_documents, tokenize_documents
-from memengine.engine.tokenizer import BYTE_EOS, ByteTokenizer
 from memengine.engine.errors import MemengineError
+from memengine.engine.io.data import Batch, check_vocab, make_batches, make_windows, read_documents, tokenize_documents
+from memengine.engine.io.tokenizer import BYTE_EOS, ByteTokenizer
 
 
 def _ref_windows(ids, L):
@@ -86,9 +85,8 @@ def test_documents_are_separated_by_eos():
 
 
 def test_hf_tokenizer_eos(tmp_path):
+    from memengine.engine.io.tokenizer import HFTokenizer
     from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from memengine.engine.tokenizer import HFTokenizer
 
     vocab = {"[UNK]": 0, "hello": 1, "world": 2, "<|endoftext|>": 3, "</s>": 4}
     t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -143,7 +141,7 @@ def test_check_vocab():
 
 
 def test_demo_text_bundled():
-    from memengine.engine.data import DEMO_TEXT
+    from memengine.engine.io.data import DEMO_TEXT
 
     raw = DEMO_TEXT.read_bytes()
     assert 20_000 <= len(raw) <= 45_000

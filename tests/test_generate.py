@@ -24,23 +24,17 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from memengine.engine import plan  # noqa: E402
-from memengine.engine.config import MambaConfig  # noqa: E402
-from memengine.engine.errors import MemengineError  # noqa: E402
-from memengine.engine.gpu import Tensor  # noqa: E402
-from memengine.engine.generate import (  # noqa: E402
-    Decoder,
-    _TextStream,
-    eos_token_ids,
-    generate,
-)
-from memengine.engine.model import MambaModel  # noqa: E402
-from memengine.engine.options import GenerateOptions, SamplingOptions  # noqa: E402
-from memengine.engine.ops import scan as scan_mod  # noqa: E402
-from memengine.engine.ops.decode import matvec, sample  # noqa: E402
-from memengine.engine.tokenizer import ByteTokenizer  # noqa: E402
-
 from conftest import checked_limits  # noqa: E402
+from memengine.engine.app import plan  # noqa: E402
+from memengine.engine.app.generate import Decoder, _TextStream, eos_token_ids, generate  # noqa: E402
+from memengine.engine.app.options import GenerateOptions, SamplingOptions  # noqa: E402
+from memengine.engine.errors import MemengineError  # noqa: E402
+from memengine.engine.io.tokenizer import ByteTokenizer  # noqa: E402
+from memengine.engine.kernels import scan as scan_mod  # noqa: E402
+from memengine.engine.kernels.decode import matvec, sample  # noqa: E402
+from memengine.engine.models.mamba1.config import MambaConfig  # noqa: E402
+from memengine.engine.models.mamba1.model import MambaModel  # noqa: E402
+from memengine.engine.runtime import Tensor  # noqa: E402
 
 CASES = [
     ("tied-odd", dict(vocab_size=259, hidden_size=37, state_size=5, num_hidden_layers=2, expand=2,
@@ -125,7 +119,7 @@ def test_step_logits_equal_sequence_logits(rt, name, kw):
 def forced_binding(rt, monkeypatch, binding):
     """conftest's checked_limits (every dispatch's bindings checked against the forced limit),
     the decoder's recorded step program included (it resolves its dispatches itself)."""
-    from memengine.engine.generate import _Program
+    from memengine.engine.app.generate import _Program
 
     seen = {"step_dispatches": 0}
     orig = _Program.dispatch
@@ -236,7 +230,7 @@ def test_generate_under_a_forced_small_binding_limit(rt, monkeypatch):
 def test_greedy_from_a_half_precision_checkpoint(rt, tmp_path, dtype):
     """A checkpoint that transformers saved in f16 or bf16, read by the shared loader:
     greedy tokens equal transformers' generate on the same (rounded) weights."""
-    from memengine.engine.checkpoint import load_checkpoint
+    from memengine.engine.io.checkpoint import load_checkpoint
 
     name, kw = CASES[1]
     m = hf_model(kw, seed=4).to(getattr(torch, dtype))

@@ -23,17 +23,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TINY, make_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
-
 from memengine.cli.main import app
-from memengine.engine.checkpoint import load_checkpoint
-from memengine.engine.config import MambaConfig, load_config
 from memengine.engine.errors import MemengineError
-from memengine.engine.tokenizer import load_tokenizer
-
-from conftest import TINY, make_checkpoint
+from memengine.engine.io.checkpoint import load_checkpoint
+from memengine.engine.io.tokenizer import load_tokenizer
+from memengine.engine.models.mamba1.config import MambaConfig, load_config
+from typer.testing import CliRunner
 
 DEEP = "[" * 100_000 + "]" * 100_000
 DIGITS = "9" * 5000
@@ -217,7 +215,7 @@ def test_vocabulary_of_a_trillion_refused(tmp_path):
 def _sparse_checkpoint(d: Path, cfg: MambaConfig) -> Path:
     """A checkpoint whose weights file declares every tensor of `cfg` (F32) over a sparse
     data buffer: terabytes on paper, a few kilobytes on disk."""
-    from memengine.engine.config import expected_shapes
+    from memengine.engine.models.mamba1.config import expected_shapes
 
     header, off = {}, 0
     for name, shape in expected_shapes(cfg).items():
@@ -342,7 +340,7 @@ def test_option_file_alias_bomb_not_expanded(tmp_path, tiny_ckpt_ro, sample_text
 
 @pytest.mark.parametrize("value, needle", [(DEEP, "nested"), (DIGITS, "5,000 characters")])
 def test_jsonl_line_parser_limits(value, needle, tmp_path):
-    from memengine.engine.data import read_documents
+    from memengine.engine.io.data import read_documents
 
     (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n{"text": "x", "y": ' + value + "}\n")
     refused(lambda: read_documents([str(tmp_path / "d.jsonl")]), "d.jsonl:2", needle)
@@ -360,8 +358,8 @@ def test_shapes_beyond_the_kernels_refused_before_work(tmp_path, sample_text, ke
 def test_state_size_limit_read_from_the_scan(monkeypatch):
     """The selective scan takes any state_size (scan.MAX_N is None); a limit set there is
     what check_kernel_limits enforces."""
-    from memengine.engine.config import check_kernel_limits
-    from memengine.engine.ops import scan
+    from memengine.engine.kernels import scan
+    from memengine.engine.models.mamba1.config import check_kernel_limits
 
     cfg = MambaConfig.from_dict({**TINY, "state_size": 300})
     assert scan.MAX_N is None
@@ -424,7 +422,7 @@ def test_tokenizer_file_beyond_host_memory_refused(tiny_ckpt, sample_text):
 
 @pytest.mark.parametrize("kind", ["fifo", "deep"])
 def test_tokenizer_config_read_with_bounds(tmp_path, kind):
-    from memengine.engine.tokenizer import HFTokenizer
+    from memengine.engine.io.tokenizer import HFTokenizer
 
     tok = _word_tokenizer(tmp_path / "tokenizer.json")
     cfg = tmp_path / "tokenizer_config.json"
@@ -448,7 +446,7 @@ def test_tokenizer_config_beyond_its_size_refused(tiny_ckpt, sample_text):
 # ===================================================================== run files (--resume, optimizer state, data)
 @pytest.mark.parametrize("kind", ["fifo", "deep"])
 def test_trainer_state_read_with_bounds(tmp_path, kind):
-    from memengine.engine.snapshots import STATE_FILE, read_state
+    from memengine.engine.train.snapshots import STATE_FILE, read_state
 
     p = tmp_path / STATE_FILE
     if kind == "fifo":  # opening it used to block until a writer came
@@ -460,7 +458,7 @@ def test_trainer_state_read_with_bounds(tmp_path, kind):
 
 
 def test_fifo_optimizer_state_not_skipped(tmp_path):
-    from memengine.engine import optim_state
+    from memengine.engine.train import optim_state
 
     p = tmp_path / optim_state.OPTIMIZER_FILE  # it used to be taken for no state at all
     with fifo(p):
@@ -468,7 +466,7 @@ def test_fifo_optimizer_state_not_skipped(tmp_path):
 
 
 def test_optimizer_state_shapes_checked_before_its_data_is_read(tmp_path):
-    from memengine.engine import optim_state
+    from memengine.engine.train import optim_state
 
     p = tmp_path / optim_state.OPTIMIZER_FILE
     n = 2**40  # 4 TiB of moments on paper, in a sparse file the header tiles exactly
@@ -478,7 +476,7 @@ def test_optimizer_state_shapes_checked_before_its_data_is_read(tmp_path):
         f.write(struct.pack("<Q", len(header)) + header)
         f.truncate(8 + len(header) + 4 * n + 16)
     # in a child: reading the data first (the bug) exhausts memory
-    code = ("import sys\nfrom memengine.engine import optim_state\nfrom memengine.engine.errors import MemengineError\n"
+    code = ("import sys\nfrom memengine.engine.train import optim_state\nfrom memengine.engine.errors import MemengineError\n"
             "class Model:\n    shapes = gpu_shapes = {'w': (4,)}\n"
             f"try:\n    optim_state.load({str(p)!r}, Model())\n"
             "except MemengineError as e:\n    print(f'error: {e}', file=sys.stderr)\n    sys.exit(2)\n")

@@ -25,12 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
-
-from memengine.engine import staging
-from memengine.engine.errors import MemengineError
-
 from conftest import SAMPLE_TEXT
+from memengine.engine.errors import MemengineError
+from memengine.engine.io import staging
+from safetensors.numpy import load_file, save_file
 from test_cli import assert_one_line_error, run, tree_digest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,7 +153,7 @@ def test_out_on_an_unwritable_filesystem(tiny_ckpt_ro, tmp_path, monkeypatch, co
 KILL_CHILD = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
-    from memengine.engine import staging
+    from memengine.engine.io import staging
     out, mode, at = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     if mode == "renames":
         staging.exchange = lambda a, b: False
@@ -375,7 +373,7 @@ def test_quantize_dtype_not_a_16_bit_target(tiny_ckpt_ro, tmp_path, alias):
 
 
 def test_dtype_aliases_one_table():
-    from memengine.engine.codec import DTYPE_ALIASES, normalize_dtype
+    from memengine.engine.io.codec import DTYPE_ALIASES, normalize_dtype
 
     assert {normalize_dtype(a) for a in ("fp16", "half", "float16")} == {"F16"}
     assert {normalize_dtype(a) for a in ("bf16", "bfloat16")} == {"BF16"}
@@ -428,8 +426,8 @@ OPT_CASES = {"unknown": "something.else", "unpaired": "x_proj.weight.exp_avg", "
 
 @pytest.mark.parametrize("case", sorted(OPT_CASES))
 def test_optimizer_state_checked_before_use(tiny_ckpt, sample_text, tmp_path, case):
-    from memengine.engine.checkpoint import load_checkpoint
-    from memengine.engine.config import expected_shapes
+    from memengine.engine.io.checkpoint import load_checkpoint
+    from memengine.engine.models.mamba1.config import expected_shapes
 
     shapes = dict(expected_shapes(load_checkpoint(tiny_ckpt).config))
     save_file(_opt_case(case, shapes), str(tiny_ckpt / "optimizer.safetensors"))
@@ -442,8 +440,8 @@ def test_optimizer_state_checked_before_use(tiny_ckpt, sample_text, tmp_path, ca
 
 
 def test_a_valid_optimizer_state_still_resumes(tiny_ckpt, sample_text, tmp_path):
-    from memengine.engine.checkpoint import load_checkpoint
-    from memengine.engine.config import expected_shapes
+    from memengine.engine.io.checkpoint import load_checkpoint
+    from memengine.engine.models.mamba1.config import expected_shapes
 
     shapes = dict(expected_shapes(load_checkpoint(tiny_ckpt).config))
     save_file(_opt_case("valid", shapes), str(tiny_ckpt / "optimizer.safetensors"))
@@ -472,15 +470,15 @@ SIGNAL_CHILD = textwrap.dedent("""
                 return None
         sys.meta_path.insert(0, Hook())
     elif when in ("loading", "upload"):
-        import memengine.engine.setup as setup
-        import memengine.engine.gpu as gpu
+        import memengine.engine.app.setup as setup
+        import memengine.engine.runtime as gpu
         if when == "loading":
             real = setup.open_checkpoint
             def open_checkpoint(*a, **k):
                 hit()
                 return real(*a, **k)
             setup.open_checkpoint = open_checkpoint
-            import memengine.engine.run as run
+            import memengine.engine.app.run as run
             run.open_checkpoint = open_checkpoint
         else:
             real_up = gpu.Runtime.upload
@@ -490,7 +488,7 @@ SIGNAL_CHILD = textwrap.dedent("""
             gpu.Runtime.upload = upload
     elif when == "twice":  # the main thread stuck in a native wait; two signals
         import ctypes, threading
-        import memengine.engine.trainer as trainer
+        import memengine.engine.train.trainer as trainer
         libc = ctypes.CDLL(None)
         def step(self, micro, lr):
             os.kill(os.getpid(), sig)
@@ -501,7 +499,7 @@ SIGNAL_CHILD = textwrap.dedent("""
             raise SystemExit("the second signal did not end the run")
         trainer.Trainer.step = step
     elif when == "after-out":  # the signal lands once OUT is complete
-        import memengine.engine.run as run
+        import memengine.engine.app.run as run
         real_summary = run.RunResult.summary
         calls = {"n": 0}
         def summary(self):

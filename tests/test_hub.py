@@ -12,12 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from memengine.engine.checkpoint import load_checkpoint, save_checkpoint
-from memengine.engine.errors import MemengineError
-from memengine.engine.resolve import public_path, resolve_checkpoint
-
 from conftest import SAMPLE_TEXT, make_checkpoint
+from memengine.engine.errors import MemengineError
+from memengine.engine.io.checkpoint import load_checkpoint, save_checkpoint
+from memengine.engine.io.resolve import public_path, resolve_checkpoint
 from test_cli import assert_one_line_error, run
 
 MAIN = "1" * 40
@@ -109,7 +107,7 @@ def test_cli_on_ids_in_process(in_cache, tmp_path):
     out = tmp_path / "q"
     r = run("quantize", "org/tiny", "--revision", "v1", "-o", out)
     assert r.exit_code == 0, r.stderr
-    from memengine.engine.safetensors_io import read_header
+    from memengine.engine.io.safetensors_io import read_header
 
     assert read_header(out / "model.safetensors").metadata["memengine.quantized_from"] == "org/tiny@v1"
     r = run("eval", "org/missing", "--data", data)
@@ -202,7 +200,7 @@ def online_hub(hf_home, tmp_path, monkeypatch):
 def test_info_on_an_uncached_id_reads_the_headers_from_the_hub(online_hub, repo_id, local, monkeypatch):
     """`info` on a model id whose weights are not cached fetches the small files only and
     shows what `info` on the same checkpoint on disk shows: config, tensors, dtypes, parameters."""
-    from memengine.engine.plan import ENV_MAX_MEMORY
+    from memengine.engine.app.plan import ENV_MAX_MEMORY
 
     monkeypatch.setenv(ENV_MAX_MEMORY, "8G")   # one budget for both plans (not the host's free memory)
     root, fetched = online_hub

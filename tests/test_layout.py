@@ -1,6 +1,11 @@
-"""Architecture rules that can be checked by reading the source: the engine imports
-neither rich nor typer, and engine modules import each other without circles (counting
-imports inside functions too, which hide a circle rather than remove it)."""
+"""Architecture rules that can be checked by reading the source (imports inside functions
+count too: they hide a circle rather than remove it):
+
+- the engine imports neither rich nor typer;
+- engine modules import each other without circles;
+- only engine/backend/ imports wgpu (or wgpudawn);
+- an architecture folder under engine/models/ imports no other architecture.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "engine"
+PREFIX = "memengine.engine"
 
 
 def _module_name(path: Path) -> str:
@@ -17,41 +23,52 @@ def _module_name(path: Path) -> str:
     return ".".join(parts) or "__init__"
 
 
-def _imports(path: Path) -> tuple[set[str], set[str]]:
-    """(engine modules imported, top-level packages imported) by one file."""
+def _known() -> set:
+    return {_module_name(p) for p in ENGINE.rglob("*.py")}
+
+
+def _imports(path: Path, known: set | None = None) -> tuple[set[str], set[str]]:
+    """(engine modules imported, top-level packages imported) by one file.  `from P import
+    name` counts the module P.name when there is one, else P."""
+    known = _known() if known is None else known
     tree = ast.parse(path.read_text(encoding="utf-8"))
     here = _module_name(path).split(".")
     pkg = here[:-1] if path.name != "__init__.py" else here
     engine, external = set(), set()
+
+    def add(mod: str, names) -> None:
+        for a in names:
+            sub = f"{mod}.{a.name}" if mod else a.name
+            if sub in known:
+                engine.add(sub)
+            elif mod:
+                engine.add(mod)
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.startswith("memengine.engine."):
-                    engine.add(a.name[len("memengine.engine."):])
+                if a.name.startswith(PREFIX + "."):
+                    engine.add(a.name[len(PREFIX) + 1:])
                 external.add(a.name.split(".")[0])
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg[: len(pkg) - (node.level - 1)] if node.level > 1 else pkg
-                mod = ".".join(base + ([node.module] if node.module else []))
-                if node.module is None:  # from . import x
-                    for a in node.names:
-                        engine.add(".".join(base + [a.name]))
-                else:
-                    engine.add(mod)
+                add(".".join(base + ([node.module] if node.module else [])), node.names)
             elif node.module:
-                if node.module.startswith("memengine.engine."):
-                    engine.add(node.module[len("memengine.engine."):])
+                if node.module == PREFIX:
+                    add("", node.names)
+                elif node.module.startswith(PREFIX + "."):
+                    add(node.module[len(PREFIX) + 1:], node.names)
                 external.add(node.module.split(".")[0])
     return engine, external
 
 
 def _graph() -> dict[str, set[str]]:
-    files = [p for p in ENGINE.rglob("*.py")]
-    names = {_module_name(p) for p in files}
+    known = _known()
     graph = {}
-    for p in files:
-        deps, _ = _imports(p)
-        graph[_module_name(p)] = {d for d in deps if d in names and d != _module_name(p)}
+    for p in ENGINE.rglob("*.py"):
+        deps, _ = _imports(p, known)
+        graph[_module_name(p)] = {d for d in deps if d in known and d != _module_name(p)}
     return graph
 
 
@@ -82,4 +99,4 @@ def test_engine_modules_have_no_import_circle():
         if n not in state:
             visit(n)
     # the check sees real edges (it can fail)
-    assert "codec" in graph["safetensors_io"] and "checkpoint" in graph["quantize"]
+    assert "io.codec" in graph["io.safetensors_io"] and "io.checkpoint" in graph["app.quantize"]

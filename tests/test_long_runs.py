@@ -14,9 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-
 from conftest import SAMPLE_TEXT
+from safetensors.numpy import load_file
 from test_cli import assert_one_line_error, run
 
 torch = pytest.importorskip("torch")
@@ -93,9 +92,9 @@ def test_resume_from_inside_the_second_epoch_is_bit_identical(tiny_ckpt_ro, text
     ids = np.frombuffer(SAMPLE_TEXT[:24].encode(), np.uint8).astype(np.int64)[None]
     with torch.no_grad():
         want = hf(input_ids=torch.tensor(ids)).logits.numpy()
-    from memengine.engine.checkpoint import load_checkpoint
-    from memengine.engine.gpu import get_runtime
-    from memengine.engine.model import MambaModel
+    from memengine.engine.io.checkpoint import load_checkpoint
+    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.runtime import get_runtime
 
     ours = MambaModel.from_checkpoint(get_runtime(), load_checkpoint(step4)).logits(ids.astype(np.int32))
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
@@ -192,10 +191,13 @@ def test_sigterm_keeps_the_last_checkpoint_loadable_and_resumable(tiny_ckpt_ro, 
 # ----------------------------------------------------------------------------- schedules
 @pytest.mark.parametrize("kind,min_lr", [("constant", 0.0), ("linear", 0.0), ("cosine", 0.0), ("cosine", 2e-4)])
 def test_schedule_lrs_equal_transformers(kind, min_lr):
-    from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
-                              get_cosine_with_min_lr_schedule_with_warmup, get_linear_schedule_with_warmup)
-
-    from memengine.engine.schedule import Schedule
+    from memengine.engine.train.schedule import Schedule
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_cosine_with_min_lr_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
 
     lr, warmup, total = 1e-3, 4, 17
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
@@ -222,11 +224,11 @@ def test_scheduled_steps_match_torch_adamw(rt):
     """The per-step lr reaches the AdamW kernel: four steps of a linear schedule with
     warmup equal torch AdamW + get_linear_schedule_with_warmup, and AdamW's uniform
     buffer is made once."""
-    from memengine.engine.config import MambaConfig
-    from memengine.engine.init import init_weights
-    from memengine.engine.loop import fit
-    from memengine.engine.model import MambaModel
-    from memengine.engine.options import TrainOptions
+    from memengine.engine.app.options import TrainOptions
+    from memengine.engine.models.mamba1.config import MambaConfig
+    from memengine.engine.models.mamba1.init import init_weights
+    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.train.loop import fit
 
     cfg = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=4,
                       tie_word_embeddings=False)
@@ -266,12 +268,12 @@ def test_scheduled_steps_match_torch_adamw(rt):
 def test_grad_accum_equals_the_big_batch(rt):
     """--batch-size 2 --grad-accum 3 is --batch-size 6: the same windows in the same order
     (shuffled), the same losses and pre-clip norms up to rounding, the same weights."""
-    from memengine.engine.config import MambaConfig
-    from memengine.engine.data import make_windows
-    from memengine.engine.init import init_weights
-    from memengine.engine.loop import fit
-    from memengine.engine.model import MambaModel
-    from memengine.engine.options import TrainOptions
+    from memengine.engine.app.options import TrainOptions
+    from memengine.engine.io.data import make_windows
+    from memengine.engine.models.mamba1.config import MambaConfig
+    from memengine.engine.models.mamba1.init import init_weights
+    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.train.loop import fit
 
     cfg = MambaConfig(vocab_size=256, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=4)
     ids = np.frombuffer((SAMPLE_TEXT * 2).encode(), np.uint8).astype(np.int32)
@@ -329,9 +331,9 @@ def test_final_val_loss_equals_eval_of_out(tiny_ckpt_ro, text, tmp_path):
 def test_eval_metrics_and_compare(tiny_ckpt_ro, text, tmp_path):
     """bits per token = loss / ln 2; top-1/top-5 against the logits; --compare reports both
     checkpoints and B - A."""
-    from memengine.engine.checkpoint import load_checkpoint
-    from memengine.engine.gpu import get_runtime
-    from memengine.engine.model import MambaModel
+    from memengine.engine.io.checkpoint import load_checkpoint
+    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.runtime import get_runtime
 
     out = tmp_path / "out"
     assert run("train", tiny_ckpt_ro, "--data", text, "-o", out, "--seq-len", "32", "--epochs", "2",
@@ -388,7 +390,7 @@ def test_keep_last_and_keep_best(tiny_ckpt_ro, text, tmp_path):
 
 # ----------------------------------------------------------------------------- data order, steps
 def test_window_order_shuffles_per_epoch_and_resumes():
-    from memengine.engine.sampler import WindowOrder, split_windows
+    from memengine.engine.train.sampler import WindowOrder, split_windows
 
     o = WindowOrder(10, 3, seed=5, shuffle=True)
     seen = [o.next() for _ in range(12)]  # 4 steps per epoch, 3 epochs

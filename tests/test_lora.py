@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from memengine.engine import lora as el  # noqa: E402
-from memengine.engine.checkpoint import save_checkpoint  # noqa: E402
-from memengine.engine.config import MambaConfig  # noqa: E402
-from memengine.engine.model import MambaModel  # noqa: E402
+from memengine.engine.io.checkpoint import save_checkpoint  # noqa: E402
+from memengine.engine.models.mamba1.config import MambaConfig  # noqa: E402
+from memengine.engine.models.mamba1.model import MambaModel  # noqa: E402
 
 ODD = dict(vocab_size=263, hidden_size=20, state_size=3, num_hidden_layers=2, expand=2, conv_kernel=3,
            use_bias=True, use_conv_bias=True, tie_word_embeddings=True, time_step_rank=3)
@@ -154,9 +154,9 @@ def test_loss_and_gradients_equal_peft_autograd(rt, tmp_path, falcon, targets, a
 
 def test_adamw_step_equals_torch(rt, tmp_path):
     """One Trainer step (clip off) equals torch.optim.AdamW on PEFT's lora parameters."""
-    from memengine.engine.data import make_batches
-    from memengine.engine.options import TrainOptions
-    from memengine.engine.trainer import Trainer
+    from memengine.engine.app.options import TrainOptions
+    from memengine.engine.io.data import make_batches
+    from memengine.engine.train.trainer import Trainer
 
     m = hf_base(ODD)
     cfg, sd = save_base(m, tmp_path / "base")
@@ -206,7 +206,7 @@ def test_dropout_gradients_equal_peft_with_the_same_mask(rt, tmp_path):
     """With --lora-dropout the loss and the A/B gradients equal PEFT's when PEFT's dropout
     draws our mask; the mask is the one the kernel draws for (seed, counter, layer, target),
     reproducible, different per counter, and drops about p of the inputs."""
-    from memengine.engine.ops.lora import dropout
+    from memengine.engine.kernels.lora import dropout
 
     m = hf_base(ODD)
     cfg, sd = save_base(m, tmp_path / "base")
@@ -292,7 +292,7 @@ def test_unsupported_adapter_configs_are_one_line(tmp_path, change, needle):
 
 def test_adapter_on_a_refused_layer_is_one_line(tmp_path):
     from memengine.engine.errors import MemengineError
-    from memengine.engine.safetensors_io import write_safetensors
+    from memengine.engine.io.safetensors_io import write_safetensors
 
     spec = el.LoraSpec(r=2, alpha=2)
     el.write_adapter(tmp_path, spec, {})
@@ -331,7 +331,7 @@ def test_adapter_of_some_layers_round_trips_through_peft(tmp_path):
 def test_memory_plan_of_a_lora_run():
     """The plan of a LoRA run counts the adapter's parameters, gradients and moments, and no
     gradient store or moments for the base (tests/test_plan.py: it equals what a run allocates)."""
-    from memengine.engine import plan as mplan
+    from memengine.engine.app import plan as mplan
 
     cfg = MambaConfig.from_dict(ODD)
     spec = el.LoraSpec(r=4, alpha=8)

@@ -7,10 +7,8 @@ import itertools
 
 import numpy as np
 import pytest
-
-from memengine.engine.ops import matmul as mm
-from memengine.engine.ops.lanes import cpu_lanes
-
+from memengine.engine.kernels import matmul as mm
+from memengine.engine.kernels.lanes import cpu_lanes
 
 
 def run(rt, mode, a, b, c0, bias, M, N, K, ta, tb, acc=True, **kw):
@@ -188,7 +186,7 @@ def test_modules_with_and_without_naga_checks_give_the_same_bits(rt, monkeypatch
     (every kernel a product may take on this adapter, on partial tiles)."""
     import os
 
-    from memengine.engine import gpu
+    from memengine.engine import runtime as gpu
 
     assert not rt.shader_checks
     monkeypatch.setenv(gpu.ENV_SHADER_CHECKS, "1")

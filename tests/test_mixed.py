@@ -13,8 +13,7 @@ import itertools
 
 import numpy as np
 import pytest
-
-from memengine.engine.ops import matmul as mm
+from memengine.engine.kernels import matmul as mm
 
 U16 = 2.0 ** -11   # f16 unit roundoff
 U32 = 2.0 ** -24
@@ -61,9 +60,8 @@ def test_matmul_f16_within_the_rounding_bound(rt, M, N, K, ta, tb):
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from memengine.engine.config import MambaConfig  # noqa: E402
-from memengine.engine.model import MambaModel  # noqa: E402
-
+from memengine.engine.models.mamba1.config import MambaConfig  # noqa: E402
+from memengine.engine.models.mamba1.model import MambaModel  # noqa: E402
 from test_oracle import LIMITS, hf_model, limits_for, rel, tensors_of  # noqa: E402
 
 # shapes the f16 path takes everywhere (E, Di, R + 2N, V multiples of 4)
@@ -106,7 +104,7 @@ def _mixed_vs_oracle(rt, monkeypatch, m, cfg, name, kw, B, L, count):
     loss_ref.backward()
     grads_ref = {n: p.grad.numpy() for n, p in m.named_parameters()}
 
-    from memengine.engine.gpu import Recorder
+    from memengine.engine.runtime import Recorder
     seen = []
     orig = Recorder.dispatch
     if count:
@@ -152,7 +150,7 @@ def _mixed_vs_oracle(rt, monkeypatch, m, cfg, name, kw, B, L, count):
 
 
 # ------------------------------------------------------------------ loss scaling and AdamW
-from memengine.engine.optim import AdamW, GradClipper, LossScaler  # noqa: E402
+from memengine.engine.train.optim import AdamW, GradClipper, LossScaler  # noqa: E402
 
 
 def _scaled_step(rt, scaler, clipper, opt, params, grads, max_norm):
@@ -239,12 +237,12 @@ def test_cast_to_f16_overflows_to_inf(rt):
 
 
 # ------------------------------------------------------------------ training
-from memengine.engine.data import make_windows  # noqa: E402
-from memengine.engine.init import init_weights  # noqa: E402
-from memengine.engine.loop import fit  # noqa: E402
-from memengine.engine.options import TrainOptions  # noqa: E402
-from memengine.engine.trainer import Trainer  # noqa: E402
+from memengine.engine.app.options import TrainOptions  # noqa: E402
 from memengine.engine.errors import NonFiniteError  # noqa: E402
+from memengine.engine.io.data import make_windows  # noqa: E402
+from memengine.engine.models.mamba1.init import init_weights  # noqa: E402
+from memengine.engine.train.loop import fit  # noqa: E402
+from memengine.engine.train.trainer import Trainer  # noqa: E402
 
 CURVE_CFG = MambaConfig(vocab_size=256, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
                         conv_kernel=4, time_step_rank=4)
@@ -265,7 +263,7 @@ def test_forced_overflow_in_training_skips_steps_and_reports_them(rt):
     trainer = Trainer(model, o, trace_capacity=3)
     rt.write(trainer.scaler.scale, [2.0 ** 40])   # the loss gradient overflows f16 at once
     ws = _demo_windows(16)[:6]
-    from memengine.engine.data import make_batches
+    from memengine.engine.io.data import make_batches
     for b in make_batches(ws, 2, 16):
         trainer.step([b], 1e-3)
     losses, norms = trainer.read_trace()
@@ -348,8 +346,8 @@ def test_cli_mixed_train_records_skips_and_refuses_without_f16(rt, monkeypatch, 
 
 def test_loss_scaler_state_is_kept_in_the_optimizer_state(rt, tmp_path):
     _need_f16(rt)
-    from memengine.engine import optim_state
-    from memengine.engine.data import make_batches
+    from memengine.engine.io.data import make_batches
+    from memengine.engine.train import optim_state
     model = MambaModel(rt, CURVE_CFG, init_weights(CURVE_CFG, 0))
     model.set_precision("mixed")
     o = TrainOptions(max_steps=2, lr=1e-3, batch_size=2, seq_len=16, log_every=2, precision="mixed")

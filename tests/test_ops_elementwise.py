@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-from memengine.engine.ops.activation import silu_backward, silu_forward, softplus_backward, softplus_forward
-from memengine.engine.ops.conv1d import conv1d_backward, conv1d_forward
-from memengine.engine.ops.cross_entropy import cross_entropy
-from memengine.engine.ops.embedding import EmbeddingBackward, embedding_forward
-from memengine.engine.ops import conv1d, lanes
-from memengine.engine.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
+from memengine.engine.kernels import conv1d, lanes
+from memengine.engine.kernels.activation import silu_backward, silu_forward, softplus_backward, softplus_forward
+from memengine.engine.kernels.conv1d import conv1d_backward, conv1d_forward
+from memengine.engine.kernels.cross_entropy import cross_entropy
+from memengine.engine.kernels.embedding import EmbeddingBackward, embedding_forward
+from memengine.engine.kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
 
 SENTINEL = 12345.0
 

@@ -10,8 +10,7 @@ import contextlib
 import numpy as np
 import pytest
 from conftest import checked_limits
-
-from memengine.engine.optim import AdamW, GradClipper
+from memengine.engine.train.optim import AdamW, GradClipper
 
 FORCED_BINDING = 4096
 
@@ -458,8 +457,8 @@ def test_whole_store_steps_equal_per_name_steps(lim):
     """A store that trains every view steps as its segments (one dispatch each, moments one
     flat pair): parameters and moments bit-identical to stepping name by name, also after
     moments loaded before the first step (a resume); the padding stays zero."""
-    from memengine.engine.gpu import Recorder
-    from memengine.engine.model import FlatStore
+    from memengine.engine.models.mamba1.model import FlatStore
+    from memengine.engine.runtime import Recorder
 
     rt = lim
     shapes = {"a": (5, 7), "b": (300,), "c": (3, 4, 9)}

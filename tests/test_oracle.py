@@ -23,10 +23,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from memengine.engine import plan  # noqa: E402
-from memengine.engine.config import MambaConfig  # noqa: E402
 from conftest import checked_limits  # noqa: E402
-from memengine.engine.model import MambaModel  # noqa: E402
+from memengine.engine.app import plan  # noqa: E402
+from memengine.engine.models.mamba1.config import MambaConfig  # noqa: E402
+from memengine.engine.models.mamba1.model import MambaModel  # noqa: E402
 
 LIMITS = ["adapter", "forced"]
 
@@ -106,7 +106,7 @@ def test_logits_loss_grads_match_transformers(rt, monkeypatch, name, kw, B, L, l
     tensors = tensors_of(m)
     cfg = MambaConfig.from_dict(m.config.to_dict())
     assert cfg.is_falcon == falcon and cfg.mixer_rms_eps == m.config.to_dict().get("mixer_rms_eps", 1e-6)
-    from memengine.engine.ops import scan
+    from memengine.engine.kernels import scan
 
     scan_parts = []
     whole = scan._sequences

@@ -7,11 +7,10 @@ import json
 
 import numpy as np
 import pytest
+from memengine.engine.app import plan
+from memengine.engine.models.mamba1.config import MambaConfig, load_config
+from memengine.engine.models.mamba1.init import init_weights
 from test_cli import assert_one_line_error, run_proc
-
-from memengine.engine import plan
-from memengine.engine.config import MambaConfig, load_config
-from memengine.engine.init import init_weights
 
 SMALL = dict(vocab_size=300, hidden_size=64, state_size=16, num_hidden_layers=2, tie_word_embeddings=False,
              use_bias=True)
@@ -21,9 +20,9 @@ SMALL = dict(vocab_size=300, hidden_size=64, state_size=16, num_hidden_layers=2,
 def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
     """A whole run through the engine (eval; train with held-out windows; adapt, which
     evaluates before and after): the plan it passed equals the bytes it allocated."""
-    from memengine.engine.checkpoint import save_checkpoint
-    from memengine.engine.options import AdaptOptions, EvalOptions, TrainOptions
-    from memengine.engine.run import run_adapt, run_eval, run_train
+    from memengine.engine.app.options import AdaptOptions, EvalOptions, TrainOptions
+    from memengine.engine.app.run import run_adapt, run_eval, run_train
+    from memengine.engine.io.checkpoint import save_checkpoint
 
     cfg = MambaConfig.from_dict(SMALL)
     B, L = 2, 300
@@ -38,7 +37,7 @@ def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
         seen["plan"] = real(*a, **kw)
         return seen["plan"]
 
-    import memengine.engine.plan as mplan
+    import memengine.engine.app.plan as mplan
 
     mp = pytest.MonkeyPatch()
     mp.setattr(mplan, "check_run", spy)
@@ -175,7 +174,7 @@ def test_mamba_1_4b_config_and_its_plan(rt, monkeypatch):
     larger) while evaluation fits."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from memengine.engine.config import expected_shapes
+    from memengine.engine.models.mamba1.config import expected_shapes
 
     cfg = load_config("mamba-1.4b")
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.state_size, cfg.intermediate_size,
@@ -203,7 +202,7 @@ def test_mamba_1_4b_config_and_its_plan(rt, monkeypatch):
 def test_a_remade_gradient_store_is_counted_once(rt):
     """An x_proj-only gradient store remade over every tensor (a WSLA run, then a full one in
     the same process) adds to the allocation count what a fresh full store adds."""
-    from memengine.engine.model import MambaModel
+    from memengine.engine.models.mamba1.model import MambaModel
 
     cfg = MambaConfig.from_dict(SMALL)
     fresh = MambaModel(rt, cfg, init_weights(cfg, 0))

@@ -6,13 +6,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
-from memengine.engine.checkpoint import load_checkpoint, save_checkpoint
-from memengine.engine.config import MambaConfig
+from memengine.engine.app.quantize import quantize_checkpoint
 from memengine.engine.errors import MemengineError
-from memengine.engine.init import init_weights
-from memengine.engine.codec import bf16_bits_to_f32, encode, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits
-from memengine.engine.quantize import quantize_checkpoint
+from memengine.engine.io.checkpoint import load_checkpoint, save_checkpoint
+from memengine.engine.io.codec import bf16_bits_to_f32, encode, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits
+from memengine.engine.models.mamba1.config import MambaConfig
+from memengine.engine.models.mamba1.init import init_weights
 
 RNG = np.random.default_rng(1234)
 

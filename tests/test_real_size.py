@@ -27,10 +27,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from memengine.engine.models.mamba1.config import load_config  # noqa: E402
+from memengine.engine.runtime import get_runtime  # noqa: E402
 from test_cli import run  # noqa: E402
-
-from memengine.engine.config import load_config  # noqa: E402
-from memengine.engine.gpu import get_runtime  # noqa: E402
 
 BINDING = 128 * 2**20
 ENV = {"MEMENGINE_MAX_BINDING_BYTES": str(BINDING)}

@@ -2,9 +2,8 @@
 
 import numpy as np
 import pytest
-
-from memengine.engine.gpu import Tensor
-from memengine.engine.ops.reduce import sum_into, sumsq_into
+from memengine.engine.kernels.reduce import sum_into, sumsq_into
+from memengine.engine.runtime import Tensor
 
 SIZES = [1, 2, 255, 256, 257, 65536, 65537, 1_000_003]   # multiples of 4 take reduce_partial4
 

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from memengine.engine.errors import MemengineError
-from memengine.engine.safetensors_io import BF16Bits, read_header, read_safetensors, write_safetensors
+from memengine.engine.io.safetensors_io import BF16Bits, read_header, read_safetensors, write_safetensors
 
 torch = pytest.importorskip("torch")
 from safetensors.numpy import save as st_save  # noqa: E402  (reference writer)

@@ -5,9 +5,8 @@ channel sums run with and without subgroups."""
 import numpy as np
 import pytest
 import torch
-
-from memengine.engine.ops import scan as scan_mod
-from memengine.engine.ops.scan import CHUNK, scan_state_shape, selective_scan_backward, selective_scan_forward
+from memengine.engine.kernels import scan as scan_mod
+from memengine.engine.kernels.scan import CHUNK, scan_state_shape, selective_scan_backward, selective_scan_forward
 
 SHAPES = [  # B, L, Di, N, R
     (1, 1, 37, 5, 3),
@@ -292,8 +291,8 @@ def test_butterfly_takes_subgroups_where_there_are_some(rt, subgroups):
 def test_lanes_kernels_run_on_cpu_adapters(rt, monkeypatch):
     """On a CPU adapter with 8-lane subgroups (lavapipe) the scans of eligible state sizes
     take the 8-lane scan, forward and backward."""
-    from memengine.engine.gpu import Recorder
-    from memengine.engine.ops.lanes import cpu_lanes
+    from memengine.engine.kernels.lanes import cpu_lanes
+    from memengine.engine.runtime import Recorder
     if not cpu_lanes(rt):
         pytest.skip(f"the 8-lane scan is for CPU adapters with 8-lane subgroups; this is {rt.describe()}")
     seen = []

@@ -9,11 +9,10 @@ import shutil
 
 import numpy as np
 import pytest
-
-from memengine.engine.checkpoint import load_checkpoint, save_checkpoint
 from memengine.engine.errors import MemengineError
-from memengine.engine.safetensors_io import read_safetensors, write_safetensors
-from memengine.engine.shards import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_size
+from memengine.engine.io.checkpoint import load_checkpoint, save_checkpoint
+from memengine.engine.io.safetensors_io import read_safetensors, write_safetensors
+from memengine.engine.io.shards import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, parse_size
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -94,7 +93,7 @@ def test_f16_shards_round_trip(tmp_path):
 
 def _cfg_tensors():
     m = _hf()
-    from memengine.engine.config import MambaConfig
+    from memengine.engine.models.mamba1.config import MambaConfig
 
     sd = {k: v.numpy() for k, v in m.state_dict().items() if k != "lm_head.weight"}
     return MambaConfig.from_dict(m.config.to_dict()), sd

@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
-
 from memengine.engine.errors import MemengineError
-from memengine.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from memengine.engine.io.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
 def test_byte_tokenizer_roundtrip():

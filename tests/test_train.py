@@ -8,15 +8,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import pytest
-
-from memengine.engine.config import MambaConfig
-from memengine.engine.data import make_batches, make_windows
+from memengine.engine.app.options import AdaptOptions, TrainOptions
 from memengine.engine.errors import NonFiniteError
-from memengine.engine.init import init_weights
-from memengine.engine.loop import LoopState, fit
-from memengine.engine.model import MambaModel
-from memengine.engine.options import AdaptOptions, TrainOptions
-from memengine.engine.trainer import evaluate
+from memengine.engine.io.data import make_batches, make_windows
+from memengine.engine.models.mamba1.config import MambaConfig
+from memengine.engine.models.mamba1.init import init_weights
+from memengine.engine.models.mamba1.model import MambaModel
+from memengine.engine.train.loop import LoopState, fit
+from memengine.engine.train.trainer import evaluate
 
 TEXT = b"the quick brown fox jumps over the lazy dog; a stitch in time saves nine. " * 3
 CFG = MambaConfig(vocab_size=256, hidden_size=24, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=4)
@@ -195,7 +194,7 @@ def test_steps_and_evaluations_create_nothing_per_call(rt, monkeypatch, copies):
     """After the first step and the first evaluation, more steps (with a changing lr and a
     trace read every few steps) and a longer evaluation create no buffer, bind group or
     uniform block, with copies recorded either way (gpu.Recorder.copy)."""
-    from memengine.engine.trainer import Trainer
+    from memengine.engine.train.trainer import Trainer
 
     monkeypatch.setattr(rt, "copy_by_dispatch", copies == "dispatch")
     model = MambaModel(rt, CFG, init_weights(CFG, 8))
@@ -229,8 +228,8 @@ def test_slow_steps_go_in_pieces_with_a_tenth_of_a_second_queued(rt, monkeypatch
     weights are the same bits as with whole steps."""
     from types import SimpleNamespace
 
-    from memengine.engine import gpu
-    from memengine.engine import trainer as trmod
+    from memengine.engine import runtime as gpu
+    from memengine.engine.train import trainer as trmod
 
     assert gpu.piece_depth(0.44, 50) == 8    # 9 ms pieces (mamba-130m B 8 on the H200): the most
     assert gpu.piece_depth(1.5, 50) == 3     # 30 ms pieces
@@ -299,8 +298,8 @@ def test_a_device_with_webgpus_eight_storage_buffers_trains(rt, monkeypatch):
     9: a device made with 8 takes the other kernels (wgpu refuses a pipeline that binds more
     than its device allows, so every kernel of the steps is checked) and trains as the
     default device does."""
-    from memengine.engine import gpu
-    from memengine.engine.ops.lanes import cpu_lanes
+    from memengine.engine import runtime as gpu
+    from memengine.engine.kernels.lanes import cpu_lanes
 
     monkeypatch.setattr(gpu, "STORAGE_BUFFERS", 8)
     rt8 = gpu.Runtime("auto")

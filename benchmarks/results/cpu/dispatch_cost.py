@@ -1,10 +1,13 @@
 # Timing only: a tiny B 1 L 256 step with one extra (one-workgroup) dispatch after each of its
 # dispatches, against the plain step, interleaved (7 rounds, medians): 12.56 -> 15.07 ms on this
 # 2-core machine, about 37 us per dispatch.  python benchmarks/results/cpu/dispatch_cost.py
-import sys, os
+import os
+import sys
+
 sys.path.insert(0, "benchmarks")
 import bench
-from memengine.engine.gpu import get_runtime, Recorder
+from memengine.engine.runtime import Recorder, get_runtime
+
 rt = get_runtime(None)
 out = rt.zeros((4,))
 orig = Recorder.dispatch

@@ -12,8 +12,7 @@ import time
 
 import numpy as np
 import wgpu
-
-from memengine.engine.gpu import _create_module
+from memengine.engine.runtime import _create_module
 
 
 def shader(t, n_iter, unroll):

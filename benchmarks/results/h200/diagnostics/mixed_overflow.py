@@ -2,15 +2,20 @@
 # one random batch repeated), fp32 and --precision mixed; with DIG=1, at the first non-finite
 # loss: per layer, the largest finite |value| of each saved activation and (!n) how many are
 # not finite.  python3 mixed_overflow.py mamba-130m 8 2048 7 mixed,fp32
-import sys, os, numpy as np
+import os
+import sys
+
+import numpy as np
+
 sys.path.insert(0, os.environ.get("BENCHDIR", "benchmarks"))
 import bench
-from memengine.engine.gpu import get_runtime
-from memengine.engine.config import MambaConfig
-from memengine.engine.init import init_weights
-from memengine.engine.model import MambaModel
-from memengine.engine.options import TrainOptions
-from memengine.engine.trainer import Trainer
+from memengine.engine.app.options import TrainOptions
+from memengine.engine.models.mamba1.config import MambaConfig
+from memengine.engine.models.mamba1.init import init_weights
+from memengine.engine.models.mamba1.model import MambaModel
+from memengine.engine.runtime import get_runtime
+from memengine.engine.train.trainer import Trainer
+
 rt = get_runtime(None)
 shape, B, L, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 tag = os.environ.get("TAG", "")

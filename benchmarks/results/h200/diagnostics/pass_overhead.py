@@ -6,7 +6,7 @@
 import sys
 import time
 
-from memengine.engine.gpu import get_runtime
+from memengine.engine.runtime import get_runtime
 
 rt = get_runtime(None)
 dev = rt.device

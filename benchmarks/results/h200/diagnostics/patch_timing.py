@@ -2,7 +2,9 @@
 # part out of a kernel; bench.py times the patched copy in a fresh process.
 #   python3 patch_timing.py scan|matmul      (from the repository root, $OUT for the JSON)
 # The patches of every batch run on 2026-12-01 (scan_diag1-3.txt, matmul_diag1-2.txt).
-import os, subprocess, sys
+import os
+import subprocess
+import sys
 
 SCAN = {
  "no-pbc-store (removes a binding: refused)": [("pbc[(dl / K) * P.pbc_half + ((b * P.L + t) * P.nblk + blk) * P.N + n0 + n] = w1;", "")],

@@ -1,10 +1,13 @@
 # occupancy staircase and split-K sweep of matmul_fast on the H200 (timing only)
-import sys, os, json
+import json
+import os
+import sys
+
 sys.path.insert(0, "benchmarks")
-import numpy as np
 import bench
-from memengine.engine.gpu import get_runtime
-from memengine.engine.ops import matmul as mm
+import numpy as np
+from memengine.engine.kernels import matmul as mm
+from memengine.engine.runtime import get_runtime
 
 rt = get_runtime(None)
 out = {"stair": [], "split": {}}
@@ -25,6 +28,7 @@ def t(kw, A, B, C):
 kw = dict(M=4096, N=4096, K=4096, trans_b=True)
 A, B, C = setup(kw)
 import time
+
 t_end = time.time() + 2
 while time.time() < t_end:
     t(kw, A, B, C)

@@ -1,0 +1,463 @@
+"""Text generation: recurrent decoding on the GPU, one O(1) step per layer and token.
+
+The prompt runs once through the sequence kernels (`MambaModel.record_forward`, B = 1),
+which leaves every layer's activations; two small kernels turn them into the recurrent
+state (the last K-1 conv inputs and the SSM state after the last position, see
+engine/ops/decode.py).  Every new token is then one step: embedding, per layer rmsnorm ->
+in_proj -> conv step -> x_proj -> selective state update (dt_proj fused) -> out_proj onto
+the residual, final norm, LM head, and the sampler, all on the GPU.  The sampled token
+stays on the GPU (the next step embeds it from there); the host reads back 4 bytes per
+token, one step behind the GPU (step t+1 is queued before token t is read), to stream the
+text and check the stop conditions.
+
+Nothing is allocated per token: the step's buffers, bind groups and uniforms are made once
+(`Decoder`) and the step's dispatches are recorded once into a `_Program` that each token
+replays into a fresh command encoder (WebGPU has no reusable compute command buffers).
+
+The engine reports through callbacks (`on_text` with text that is safe to show, `on_token`
+with each id); it never prints.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from memengine.engine.app.options import SamplingOptions
+from memengine.engine.errors import MemengineError
+from memengine.engine.io.inputs import decode_utf8
+from memengine.engine.kernels.decode import (
+    conv_prefill,
+    conv_step,
+    matvec,
+    pack_layer_constants,
+    sample,
+    ssm_prefill,
+    ssm_step,
+)
+from memengine.engine.kernels.embedding import embedding_forward
+from memengine.engine.kernels.rmsnorm import rmsnorm_forward
+from memengine.engine.runtime import BindingError, Recorder, Runtime, Tensor, dispatch_groups
+
+STOP_LENGTH, STOP_EOS, STOP_TEXT, STOP_INTERRUPTED = "length", "eos", "stop", "interrupted"
+
+
+@dataclass
+class GenerateResult:
+    prompt_tokens: int
+    tokens: list           # new token ids (an EOS id that ended the text included)
+    text: str              # their text (without the EOS token or the stop string and what follows it)
+    stop: str              # "length" | "eos" | "stop" | "interrupted" (Ctrl-C: the tokens so far)
+    ttft_s: float          # prompt submitted -> first new token on the host
+    decode_s: float        # first token -> last token on the host
+    elapsed_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: the tokens after the first, per second after the first (the first
+        token's time, which includes the prompt, is `ttft_s`)."""
+        n = len(self.tokens)
+        if n > 1 and self.decode_s > 0:
+            return (n - 1) / self.decode_s
+        return n / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "tokens": [int(t) for t in self.tokens], "text": self.text,
+                "stop": self.stop, "tokens_per_s": self.tokens_per_s, "ttft_s": self.ttft_s,
+                "elapsed_s": self.elapsed_s}
+
+
+def eos_token_ids(tokenizer, config, checkpoint_dir=None) -> frozenset:
+    """The ids that end a text, as transformers' generate takes them: generation_config.json's
+    `eos_token_id` (an id or a list) beside the checkpoint, else config.json's; none with the
+    built-in byte-level tokenizer, whose 256 ids are all text (the config's default eos id 0
+    is the NUL byte there).  Ids outside the vocabulary are ignored."""
+    if getattr(tokenizer, "name", "") == "bytes":
+        return frozenset()
+    eos = getattr(config, "eos_token_id", None)
+    if checkpoint_dir is not None:
+        gc = Path(checkpoint_dir) / "generation_config.json"
+        if gc.is_file():
+            try:
+                eos = json.loads(gc.read_text(encoding="utf-8")).get("eos_token_id", eos)
+            except (OSError, ValueError, AttributeError):
+                pass  # an unreadable side file: the config's id stands
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    return frozenset(int(i) for i in ids
+                     if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size)
+
+
+# ---------------------------------------------------------------------------- GPU side
+class _Program(Recorder):
+    """A fixed list of dispatches, resolved to (pipeline, bind group, grid) once and replayed
+    into any command encoder.  The op wrappers record into it as into a Recorder."""
+
+    def __init__(self, rt: Runtime):  # no encoder: nothing is encoded until replay
+        self.rt = rt
+        self.ops: list = []
+        self.dispatches = 0
+
+    def dispatch(self, shader, entry, bindings, groups, constants=None):
+        groups = dispatch_groups(groups)
+        if groups is None:
+            return
+        pl = self.rt.pipeline(shader, entry, constants)
+        self.ops.append((pl, self.rt.bind_group(pl, bindings), groups))
+        self.dispatches += 1
+
+    def copy(self, src, dst):  # pragma: no cover - the decode step has none
+        raise NotImplementedError("a _Program holds dispatches only")
+
+    clear = copy
+
+    def submit(self):  # pragma: no cover
+        raise NotImplementedError("replay a _Program with encode()")
+
+    def encode(self, encoder) -> None:
+        p = encoder.begin_compute_pass()
+        last = None
+        for pl, bg, g in self.ops:
+            if pl is not last:
+                p.set_pipeline(pl)
+                last = pl
+            p.set_bind_group(0, bg)
+            p.dispatch_workgroups(*g)
+        p.end()
+
+
+class Decoder:
+    """Recurrent decoding state and buffers for one model, batch 1, made once."""
+
+    RING = 4  # token slots the sampler writes in turn (the host reads one step behind)
+
+    def __init__(self, model):
+        rt, c = model.rt, model.cfg
+        self.model, self.rt, self.cfg = model, rt, c
+        E, Di, N, R, K, V = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.conv_kernel, c.vocab_size
+        self.dims = (E, Di, N, R, K, V)
+        e = rt.empty
+        self._tensors = [
+            e((E,), name="dec.h"), e((E,), name="dec.un"), e((1,), name="dec.rstd"), e((2 * Di,), name="dec.xz"),
+            e((Di,), name="dec.xc"), e((R + 2 * N,), name="dec.xdbl"), e((Di,), name="dec.y"),
+            e((E,), name="dec.hf"), e((1,), name="dec.rstd_f"), e((V,), name="dec.logits"),
+            e((2 + self.RING,), "i32", "dec.io")]
+        (self.h, self.un, self.rstd, self.xz, self.xc, self.xdbl, self.y, self.hf, self.rstd_f, self.logits,
+         self.io) = self._tensors
+        if c.is_falcon:  # falcon_mamba: dt_low, B, C each through a weightless RMS norm
+            self.xdbl_n = e((R + 2 * N,), name="dec.xdbl_n")
+            self.mixer_rstd = e((3,), name="dec.mixer_rstd")
+            self.ones = rt.upload(np.ones(max(R, N), np.float32), name="dec.ones")
+            self._tensors += [self.xdbl_n, self.mixer_rstd, self.ones]
+        else:
+            self.xdbl_n = self.xdbl
+        nl = c.num_hidden_layers
+        self.conv = [e((max(K - 1, 1), Di), name=f"dec.conv{i}") for i in range(nl)]
+        self.ssm = [e((Di, N), name=f"dec.ssm{i}") for i in range(nl)]
+        self.consts = [e((Di * N + 2 * Di,), name=f"dec.consts{i}") for i in range(nl)]
+        self._tensors += self.conv + self.ssm + self.consts
+        u = rt.wgpu.BufferUsage
+        self._readback = [rt.device.create_buffer(label=f"dec.readback{i}", size=4, usage=u.MAP_READ | u.COPY_DST)
+                          for i in range(2)]
+        self._readback_tensor = [Tensor(b, (1,), "i32", 0, b.label) for b in self._readback]
+        self._step = None
+        self._step_key = None
+
+    def close(self) -> None:
+        """Give the buffers back to the runtime's pool."""
+        for t in self._tensors:
+            self.rt.free(t)
+        self._tensors = []
+
+    def _head(self) -> Tensor:
+        p = self.model.params
+        return p.lm_head if p.lm_head is not None else p.embeddings
+
+    # -- recording
+    def _record_step(self, rec, sampling) -> None:
+        """One token: embed io[1], every layer's step, final norm, LM head, and (when
+        `sampling` is given) the sampler."""
+        E, Di, N, R, K, V = self.dims
+        c, p = self.cfg, self.model.params
+        lora = self.model.lora
+        eps = c.layer_norm_epsilon
+        embedding_forward(rec, self.h, self.io.view((1,), 1), p.embeddings)
+        for i, lp in enumerate(p.layers):
+            rmsnorm_forward(rec, self.un, self.rstd, self.h, lp.norm_weight, eps)
+            matvec(rec, self.xz, lp.in_proj_weight, self.un, lp.in_proj_bias, rows=2 * Di, K=E)
+            if lora is not None:  # a LoRA adapter, applied without merging
+                lora.step(rec, i, "in_proj", self.un, self.xz)
+            conv_step(rec, self.xc, self.conv[i], self.xz, lp.conv1d_weight, lp.conv1d_bias, Di=Di, K=K)
+            matvec(rec, self.xdbl, lp.x_proj_weight, self.xc, rows=R + 2 * N, K=Di)
+            if lora is not None:
+                lora.step(rec, i, "x_proj", self.xc, self.xdbl)
+            if c.is_falcon:
+                for j, (col, w) in enumerate(((0, R), (R, N), (R + N, N))):
+                    rmsnorm_forward(rec, self.xdbl_n, self.mixer_rstd.view((1,), j), self.xdbl,
+                                    self.ones.view((w,)), c.mixer_rms_eps, col=col, ld=R + 2 * N)
+            ssm_step(rec, self.y, self.ssm[i], self.xc, self.xdbl_n, self.xz, lp.dt_proj_weight, self.consts[i],
+                     Di=Di, N=N, R=R)
+            matvec(rec, self.h, lp.out_proj_weight, self.y, lp.out_proj_bias, rows=E, K=Di, acc=True)
+        rmsnorm_forward(rec, self.hf, self.rstd_f, self.h, p.norm_f, eps)
+        matvec(rec, self.logits, self._head(), self.hf, rows=V, K=E)
+        if sampling is not None:
+            sample(rec, self.io, self.logits, V=V, **sampling)
+
+    def _record_prefill(self, rec, ids: np.ndarray, sampling) -> None:
+        E, Di, N, R, K, V = self.dims
+        m, p = self.model, self.model.params
+        L = int(ids.size)
+        try:  # without gradients: the layers share one set of activations (handed over per layer)
+            ws = m.workspace(1, L, grad=False)
+        except MemengineError as e:
+            raise MemengineError(f"the prompt ({L} tokens) is too long for this adapter: {e}") from None
+        m.write_batch(ws, ids.reshape(1, L))
+        rec.clear(self.io)
+
+        def handover(rec, i):  # layer i's recurrent state, from its activations in the workspace
+            lp = p.layers[i]
+            pack_layer_constants(rec, self.consts[i], lp.A_log, lp.dt_proj_bias, lp.D, Di=Di, N=N)
+            conv_prefill(rec, self.conv[i], ws.xz[i], L=L, Di=Di, K=K)
+            ssm_prefill(rec, self.ssm[i], ws.states[i], ws.xc[i], ws.delta[i], ws.xdbl_n[i], self.consts[i],
+                        L=L, Di=Di, N=N, R=R)
+
+        try:
+            m.record_forward(rec, ws, after_layer=handover)
+        except BindingError as e:  # one sequence must fit a binding (conv1d, scan); their advice is train's
+            why = str(e).replace("; a smaller --seq-len helps", "")
+            raise MemengineError(f"the prompt ({L} tokens) is too long for this adapter: {why}") from None
+        matvec(rec, self.logits, self._head(), ws.hf.view((E,), (L - 1) * E), rows=V, K=E)
+        if sampling is not None:
+            sample(rec, self.io, self.logits, V=V, **sampling)
+
+    # -- forced tokens (tests, scoring): logits after each position
+    def prefill_logits(self, ids) -> np.ndarray:
+        """Run the prompt; return the logits [V] that follow it."""
+        ids = self._check_ids(ids)
+        rec = self.rt.recorder()
+        self._record_prefill(rec, ids, None)
+        rec.submit()
+        return self.rt.read(self.logits)
+
+    def push_logits(self, token: int) -> np.ndarray:
+        """Feed one token through the recurrent step; return the logits [V] that follow it."""
+        self._check_ids([token])
+        self.rt.write(self.io.view((1,), 1), np.array([token], np.int32))
+        rec = self.rt.recorder()
+        self._record_step(rec, None)
+        rec.submit()
+        return self.rt.read(self.logits)
+
+    def _check_ids(self, ids) -> np.ndarray:
+        a = np.ascontiguousarray(np.asarray(ids).reshape(-1), np.int32)
+        if a.size == 0:
+            raise MemengineError("the prompt is empty: at least one token is needed")
+        V = self.cfg.vocab_size
+        if a.min() < 0 or a.max() >= V:
+            bad = int(a[(a < 0) | (a >= V)][0])
+            raise MemengineError(f"prompt token id {bad} is outside the model's vocabulary (size {V})")
+        return a
+
+    # -- sampling loop
+    def _program(self, sampling: dict) -> _Program:
+        key = tuple(sorted(sampling.items()))
+        if self._step_key != key:
+            prog = _Program(self.rt)
+            self._record_step(prog, sampling)
+            self._step, self._step_key = prog, key
+        return self._step
+
+    def _submit_step(self, prog: _Program, t: int) -> None:
+        enc = self.rt.device.create_command_encoder()
+        prog.encode(enc)
+        self._fetch(enc, t)
+        self.rt.device.queue.submit([enc.finish()])
+
+    def _fetch(self, encoder, t: int) -> None:
+        slot = 2 + t % self.RING
+        encoder.copy_buffer_to_buffer(self.io.buffer, self.io.offset + 4 * slot, self._readback[t % 2], 0, 4)
+
+    def _read(self, t: int) -> int:
+        buf = self._readback[t % 2]
+        buf.map_sync(self.rt.wgpu.MapMode.READ)
+        try:
+            return int(np.frombuffer(buf.read_mapped(), dtype=np.int32)[0])
+        finally:
+            buf.unmap()
+
+    def run(self, ids, n_max: int, sampling: dict, on_token) -> tuple[float, float]:
+        """Prompt, then up to n_max tokens; `on_token(t, id)` gets each on the host in order
+        and returns True to stop.  Returns (time to the first token, time after it)."""
+        ids = self._check_ids(ids)
+        n_max = int(n_max)
+        prog = self._program(sampling)
+        t0 = time.perf_counter()
+        rec = self.rt.recorder()
+        self._record_prefill(rec, ids, sampling)
+        rec.copy(self.io.view((1,), 2), self._readback_tensor[0])
+        rec.submit()
+        t_first = None
+        for t in range(n_max):
+            if t + 1 < n_max:
+                self._submit_step(prog, t + 1)   # queued before token t is read: the GPU keeps going
+            tok = self._read(t)
+            if t_first is None:
+                t_first = time.perf_counter()
+            if on_token(t, tok):
+                break
+        t_end = time.perf_counter()
+        return t_first - t0, t_end - t_first
+
+
+# ---------------------------------------------------------------------------- text side
+class _TextStream:
+    """Token ids in, text out: what can be shown so far (no half UTF-8 character, nothing
+    that may turn out to be the start of a stop string) and where a stop string begins."""
+
+    def __init__(self, decode, stops: tuple):
+        self.decode = decode
+        self.stops = tuple(stops)
+        self.ids: list = []
+        self.shown = 0          # characters handed out so far
+        self.text = ""
+        self.stopped = False
+
+    def push(self, tok: int) -> str:
+        self.ids.append(int(tok))
+        prev = len(self.text)
+        self.text = self.decode(self.ids)
+        if self.stops:
+            start = max(0, prev - max(len(s) for s in self.stops))
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
+                return self._take(len(self.text))
+        end = len(self.text)
+        while end > self.shown and self.text[end - 1] == "\ufffd":   # maybe a character cut in half
+            end -= 1
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, end), 0, -1):
+                if self.text.endswith(s[:k], 0, end):
+                    hold = max(hold, k)
+                    break
+        return self._take(end - hold)
+
+    def finish(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        if end <= self.shown:
+            return ""
+        out = self.text[self.shown:end]
+        self.shown = end
+        return out
+
+
+def read_prompt(value: str, stdin=None) -> str:
+    """--prompt TEXT as given, or '-' for all of stdin (UTF-8, a leading BOM dropped; the
+    text is kept exactly, a final newline included, as eval reads data)."""
+    if value != "-":
+        return value
+    import sys
+
+    stream = stdin if stdin is not None else getattr(sys.stdin, "buffer", sys.stdin)
+    raw = stream.read()
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8")
+    return decode_utf8(raw, "--prompt -: stdin")
+
+
+def prompt_ids(tokenizer, text: str, vocab_size: int) -> np.ndarray:
+    """The prompt's token ids, tokenized as eval tokenizes data (no special tokens)."""
+    from memengine.engine.io.data import check_vocab
+
+    ids = np.asarray(tokenizer.encode(text)).reshape(-1)
+    if ids.size == 0:
+        raise MemengineError("--prompt: empty; at least one token is needed")
+    check_vocab(ids, vocab_size, "--prompt")
+    return ids
+
+
+def check_prompt_fits(rt, cfg, n_tokens: int) -> None:
+    """The memory plan of the prompt's pass (an evaluation of one sequence, engine/plan.py),
+    before anything is uploaded: one MemengineError line when it cannot work, saying how
+    long a prompt can be (the plan's own advice names eval's flags)."""
+    from memengine.engine.app.plan import Limits, estimate
+
+    lim = Limits.of(rt)
+
+    def plan(n):
+        return estimate(cfg, 1, n, "eval", lim, eval_passes=())
+
+    p = plan(n_tokens)
+    if p.ok:
+        return
+    what = re.sub(r"at --seq-len (\d+)", r"of \1 tokens", p.problems[0][0])  # the plan speaks of eval's flags
+    if any(not grows for _, grows in p.problems):
+        raise MemengineError(f"{what}; no prompt length can help on this adapter")
+    lo, hi = 0, n_tokens - 1                     # the longest prompt that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if plan(mid).ok else (lo, mid - 1)
+    raise MemengineError(f"the prompt ({n_tokens} tokens) is too long for this adapter: {what}; "
+                         + (f"at most {lo} tokens fit" if lo else "no prompt length can help"))
+
+
+def generate(model, prompt_ids, opts: SamplingOptions, *, decode, eos_id=None,
+             on_text=None, on_token=None, decoder: Decoder | None = None) -> GenerateResult:
+    """Continue `prompt_ids` (a 1-D sequence of ids) with up to opts.max_new_tokens tokens.
+
+    `decode(ids) -> str` is the tokenizer's decode.  Stops at max_new_tokens ("length"), at
+    `eos_id` (an id or a collection of ids: "eos"), or when the text contains one of
+    opts.stop ("stop").  `on_text(str)` receives the text as it becomes final; `on_token(id)`
+    every new id, after its text went to `on_text`: a KeyboardInterrupt raised there (or
+    while the GPU works) ends the text there, "interrupted", with the tokens so far.  A
+    `decoder` made for this model may be passed to reuse its buffers."""
+    opts.validate()
+    ids = np.asarray(prompt_ids).reshape(-1)
+    own = decoder is None
+    dec = decoder if decoder is not None else Decoder(model)
+    sampling = dict(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
+                    seed=int(opts.seed))
+    eos = frozenset() if eos_id is None else frozenset([eos_id] if isinstance(eos_id, (int, np.integer)) else eos_id)
+    stream = _TextStream(decode, opts.stop)
+    tokens: list = []
+    arrivals: list = []
+    reason = [STOP_LENGTH]
+
+    def on_tok(t: int, tok: int) -> bool:
+        tokens.append(tok)
+        arrivals.append(time.perf_counter())
+        done = False
+        if tok in eos:
+            reason[0], done = STOP_EOS, True
+        else:
+            piece = stream.push(tok)
+            if piece and on_text is not None:
+                on_text(piece)
+            if stream.stopped:
+                reason[0], done = STOP_TEXT, True
+        if on_token is not None:
+            on_token(tok)
+        return done
+
+    t0 = time.perf_counter()
+    try:
+        dec.run(ids, opts.max_new_tokens, sampling, on_tok)
+    except KeyboardInterrupt:
+        reason[0] = STOP_INTERRUPTED
+    finally:
+        if own:
+            dec.close()
+    rest = stream.finish()
+    if rest and on_text is not None:
+        on_text(rest)
+    ttft = arrivals[0] - t0 if arrivals else time.perf_counter() - t0
+    decode_s = arrivals[-1] - arrivals[0] if arrivals else 0.0
+    return GenerateResult(prompt_tokens=int(ids.size), tokens=tokens, text=stream.text, stop=reason[0],
+                          ttft_s=ttft, decode_s=decode_s, elapsed_s=time.perf_counter() - t0)

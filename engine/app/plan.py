@@ -1,0 +1,383 @@
+"""Memory plan of a run: what `eval`, `train` or `adapt` will allocate, checked before any upload.
+
+WebGPU tells a program two limits and no memory size: the largest buffer
+(`max_buffer_size`) and the largest storage binding (`max_storage_buffer_binding_size`).
+The plan checks, for a batch of B windows of L tokens:
+
+1. every single buffer fits the largest buffer: each parameter tensor (the parameter and
+   gradient stores take as many buffers as they need, but one tensor cannot be cut), each
+   moment and each activation;
+2. every unit of work the kernels cannot split fits one storage binding: one row of the
+   embedding table and of the logits, one sequence of the conv1d and selective scan, the
+   embedding's scatter plan (everything larger is processed in ranges);
+3. the total fits the memory budget when there is one: `MEMENGINE_MAX_MEMORY_BYTES` when
+   set; else, for a CPU adapter (lavapipe, llvmpipe: its buffers are host memory), the
+   host memory available (`hostmem.available_bytes`: MemAvailable, else the physical
+   size); for a GPU no budget is known, so only 1 and 2 are
+   checked and the total is reported.
+
+A refusal is one line naming the figure and the flag that would help: the largest
+--batch-size or --seq-len that passes all three checks, and no flag at all when the
+weights alone (parameters, gradients, moments) do not fit: no flag can shrink those.
+
+The figures mirror what the code allocates: the parameter store layout
+(`model.store_layout`), the workspace table (`model.workspace_shapes`), the moments, and the
+kernels' scratch (scan work, split-K partial products, reduction partials).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memengine.engine import hostmem
+from memengine.engine.errors import MemengineError
+from memengine.engine.kernels import conv1d as _conv1d
+from memengine.engine.kernels import rmsnorm as _rmsnorm
+from memengine.engine.kernels.lanes import cpu_lanes
+from memengine.engine.kernels.matmul import splitk_slices
+from memengine.engine.kernels.scan import channels_per_workgroup, sequence_scratch, sequence_windows
+from memengine.engine.models.mamba1.config import MambaConfig, expected_shapes
+from memengine.engine.models.mamba1.model import logits_chunk_rows, store_layout, workspace_shapes
+from memengine.engine.runtime import BindingError, binding_refusal, cdiv, env_bytes, fmt_bytes, split
+
+KINDS = ("eval", "train", "adapt")
+ENV_MAX_MEMORY = "MEMENGINE_MAX_MEMORY_BYTES"
+
+
+@dataclass
+class Limits:
+    """What a plan is checked against (attribute names as on `gpu.Runtime`, so `gpu.split`
+    and the ops' sizing helpers accept it)."""
+
+    max_buffer: int
+    max_binding: int
+    storage_align: int = 256
+    adapter_max_binding: int = 0
+    memory: int | None = None        # bytes a run may use in all; None: not known
+    memory_source: str = "unknown (a GPU reports no memory size)"
+    lanes: bool = False              # the 8-lane kernels run (ops/lanes.py: CPU adapters)
+
+    def __post_init__(self):
+        self.adapter_max_binding = self.adapter_max_binding or self.max_binding
+
+    @classmethod
+    def of(cls, rt) -> "Limits":
+        memory, source = memory_budget(getattr(rt, "adapter_type", ""))
+        return cls(rt.max_buffer, rt.max_binding, rt.storage_align, rt.adapter_max_binding, memory, source,
+                   cpu_lanes(rt))
+
+    def to_dict(self) -> dict:
+        return {"max_buffer_bytes": self.max_buffer, "max_binding_bytes": self.max_binding,
+                "memory_bytes": self.memory, "memory_source": self.memory_source}
+
+
+def memory_budget(adapter_type: str) -> tuple[int | None, str]:
+    """(bytes, where the figure comes from) a run may use, or (None, why unknown)."""
+    forced = env_bytes(ENV_MAX_MEMORY)
+    if forced is not None:
+        return forced, ENV_MAX_MEMORY
+    if str(adapter_type).lower() == "cpu":  # its buffers are host memory
+        avail, source = hostmem.available_bytes()
+        if avail is not None:
+            return avail, f"host memory, {source}"
+    return None, "unknown (a GPU reports no memory size; set MEMENGINE_MAX_MEMORY_BYTES to check one)"
+
+
+def _buf(nbytes: int) -> int:
+    """Bytes `Runtime.empty` allocates for nbytes (16-byte multiples)."""
+    return max(16, (int(nbytes) + 15) // 16 * 16)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+@dataclass
+class Plan:
+    kind: str
+    batch_size: int
+    seq_len: int
+    parts: dict = field(default_factory=dict)     # parameters, gradients, ... -> bytes
+    buffers: list = field(default_factory=list)   # (what, bytes, grows with B x L)
+    units: list = field(default_factory=list)     # (what, bytes, grows with B x L, limit kind)
+    problems: list = field(default_factory=list)  # (message, grows with B x L)
+    eval_passes: tuple = ()                       # batches of each evaluation pass
+    trace_steps: int = 1
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.parts.values()))
+
+    @property
+    def fixed(self) -> int:
+        """Bytes that no --batch-size or --seq-len changes."""
+        return int(sum(self.parts.get(k, 0) for k in ("parameters", "gradients", "moments")))
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def largest_buffer(self) -> tuple[str, int]:
+        return max(((w, b) for w, b, _ in self.buffers), key=lambda x: x[1], default=("", 0))
+
+    def largest_unit(self) -> tuple[str, int]:
+        return max(((w, b) for w, b, _, k in self.units if k == "tensor"), key=lambda x: x[1], default=("", 0))
+
+    def to_dict(self) -> dict:
+        lb, lu = self.largest_buffer(), self.largest_unit()
+        return {"kind": self.kind, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                "bytes": dict(self.parts), "total_bytes": self.total,
+                "largest_buffer": {"what": lb[0], "bytes": lb[1]},
+                "largest_unsplittable_binding": {"what": lu[0], "bytes": lu[1]},
+                "ok": self.ok, "problem": self.problems[0][0] if self.problems else None}
+
+
+def _trainable(kind: str, names: list) -> list:
+    if kind == "train":
+        return list(names)
+    if kind == "adapt":
+        return [n for n in names if ".mixer.x_proj." in n]
+    return []
+
+
+def _store_bytes(shapes: dict, lim: Limits) -> int:
+    """Bytes of a FlatStore of `shapes` (model.store_layout: aligned views, segments)."""
+    _, segments = store_layout(shapes, lim.storage_align // 4, lim.max_buffer)
+    return sum(4 * n for n in segments)
+
+
+def _linears(cfg: MambaConfig) -> list:
+    """(out features, in features) of every linear layer of one Mamba layer."""
+    E, Di, N, R = cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank
+    return [(2 * Di, E), (R + 2 * N, Di), (Di, R), (E, Di)]
+
+
+def _splitk_scratch(lim: Limits, products: set) -> int:
+    """Bytes of the split-K partial products (one scratch per product shape that splits;
+    none where matmul_lanes takes the products)."""
+    total = 0
+    if lim.lanes:
+        return 0
+    for M, N, K in products:
+        slices, _ = splitk_slices(lim, M, N, K)
+        if slices > 1:
+            total += _buf(4 * slices * M * N)
+    return total
+
+
+def default_eval_passes(kind: str) -> tuple:
+    """Batches per evaluation pass when the data is not known (`memengine info`): one batch
+    for eval and adapt (adapt measures perplexity before and after), none for train (no
+    held-out data)."""
+    return () if kind == "train" else (1,)
+
+
+def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Limits,
+             eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> Plan:
+    """The plan of one run (see the module docstring); problems are filled in.
+
+    `eval_passes`: the number of batches of each distinct evaluation the run makes (eval:
+    its data; adapt: its data, and held-out data if any; train: held-out data if any), for
+    the per-window sums (12 bytes a window); None: `default_eval_passes`.  `trace_steps`:
+    the steps a trainer's loss/norm trace holds (engine/loop.reads_apart).  `adapter`:
+    (tensor sizes, widths of its per-row buffers) of a LoRA adapter applied (lora.plan_sizes);
+    kind "lora" trains it: no gradient store for the base, moments for the adapter only."""
+    if kind not in KINDS + ("lora",):
+        raise ValueError(f"kind must be one of {KINDS + ('lora',)}")
+    a_sizes, a_rows = adapter or ((), ())
+    a_numel = sum(a_sizes)
+    B, L = int(batch_size), int(seq_len)
+    M = B * L
+    E, Di, N, R, V, K = (cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank,
+                         cfg.vocab_size, cfg.conv_kernel)
+    passes = default_eval_passes(kind) if eval_passes is None else tuple(int(n) for n in eval_passes)
+    plan = Plan(kind, B, L, eval_passes=passes, trace_steps=int(trace_steps))
+    shapes = dict(expected_shapes(cfg))
+    grad = kind != "eval"
+
+    # -- weights: parameter (and gradient) stores, moments
+    for name, shape in shapes.items():
+        plan.buffers.append((f"tensor {name}", 4 * _numel(shape), False))
+    try:
+        store = _store_bytes(shapes, lim)
+    except MemengineError as e:
+        plan.problems.append((str(e), False))
+        store = sum(4 * _numel(s) for s in shapes.values())
+    # an adapter's store: its tensors one after the other, each aligned for binding
+    a_store = _buf(4 * sum(-(-n // (lim.storage_align // 4)) * (lim.storage_align // 4) for n in a_sizes))
+    plan.parts["parameters"] = store + (a_store if a_sizes else 0)
+    # a store that trains whole has one flat moment pair per segment (optim.AdamW), else one
+    # pair per trained tensor; the gradient store holds the trained tensors only
+    trained = _trainable(kind, list(shapes))
+    if kind == "lora":
+        plan.parts["gradients"], plan.parts["moments"] = (a_store if a_sizes else 0), 2 * a_store
+    elif len(trained) == len(shapes):
+        plan.parts["gradients"], plan.parts["moments"] = store, 2 * store
+    else:
+        plan.parts["gradients"] = _store_bytes({n: shapes[n] for n in trained}, lim) if trained else 0
+        plan.parts["moments"] = sum(2 * _buf(4 * _numel(shapes[n])) for n in trained)
+
+    # -- activations (adapt also evaluates before training: a light workspace as well)
+    acts = 0
+    logits = 0
+    for g in ((False, True) if kind == "adapt" else (grad,)):
+        for name, (shape, _, copies) in workspace_shapes(cfg, B, L, g, lim.max_binding).items():
+            nbytes = _buf(4 * _numel(shape))
+            if name == "logits":
+                logits += nbytes
+                plan.buffers.append(("the logits chunk", nbytes, True))
+                continue
+            acts += copies * nbytes
+            plan.buffers.append((f"activation {name} [{' x '.join(map(str, shape))}]", 4 * _numel(shape), True))
+    plan.parts["activations"] = acts + sum(_buf(4 * M * w) for w in a_rows)
+    plan.parts["logits chunk"] = logits
+
+    # -- kernels' scratch
+    scratch = 0
+    db = channels_per_workgroup(lim.lanes, N)
+    try:
+        seqs = split(lim, B, lambda nb: sequence_windows(nb, L, Di, N, R),
+                     scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db, grad))
+    except BindingError:
+        seqs = [(0, 1)]
+    for nb in sorted({nb for _, nb in seqs}):
+        _, work = sequence_scratch(nb, L, Di, N, R, db)
+        scratch += _buf(work) if grad else 0
+    scratch += _buf(sequence_scratch(1, L, Di, N, R)[0])  # the forward's parameter copy, any B
+    scratch += _buf(4)  # the final norm's unused copy binding (ops/rmsnorm.py)
+    chunk = logits_chunk_rows(lim.max_binding, M, V)
+    products = {(M, o, i) for o, i in _linears(cfg)} | {(chunk, V, E)}
+    if grad:
+        products |= {(M, i, o) for o, i in _linears(cfg)} | {(o, i, M) for o, i in _linears(cfg)}
+        products |= {(chunk, E, V), (V, E, chunk)}
+        if kind == "train":  # the norms' and conv's weight gradients (adapt and LoRA compute none)
+            _, nch = _rmsnorm._chunks(lim, M, E)
+            scratch += _buf(4 * nch * E)
+            nch = _conv1d.partial_rows(B, L)
+            scratch += _buf(4 * nch * Di * (K + 1)) + _buf(4 * Di * K) + _buf(4 * Di)
+        else:  # the conv1d backward's unused partials binding
+            scratch += _buf(4 * Di)
+        n_partials = sum(cdiv(_numel(shapes[n]), 2048) + 1 for n in _trainable(kind, list(shapes)))
+        n_partials += sum(cdiv(n, 2048) + 1 for n in a_sizes) if kind == "lora" else 0
+        scratch += _buf(4 * max(1024, 1 << (n_partials - 1).bit_length()))
+    scratch += _splitk_scratch(lim, products) + _buf(4 * 1024)
+    # evaluation: top-1/top-5 hits per row, a batch's window sums, every batch's sums
+    if passes:
+        scratch += _buf(4 * 2 * M) + _buf(4 * 3 * B) + sum(_buf(4 * 3 * B * int(n)) for n in sorted(set(passes)))
+    if grad:  # the trainer's trace (loss and grad norm per step) and step loss
+        scratch += _buf(4 * 2 * max(1, int(trace_steps))) + _buf(4)
+    plan.parts["scratch"] = scratch
+
+    # -- units of work that must fit one binding
+    plan.units.append((f"one row of the embedding table ({E} values)", 4 * E, False, "tensor"))
+    plan.units.append((f"one row of logits ({V} values)", 4 * V, False, "tensor"))
+    plan.units.append((f"one sequence of the conv1d and selective scan at --seq-len {L} ({L} x {2 * Di} values)",
+                       max(sequence_windows(1, L, Di, N, R)), True, "tensor"))
+    plan.units.append((f"the selective scan's scratch for one sequence at --seq-len {L}",
+                       max(sequence_scratch(1, L, Di, N, R, backward=grad)),
+                       True, "adapter"))
+    if grad:
+        plan.units.append((f"the embedding's scatter plan for batch {B} x {L}", 4 * (2 + 3 * M), True, "tensor"))
+    _check(plan, lim)
+    return plan
+
+
+def _check(plan: Plan, lim: Limits) -> None:
+    slack = lim.storage_align - 4
+    shape = f"batch {plan.batch_size} x {plan.seq_len}"
+    for what, nbytes, grows, limit_kind in plan.units:
+        limit = lim.max_binding if limit_kind == "tensor" else lim.adapter_max_binding
+        if nbytes > limit - slack:
+            plan.problems.append((binding_refusal(what, nbytes, limit, slack), grows))
+    for what, nbytes, grows in plan.buffers:
+        if grows and nbytes > lim.max_buffer:  # (a weight too large: store_layout said so)
+            plan.problems.append((f"{what} for {shape} needs {fmt_bytes(nbytes)} in one GPU buffer but the "
+                                  f"adapter's largest buffer is {fmt_bytes(lim.max_buffer)}", grows))
+    if lim.memory is not None and plan.total > lim.memory:
+        avail = f"{fmt_bytes(lim.memory)} is available ({lim.memory_source})"
+        if plan.fixed > lim.memory:
+            parts = ", ".join(f"{k} {fmt_bytes(plan.parts[k])}" for k in ("parameters", "gradients", "moments")
+                              if plan.parts[k])
+            plan.problems.append((f"{plan.kind} needs {fmt_bytes(plan.fixed)} for the weights alone ({parts}) "
+                                  f"but {avail}", False))
+        else:
+            parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.parts.items() if v)
+            plan.problems.append((f"{plan.kind} of {shape} needs {fmt_bytes(plan.total)} ({parts}) but {avail}",
+                                  True))
+
+
+def _largest(ok, hi: int) -> int:
+    """Largest n in [1, hi] with ok(n) (ok monotone decreasing), or 0."""
+    if hi < 1 or not ok(1):
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
+    """The flag that would make `plan` pass, or a sentence saying that none can."""
+    B, L = plan.batch_size, plan.seq_len
+    none = "no --batch-size or --seq-len can help on this adapter"
+    if any(not grows for _, grows in plan.problems):
+        return none
+
+    def ok(b, n):  # the same text in windows of b x n: as many tokens per evaluation pass
+        passes = tuple(cdiv(k * B * L, b * n) for k in plan.eval_passes)
+        return estimate(cfg, b, n, plan.kind, lim, passes, plan.trace_steps).ok
+
+    b = _largest(lambda b: ok(b, L), B - 1)
+    if b:
+        return f"use --batch-size {b}" + (" or less" if b > 1 else "")
+    n = _largest(lambda n: ok(1, n), L - 1)
+    if n:
+        return f"use --seq-len {n} or less" + (" with --batch-size 1" if B > 1 else "")
+    return none
+
+
+def check_run(rt, cfg: MambaConfig, batch_size: int, seq_len: int, kind: str,
+              eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> Plan:
+    """Plan a run on `rt`'s adapter before anything is uploaded; MemengineError (exit 2) with
+    one line naming the figure and the flag that would help when it cannot work."""
+    lim = Limits.of(rt)
+    plan = estimate(cfg, batch_size, seq_len, kind, lim, eval_passes, trace_steps, adapter=adapter)
+    if not plan.ok:
+        raise MemengineError(f"{plan.problems[0][0]}; {advice(cfg, plan, lim)}")
+    return plan
+
+
+def min_binding(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str = "train") -> int:
+    """The smallest binding limit a run passes with (tests force it so every tensor splits)."""
+    lim = Limits(2**62, 2**62, 256, 2**62)
+    need = max(b for _, b, _, k in estimate(cfg, batch_size, seq_len, kind, lim).units if k == "tensor")
+    return need + 256
+
+
+PLAN_ROWS = ("parameters", "gradients", "moments", "activations", "logits chunk", "scratch")
+
+
+def report(cfg: MambaConfig, batch_size: int, seq_len: int, lim: Limits) -> dict:
+    """The plans of eval, train and adapt for one shape (what `memengine info` shows)."""
+    out = {"batch_size": int(batch_size), "seq_len": int(seq_len), "limits": lim.to_dict()}
+    for kind in KINDS:
+        p = estimate(cfg, batch_size, seq_len, kind, lim)
+        d = p.to_dict()
+        d["advice"] = None if p.ok else advice(cfg, p, lim)
+        out[kind] = d
+    return out
+
+
+def report_rows(rep: dict) -> list:
+    """Rows (item, eval, train, adapt) of a `report` for a table."""
+    rows = [(k, *(fmt_bytes(rep[kind]["bytes"][k]) for kind in KINDS)) for k in PLAN_ROWS]
+    rows.append(("total", *(fmt_bytes(rep[kind]["total_bytes"]) for kind in KINDS)))
+    rows.append(("fits", *("yes" if rep[kind]["ok"] else "no" for kind in KINDS)))
+    return rows

@@ -1,0 +1,528 @@
+"""Runs: `run_eval`, `run_train`, `run_adapt`, `run_generate` take an options dataclass (engine/options.py)
+and a `Listener` (engine/listener.py), do the whole job and return a result; the command
+line only parses and renders.
+
+A training run: open the checkpoint (or the --resume checkpoint), tokenizer, data and
+runtime; check the optimizer state; run the training loop (engine/loop.py) with periodic
+checkpoints written by `_Run.save_step`; then write OUT (engine/staging.py) with the
+model, optimizer state, trainer state and run record (engine/records.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from memengine.engine import interrupts, lora
+from memengine.engine.app import records
+from memengine.engine.app.options import AdaptOptions, EvalOptions, GenerateOptions, TrainOptions
+from memengine.engine.app.setup import open_model, open_runtime, open_tokenizer, resolve, tokenizer_file
+from memengine.engine.errors import Interrupted, MemengineError, NonFiniteError
+from memengine.engine.io import staging
+from memengine.engine.io.data import make_batches, make_windows, read_sources, token_stream
+from memengine.engine.io.resolve import public_path
+from memengine.engine.listener import Listener
+from memengine.engine.train import adapt as wsla
+from memengine.engine.train import optim_state, snapshots
+from memengine.engine.train.loop import LoopState, TrainingLoop, reads_apart
+from memengine.engine.train.sampler import split_windows
+from memengine.engine.train.trainer import EvalResult, Trainer, evaluate
+
+STATE_VERSION = 1
+
+
+# =========================================================================== eval
+@dataclass
+class EvalReport:
+    checkpoint: str
+    result: EvalResult
+    adapter: str
+    compare: Optional[str] = None
+    other: Optional[EvalResult] = None
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        if self.other is None:
+            return self.result.to_dict()
+        a, b = self.result.to_dict(), self.other.to_dict()
+        return {"a": {"checkpoint": self.checkpoint, **a}, "b": {"checkpoint": self.compare, **b},
+                "difference": {k: b[k] - a[k] for k in a if k != "tokens"}}
+
+
+def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, verbose: bool,
+                         phase: str, base: Optional[str] = None) -> tuple[EvalResult, str]:
+    opened = lora.open_source(ref, base=base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning)
+    c = opened.ckpt
+    tok = open_tokenizer(c, lora.adapter_tokenizer(opened.adapter, o.tokenizer))
+    stream = token_stream(docs, source, tok, c.config.vocab_size)
+    batches = make_batches(make_windows(stream.ids, o.seq_len), o.batch_size, o.seq_len)
+    rt = open_runtime(o.device, verbose)
+    listener.on_adapter(rt.describe())
+    ad = opened.adapter
+    model = open_model(rt, c, "eval", o.batch_size, o.seq_len, eval_passes=(len(batches),),
+                       adapter=None if ad is None else lora.plan_sizes(c.config, ad.spec, ad.tensors, train=False))
+    if ad is not None:
+        model.lora = lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)
+
+    def progress(i, n):
+        listener.on_eval_progress(phase, i, n)
+        interrupts.check()
+
+    with interrupts.deferred():
+        return evaluate(model, batches, on_progress=progress), rt.describe()
+
+
+def run_eval(o: EvalOptions, listener: Listener | None = None, *, verbose: bool = False) -> EvalReport:
+    """Loss, perplexity, bits per token and top-1/top-5 accuracy of a checkpoint on some
+    text; with `compare`, of a second checkpoint on the same text too."""
+    listener = listener or Listener()
+    o.validate()
+    t0 = time.perf_counter()
+    # before reading the data (stdin is read once); an adapter's base is found when it is opened
+    a = o.ckpt if lora.is_adapter(o.ckpt) else resolve(o.ckpt, o.revision, o.model_type)
+    b = None
+    if o.compare is not None:
+        b = o.compare if lora.is_adapter(o.compare) else resolve(o.compare, None, o.model_type)
+    docs, source = read_sources(o.data)
+    res, adapter = _evaluate_checkpoint(a, docs, source, o, listener, verbose, str(o.ckpt), o.base)
+    rep = EvalReport(str(o.ckpt), res, adapter)
+    if b is not None:
+        other, _ = _evaluate_checkpoint(b, docs, source, o, listener, verbose, str(o.compare))
+        if other.tokens != res.tokens:
+            listener.on_warning(f"the two checkpoints tokenize the data differently ({res.tokens:,} vs "
+                                f"{other.tokens:,} tokens): per-token figures are not comparable")
+        rep.compare, rep.other = str(o.compare), other
+    rep.elapsed_s = time.perf_counter() - t0
+    return rep
+
+
+# =========================================================================== generate
+def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbose: bool = False, on_text=None):
+    """Continue --prompt with the checkpoint (engine/generate.py); `on_text(str)` gets the
+    new text as it becomes final.  Ctrl-C ends the text where it is: the result says
+    "interrupted" and holds the tokens so far."""
+    from memengine.engine.app.generate import (
+        STOP_INTERRUPTED,
+        check_prompt_fits,
+        eos_token_ids,
+        generate,
+        prompt_ids,
+        read_prompt,
+    )
+    from memengine.engine.models.mamba1.model import MambaModel
+
+    listener = listener or Listener()
+    o.validate()
+    ref = o.ckpt if lora.is_adapter(o.ckpt) else resolve(o.ckpt, o.revision, o.model_type)
+    text = read_prompt(o.prompt)
+    opened = lora.open_source(ref, base=o.base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning)
+    c, ad = opened.ckpt, opened.adapter
+    tok = open_tokenizer(c, lora.adapter_tokenizer(ad, o.tokenizer))
+    ids = prompt_ids(tok, text, c.config.vocab_size)
+    rt = open_runtime(o.device, verbose)
+    listener.on_adapter(rt.describe())
+    check_prompt_fits(rt, c.config, ids.size)
+    model = MambaModel.from_checkpoint(rt, c)
+    if ad is not None:  # applied on the GPU, not merged (prompt pass and every decoding step)
+        model.lora = lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)
+    res = None
+    try:
+        with interrupts.deferred():
+            res = generate(model, ids, o, decode=tok.decode, eos_id=eos_token_ids(tok, c.config, c.directory),
+                           on_text=on_text, on_token=lambda _id: interrupts.check())
+    except KeyboardInterrupt:
+        if res is None:
+            raise
+        res.stop = STOP_INTERRUPTED  # the signal came after the last token
+    return res
+
+
+# =========================================================================== train / adapt
+@dataclass
+class RunResult:
+    kind: str
+    output: Optional[Path]          # None when nothing was written (adapt rolled back)
+    state: LoopState
+    adapter: str
+    elapsed_s: float
+    adapt: Optional[wsla.AdaptResult] = None
+    best: Optional[dict] = None
+    exit_code: int = 0
+    checkpoints: Optional[Path] = None  # where the run's checkpoints are, when OUT's model was not written
+
+    def epochs(self) -> list[dict]:
+        return [e for e in self.state.history if e["event"] == "epoch"]
+
+    def summary(self) -> dict:
+        ep = self.epochs()
+        last_eval = self.state.last_eval
+        out = {"event": "summary"}
+        if self.adapt is not None:
+            out.update(self.adapt.summary())
+        out.update({
+            "output": None if self.output is None else str(self.output),
+            "final_loss": ep[-1]["loss"] if ep else float("nan"),
+            "first_loss": ep[0]["loss"] if ep else float("nan"),
+            "epochs": ep[-1]["epoch"] if ep else 0,
+            "steps": self.state.step,
+            "tokens": int(sum(e["tokens"] for e in ep)),
+            "elapsed_s": self.elapsed_s,
+            "adapter": self.adapter,
+        })
+        if last_eval is not None:
+            out["val_loss"] = last_eval["val_loss"]
+            out["val_perplexity"] = last_eval["val_perplexity"]
+        if self.best is not None:
+            out["best_step"] = self.best["step"]
+            out["best_val_loss"] = self.best["val_loss"]
+        return out
+
+
+class _Run:
+    """The set-up and the outputs of one train/adapt invocation."""
+
+    def __init__(self, o: TrainOptions, listener: Listener, verbose: bool):
+        self.o = o.validate()
+        self.listener = lis = listener
+        self.snap = snapshots.locate(o.resume) if o.resume is not None else None
+        snap = self.snap
+        if snap is not None and snap.kind != o.KIND:
+            raise MemengineError(f"--resume {o.resume}: that run was '{snap.kind}'; continue it with "
+                                 f"memengine {snap.kind} --resume")
+        self.out = Path(o.output) if o.output is not None else snap.run_dir
+        self.in_place = snap is not None and self.out.resolve() == snap.run_dir.resolve()
+        opened = lora.open_source(snap.dir if snap is not None else o.ckpt, revision=None if snap else o.revision,
+                                  model_type=None if snap else o.model_type, base=o.base, warn=lis.on_warning)
+        ref = opened.ref
+        inputs = self._inputs(ref.path) + [("the adapter", Path(p)) for p in
+                                           (opened.adapter and opened.adapter.path, o.lora_from) if p]
+        staging.check_output(self.out, o.force, inputs=inputs, owned=self.in_place, on_note=lis.on_note)
+        if self.in_place:
+            for note in staging.clean_leftovers(self.out / snapshots.CHECKPOINTS_DIR):
+                lis.on_note(note)
+        if self.in_place:
+            later = snapshots.later_steps(self.out, snap.step)
+            if later and not o.force:
+                raise MemengineError(
+                    f"--resume {o.resume}: {self.out} holds checkpoints after step {snap.step} "
+                    f"({later[0].name}, ...); continuing from step {snap.step} would mix two runs "
+                    "(use --force to delete them)")
+        self.input = str(snap.state.get("input")) if snap is not None else ref.public_name
+        if snap is not None:
+            self._check_same_run(snap.state.get("options") or {})
+
+        self.ckpt, self.ref = opened.ckpt, ref
+        # the base an adapter names: kept when it came as CKPT (or is resumed) and --base is not given
+        kept = opened.adapter.spec.base if opened.adapter is not None and o.base is None else None
+        self.lora = lora.for_run(o, opened.adapter, self.ckpt.config, kept or ref.public_name)
+        lr = self.lora
+        # the moments beside what the run starts from: the resumed step, CKPT, or the adapter a
+        # LoRA run continues (none for a fresh adapter, nor for one applied frozen: its moments
+        # are not x_proj's); checked against the shapes before any upload
+        if snap is not None:
+            opt_dir = snap.dir
+        elif lr is None:
+            opt_dir = self.ckpt.directory
+        else:
+            opt_dir = lr.source.path if lr.train and lr.source is not None else None
+        from memengine.engine.models.mamba1.config import expected_shapes
+
+        shapes = ({n: tuple(a.shape) for n, a in lr.tensors.items()} if lr is not None and lr.train
+                  else dict(expected_shapes(self.ckpt.config)))
+        opt_file = opt_dir / optim_state.OPTIMIZER_FILE if opt_dir is not None else None
+        opt_state = optim_state.load(opt_file, shapes) if opt_file is not None else None
+        if snap is not None and opt_state is None:
+            raise MemengineError(f"--resume {snap.dir}: no {optim_state.OPTIMIZER_FILE}; cannot continue exactly")
+        self.tok = open_tokenizer(self.ckpt, lora.adapter_tokenizer(self.lora and self.lora.source, o.tokenizer))
+        vocab = self.ckpt.config.vocab_size
+        docs, desc = read_sources(o.data)
+        self.stream = token_stream(docs, desc, self.tok, vocab)
+        windows = make_windows(self.stream.ids, o.seq_len)
+        self.all_windows = windows
+        val_windows = []
+        self.val_stream = None
+        if o.val_data:
+            vdocs, vdesc = read_sources(o.val_data, "--val-data")
+            self.val_stream = token_stream(vdocs, vdesc, self.tok, vocab, "--val-data")
+            val_windows = make_windows(self.val_stream.ids, o.seq_len)
+        elif o.val_fraction > 0:
+            train_idx, val_idx = split_windows(len(windows), o.val_fraction, o.seed)
+            val_windows = [windows[i] for i in val_idx]
+            windows = [windows[i] for i in train_idx]
+        self.windows = windows
+        self.val_batches = make_batches(val_windows, o.batch_size, o.seq_len) if val_windows else None
+        self.data_info = {"sha256": self.stream.fingerprint(), "tokens": int(self.stream.ids.size),
+                          "documents": self.stream.documents, "windows": len(self.all_windows)}
+        if self.val_stream is not None:
+            self.data_info["val_sha256"] = self.val_stream.fingerprint()
+        if snap is not None:
+            self._check_same_data(snap.state.get("data") or {})
+
+        self.rt = open_runtime(o.device, verbose)
+        self.adapter = self.rt.describe()
+        lis.on_adapter(self.adapter)
+        val = (len(self.val_batches),) if self.val_batches else ()
+        evals = (math.ceil(len(self.all_windows) / o.batch_size),) + val if o.WSLA else val
+        self.model = open_model(self.rt, self.ckpt, "lora" if lr and lr.train else o.KIND, o.batch_size, o.seq_len,
+                                eval_passes=evals, trace_steps=reads_apart(o, len(self.windows)),
+                                adapter=None if lr is None else lora.plan_sizes(self.ckpt.config, lr.spec, lr.tensors,
+                                                                                train=lr.train))
+        self.model.set_precision(o.precision)
+        if lr is not None:
+            self.model.lora = lora.LoraAdapter(self.rt, self.ckpt.config, lr.spec, lr.tensors, seed=o.seed,
+                                               train=lr.train)
+        if snap is None and opt_state is not None:
+            n = sum(1 for k in opt_state if k.endswith(".exp_avg"))
+            lis.on_note(f"resuming optimizer state from {opt_file} ({n} moments)")
+        self.state = LoopState.from_dict(snap.state.get("loop") or {}) if snap is not None else LoopState()
+        self.segments = list(snap.state.get("segments") or []) if snap is not None else []
+        self.segments.append(records.segment(self.adapter, None if snap is None else public_path(snap.dir),
+                                             self.state.step))
+        if snap is not None:
+            lis.on_note(f"resuming {snap.dir} at step {snap.step}")
+        self.trainer = Trainer(self.model, o, opt_state, wsla=o.WSLA,
+                               trace_capacity=reads_apart(o, len(self.windows)))
+        self.claimed = self.in_place
+        self.extra_state: dict = dict(snap.state.get("extra") or {}) if snap is not None else {}
+        title = f"{'adapt (WSLA)' if o.WSLA else 'train'} {o.ckpt if snap is None else snap.dir} -> {self.out}"
+        self.loop = TrainingLoop(self.trainer, self.windows, o, val_batches=self.val_batches, listener=lis,
+                                 state=self.state, on_save=self.save_step, title=title)
+        if self.in_place and o.force:
+            for d in snapshots.later_steps(self.out, snap.step):
+                staging.remove_dir(d)
+        lp = self.loop
+        what = (f"adapting {len(self.trainer.names)} x_proj tensor(s)" if o.WSLA
+                else f"training {len(self.trainer.names)} tensors")
+        if lr is not None and lr.train:
+            n = sum(t.numel for t in self.trainer.params.values())
+            what = (f"training a LoRA adapter (r {lr.spec.r}, alpha {lr.spec.alpha:g}, {', '.join(lr.spec.targets)}: "
+                    f"{len(self.trainer.names)} tensors, {n:,} parameters; the base is frozen)")
+        elif lr is not None:
+            what += f" with the adapter {lr.source.path} applied"
+        val = f", {sum(b.n_windows for b in lp.val_batches)} held out" if lp.val_batches else ""
+        lis.on_note(f"{what} on {self.stream.ids.size:,} tokens ({len(self.windows)} windows{val}; "
+                    f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
+                    + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else ""))
+
+    def _inputs(self, source: Path) -> list:
+        """(what, path) of every file the run reads: OUT may not be, contain or lie in one."""
+        o = self.o
+        items = [("the input checkpoint", source)]
+        items += [("the --data file", d) for d in o.data]
+        items += [("the --val-data file", d) for d in o.val_data]
+        if o.tokenizer not in (None, "bytes"):
+            items.append(("the --tokenizer file", o.tokenizer))
+        if getattr(o, "config_file", None) is not None:
+            items.append(("the --config file", o.config_file))
+        return items
+
+    # options that fix which windows each step sees: a resumed run keeps them
+    SAME_RUN = ("seq_len", "batch_size", "grad_accum", "seed", "shuffle", "val_fraction")
+
+    def _check_same_run(self, recorded: dict) -> None:
+        from memengine.engine.app.options import given
+
+        cls = type(self.o)
+        for key in self.SAME_RUN:
+            if key in recorded and recorded[key] != getattr(self.o, key):
+                raise MemengineError(
+                    f"--resume: {given(cls, key, getattr(self.o, key))} differs from the resumed run's "
+                    f"{given(cls, key, recorded[key])}; it decides which windows each step sees, so a resumed run "
+                    "keeps it")
+
+    def _check_same_data(self, rec: dict) -> None:
+        for key, flag in (("sha256", "--data"), ("val_sha256", "--val-data")):
+            if rec.get(key) != self.data_info.get(key):
+                raise MemengineError(
+                    f"--resume: {flag} is not the data the run was trained on (its tokens differ); a resumed "
+                    "run continues on the same data (start a new run from the checkpoint to train on other data)")
+
+    # ------------------------------------------------------------------ writing
+    def trainer_state(self) -> dict:
+        segs = [dict(s) for s in self.segments]
+        segs[-1]["last_step"] = self.state.step
+        options = self.o.to_dict(public=True)
+        for key in snapshots.RUN_RELATIVE:  # found again by --resume, wherever it is run from
+            options[key] = [snapshots.relative_to_run(d, self.out) for d in getattr(self.o, key)]
+        return {"format": snapshots.STATE_FORMAT, "version": STATE_VERSION, "kind": self.o.KIND,
+                "step": self.state.step, "epoch": (self.loop.order.state()["epoch"]), "input": self.input,
+                "options": options, "data": self.data_info, "extra": self.extra_state,
+                "segments": segs, "loop": self.loop.state_dict()}
+
+    def write_checkpoint(self, directory: Path, final: Path) -> None:
+        """Model (F32) or a LoRA run's adapter, optimizer state and trainer state into
+        `directory` (renamed to `final` afterwards).  An adapt with an adapter applied writes
+        the model with the adapter merged (what it evaluated)."""
+        import numpy as np
+        from memengine.engine.io.checkpoint import save_checkpoint, side_files
+
+        lr = self.lora
+        tensors = self.model.lora.state_dict() if lr and lr.train else self.model.state_dict()
+        for name, a in tensors.items():
+            if not np.all(np.isfinite(a)):
+                raise NonFiniteError(f"tensor {name} holds NaN/Inf after training")
+        tok = tokenizer_file(self.tok)
+        if lr and lr.train:
+            lora.write_run_adapter(directory, lr, tensors, tok)
+            optim_state.save(directory, self.trainer.optimizer_state())
+            state = self.trainer_state()
+            state["extra"] = {**state["extra"], "lora": {
+                "base_relative": None if self.ref.repo_id else snapshots.relative_to_run(str(self.ref.path), final)}}
+            staging.write_json(directory / snapshots.STATE_FILE, state)
+            return
+        if lr is not None:
+            tensors = lora.merged_tensors(tensors, lr.source)
+        save_checkpoint(directory, self.ckpt.config, tensors, dtype="F32", tokenizer_path=tok,
+                        extra_files=side_files(self.ckpt.directory, tok.parent if tok else None),
+                        metadata={"producer": f"memengine {records.version()}", "step": str(self.state.step)},
+                        max_shard_size=self.o.max_shard_size)
+        optim_state.save(directory, self.trainer.optimizer_state())
+        staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
+
+    def save_step(self, loop: TrainingLoop) -> Path:
+        if not self.claimed:
+            staging.claim_dir(self.out, self.o.force)
+            self.claimed = True
+        d = snapshots.step_dir(self.out, self.state.step)
+        with staging.staged_output(d, force=True, record=False) as tmp:
+            self.write_checkpoint(tmp, d)
+        best = self.state.best["step"] if (self.o.keep_best and self.state.best) else None
+        snapshots.prune(self.out, self.o.keep_last, keep=best)
+        return d
+
+    def publish(self, result: dict) -> Path:
+        """Write OUT: the final (or with --keep-best the best) model, optimizer and trainer
+        state, and memengine.json."""
+        st = self.state
+        result = {**result, "output": public_path(self.out)}  # no absolute local path in an output
+        if self.trainer.scaler is not None:  # --precision mixed: final loss scale, steps skipped
+            result.update(self.trainer.scaler.read())
+        best_dir = None
+        if self.o.keep_best and st.best is not None:
+            best_dir = snapshots.step_dir(self.out, st.best["step"])
+        ctx = staging.publish_files(self.out) if self.claimed else staging.staged_output(self.out, self.o.force)
+        with ctx as tmp:
+            if best_dir is not None and best_dir.is_dir():
+                for f in sorted(best_dir.iterdir()):
+                    if f.is_file():
+                        shutil.copyfile(f, tmp / f.name)
+            else:
+                self.write_checkpoint(tmp, self.out)
+            segs = [dict(s) for s in self.segments]
+            segs[-1].update(finished=records.now(), last_step=st.step)
+            rec = records.run_record(self.o.KIND, self.o.to_dict(public=True), input_path=self.input,
+                                     adapter=self.adapter,
+                                     segments=segs, history=st.history, result=result,
+                                     extra={"best": st.best} if self.o.keep_best else None)
+            staging.write_json(tmp / staging.RECORD_FILE, rec)
+        return self.out
+
+    def last_checkpoint(self) -> Optional[Path]:
+        steps = snapshots.list_steps(self.out) if self.claimed else []
+        return steps[-1][1] if steps else None
+
+    def left(self) -> str:
+        """What an interrupted or failed run leaves behind, for its one-line message."""
+        if interrupts.was_completed(self.out):
+            return f"{self.out} had been written completely and is kept"
+        last = self.last_checkpoint()
+        if last is None:
+            return "nothing was written"
+        return f"the last checkpoint is {last} (continue with --resume {self.out})"
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """A Ctrl-C/SIGTERM in here says what the run leaves behind."""
+        try:
+            yield
+        except Interrupted:
+            raise
+        except KeyboardInterrupt:
+            raise Interrupted(f"{interrupts.signal_name()}; {self.left()}") from None
+
+    def train(self) -> None:
+        try:
+            self.loop.run()
+        except NonFiniteError as e:
+            raise NonFiniteError(f"{e}; {self.left()}") from None
+
+
+def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: bool = False) -> RunResult:
+    """Fine-tune every parameter as `o` says and write OUT (see the module doc)."""
+    r = _Run(o, listener or Listener(), verbose)
+    with r.interruptible():
+        t0 = time.perf_counter()
+        r.train()
+        elapsed = time.perf_counter() - t0
+        res = RunResult("train", r.out, r.state, r.adapter, elapsed, best=r.state.best if o.keep_best else None)
+        summary = res.summary()
+        r.publish({k: v for k, v in summary.items() if k != "event"})
+    return res
+
+
+def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: bool = False) -> RunResult:
+    """WSLA as `o` says: perplexity before, training of x_proj, perplexity after, and
+    rollback (exit status 3, nothing written) on regression."""
+    lis = listener or Listener()
+    r = _Run(o, lis, verbose)
+    with r.interruptible():
+        return _adapt(r, o, lis)
+
+
+def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
+    batches = make_batches(r.all_windows, o.batch_size, o.seq_len)
+
+    def measure(phase: str) -> EvalResult:
+        def progress(i, n):
+            lis.on_eval_progress(f"perplexity {phase}", i, n)
+            interrupts.check()
+
+        with interrupts.deferred():
+            return evaluate(r.model, batches, on_progress=progress, fence=r.trainer.fence)
+
+    before = r.extra_state.get("before")
+    if before is None:
+        ev = measure("before")
+        if not math.isfinite(ev.perplexity):
+            raise MemengineError(f"perplexity of the input model on the adapt text is not finite "
+                                 f"({ev.perplexity}); the checkpoint cannot be adapted")
+        before = {"perplexity": ev.perplexity, "loss": ev.loss, "tokens": ev.tokens}
+        r.extra_state["before"] = before
+    start = wsla.snapshot(r.model)
+    t0 = time.perf_counter()
+    failure = ""
+    try:
+        r.train()
+    except NonFiniteError as e:
+        failure = f"non-finite training loss ({e})"
+    after = measure("after") if not failure else None
+    elapsed = time.perf_counter() - t0
+    ppl_after = after.perplexity if after is not None else float("nan")
+    reason = wsla.regression(before["perplexity"], ppl_after, o.tolerance, failure)
+    changed, max_abs = wsla.changes(start, r.model.state_dict(), r.trainer.names)
+    epochs = [e for e in r.state.history if e["event"] == "epoch"]
+    norms = [e["grad_norm"] for e in epochs]
+    rolled_back = bool(reason) and o.rollback
+    if rolled_back:
+        r.model.load_state_dict(start)
+    elif reason:
+        reason = "not rolled back (--no-rollback): " + reason
+    else:
+        reason = f"perplexity {before['perplexity']:.4f} -> {ppl_after:.4f} (within x{o.tolerance:g})"
+    result = wsla.AdaptResult(
+        perplexity_before=before["perplexity"], perplexity_after=ppl_after,
+        grad_norm=float(sum(norms) / len(norms)) if norms else float("nan"), rolled_back=rolled_back,
+        reason=reason, changed_tensors=changed, max_abs_delta=max_abs, loss_before=before["loss"],
+        loss_after=after.loss if after is not None else float("nan"))
+    res = RunResult("adapt", None if rolled_back else r.out, r.state, r.adapter, elapsed, adapt=result,
+                    best=r.state.best if o.keep_best else None, exit_code=3 if rolled_back else 0,
+                    checkpoints=(r.out / snapshots.CHECKPOINTS_DIR) if rolled_back and r.last_checkpoint() else None)
+    if not rolled_back:
+        summary = res.summary()
+        r.publish({k: v for k, v in summary.items() if k != "event"})
+    return res

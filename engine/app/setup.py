@@ -1,0 +1,67 @@
+"""Opening what a run works on: the checkpoint (a path or a model id), its tokenizer, the
+GPU runtime, and the model on it once the memory plan says the run fits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+
+def resolve(spec, revision: Optional[str] = None, model_type: Optional[str] = None, weights: bool = True):
+    """CKPT -> CheckpointRef (a local path as it is, else a model id through the HF cache;
+    `weights=False`: an uncached model id's weight headers from the Hub instead of its weights)."""
+    from memengine.engine.io.resolve import resolve_checkpoint
+
+    return resolve_checkpoint(spec, revision, model_type, weights=weights)
+
+
+def open_checkpoint(ref, warn: Optional[Callable[[str], None]] = None, read_tensors: bool = True):
+    """Load a resolved checkpoint (or only its config and headers: `read_tensors=False`);
+    the loader's assumptions go to `warn`."""
+    from memengine.engine.io.checkpoint import load_checkpoint
+
+    remote = list(ref.headers) if getattr(ref, "headers", None) else None
+    assert remote is None or not read_tensors, "a model id resolved without its weights has only headers"
+    c = load_checkpoint(ref.path, model_type=ref.model_type, read_tensors=read_tensors, headers=remote)
+    for w in c.warnings:
+        if warn is not None:
+            warn(w)
+    return c
+
+
+def open_tokenizer(ckpt, override: Optional[str]):
+    """--tokenizer, else the tokenizer.json beside the loaded checkpoint, else bytes."""
+    from memengine.engine.io.tokenizer import load_tokenizer
+
+    return load_tokenizer(ckpt.directory, override=override)
+
+
+def tokenizer_file(tok) -> Optional[Path]:
+    """The tokenizer.json a tokenizer was read from (copied into outputs), None for bytes."""
+    p = getattr(tok, "path", None)
+    return Path(p) if p else None
+
+
+def open_runtime(device: Optional[str], verbose: bool):
+    """The runtime for --device, its caches emptied: each command builds its own model, so
+    what an earlier one in this process (the demo runs several) left can go."""
+    from memengine.engine.runtime import get_runtime
+
+    rt = get_runtime(device or None, verbose=verbose)
+    rt.trim()
+    return rt
+
+
+def open_model(rt, ckpt, kind: str, batch_size: int, seq_len: int, eval_passes: tuple = (),
+               trace_steps: int = 1, adapter: tuple | None = None):
+    """The checkpoint's model on `rt`, after the memory plan of a `kind` run (eval, train,
+    adapt) at batch_size x seq_len passed (engine/plan.py; `eval_passes`: batches of each
+    evaluation the run makes, `trace_steps`: the trainer's trace): nothing is uploaded for
+    a run that cannot work, which is refused with one MemengineError line naming the figure
+    and the flag that would help.  `adapter`: (elements, per-row activation elements) of a
+    LoRA adapter applied (kind "lora": trained, the base frozen), engine/lora.plan_sizes."""
+    from memengine.engine.app.plan import check_run
+    from memengine.engine.models.mamba1.model import MambaModel
+
+    check_run(rt, ckpt.config, batch_size, seq_len, kind, eval_passes, trace_steps, adapter=adapter)
+    return MambaModel.from_checkpoint(rt, ckpt)

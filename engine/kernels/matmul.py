@@ -1,0 +1,363 @@
+"""Matrix products (shaders/matmul.wgsl) and the linear layer built on them.
+
+A linear layer computes Y[M, N] = X[M, K] W[N, K]^T + b.  Its backward is three more
+products of the same kernel: dX = dY W, dW += dY^T X, db += 1^T dY.
+
+An operand larger than one storage binding (an LM head or embedding table, activations of a
+long batch) splits the product into blocks of rows (M), columns (N) and, where only that
+helps, the reduction (K, accumulated): `_split_call`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from memengine.engine.kernels.lanes import cpu_lanes
+from memengine.engine.runtime import BindingError, Recorder, Tensor, bound, cdiv, fits_all, fmt_bytes, pack, span
+
+# "reference" forces the plain kernel everywhere (the fast ones must match it); "nosplit"
+# turns split-K off; "tiles" keeps matmul_fast where matmul_lanes would run
+_MODE = os.environ.get("MEMENGINE_MATMUL", "auto")
+
+# matmul_fast's tile configuration (its pipeline constants): BM x BN of C per workgroup of
+# (BM/8)*(BN/8) threads, K in steps of BK; see shaders/matmul.wgsl.
+BASE = dict(BM=128, BN=128, BK=16)
+# a dict or a function (rt, M, N, K) -> dict forcing the configuration (tests, benchmarks)
+FORCE = None
+
+
+def valid_config(c: dict) -> bool:
+    """The shader's constraints: 8x8 blocks per thread, at most 256 threads, each thread
+    loading at most four vec4 of each operand's tile, tiles of at most 128 x 128."""
+    nt = (c["BM"] // 8) * (c["BN"] // 8)
+    na, nb = c["BK"] * c["BM"] // 4, c["BK"] * c["BN"] // 4
+    return (c["BM"] % 8 == 0 and c["BN"] % 8 == 0 and c["BK"] % 8 == 0 and nt <= 256
+            and na <= 4 * nt and nb <= 4 * nt and c["BM"] <= 128 and c["BN"] <= 128)
+
+
+def fast_config(rt, M: int, N: int, K: int) -> dict:
+    """The tile configuration of matmul_fast for one product on this adapter.
+
+    Measured on the H200 (benchmarks/README.md): 128x128 tiles, BK 16 everywhere except
+    few rows (x_proj's weight gradient, M = 80: BM = M rounded up to 8, 1.3x) and few
+    columns (dt_proj's weight and input gradients, N = 48: BN 64, 1.5x and 1.2x)."""
+    if FORCE is not None:
+        c = FORCE(rt, M, N, K) if callable(FORCE) else FORCE
+        c = {**BASE, **c}
+    else:
+        c = dict(BASE)
+        if M <= 96:
+            c["BM"] = max(64, -(-M // 8) * 8)
+        elif N <= 64:
+            c["BN"] = 64
+    assert valid_config(c), c
+    return c
+
+
+def _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tensors) -> bool:
+    if _MODE == "reference" or K % 4 or N % 4 or ldc % 4 or c_col % 4:
+        return False
+    if any(t.offset % 16 for t in tensors if t is not None):
+        return False
+    if lda % 4 or a_col % 4 or (trans_a and M % 4):
+        return False
+    if ldb % 4 or b_col % 4:
+        return False
+    return True
+
+
+def _rounds(blocks: int) -> float:
+    """Time of `blocks` equal workgroups, in rounds of a full GPU: the busiest SM gets
+    cdiv(blocks, _SMS) of them; two share an SM, and one alone takes _LONE of a pair's time."""
+    c = cdiv(blocks, _SMS)
+    return c // 2 + _LONE * (c % 2)
+
+
+def _split_cost(M: int, N: int, K: int, tiles: int, tile_elems: int, s: int, bk: int) -> float:
+    """Estimated seconds of the product in s K-slices (whole BK tiles each) plus, when split,
+    the reduce (reading the partial products; their stores overlap the product's arithmetic)."""
+    ks = cdiv(cdiv(K, s), bk) * bk
+    t = _rounds(tiles * cdiv(K, ks)) * ks * _ROUND_K_S * tile_elems / (128 * 128)
+    if s > 1:
+        t += 4.0 * cdiv(K, ks) * M * N / _BYTES_S + _LAUNCH_S
+    return t
+
+
+def _split_k(rt, M: int, N: int, K: int, tiles: int, tile_elems: int = 128 * 128, bk: int = 16) -> int:
+    """How many K slices to use: the count of the cheapest estimate (`_split_cost`) among
+    slices of at least _MIN_SLICE_K, at most 64, whose partial products fit one binding;
+    the smaller count where estimates are within 0.5%.  Few output tiles leave SMs idle or
+    alone (the weight gradients: 12-144 tiles of 264 places); a count of workgroups that
+    fills the last round is what the estimate favours."""
+    if _MODE == "nosplit" or K < 2 * _MIN_SLICE_K:
+        return 1
+    cap = min(rt.max_binding, 256 * 2**20)
+    best, best_t = 1, _split_cost(M, N, K, tiles, tile_elems, 1, bk)
+    for s in range(2, min(64, K // _MIN_SLICE_K) + 1):
+        if 4 * s * M * N > cap:
+            break
+        t = _split_cost(M, N, K, tiles, tile_elems, s, bk)
+        if t < 0.995 * best_t:
+            best, best_t = s, t
+    return best
+
+
+def splitk_slices(rt, M: int, N: int, K: int) -> tuple[int, int]:
+    """(slices, K per slice) of the fast kernel's split-K path for an M x N x K product;
+    (1, K) when it does not split.  Slices are whole BK tiles; the partial products
+    (slices x M x N) fit one binding (`_split_k`)."""
+    cfg = fast_config(rt, M, N, K)
+    s = _split_k(rt, M, N, K, cdiv(N, cfg["BN"]) * cdiv(M, cfg["BM"]), cfg["BM"] * cfg["BN"], cfg["BK"])
+    if s <= 1:
+        return 1, K
+    ks = cdiv(cdiv(K, s), cfg["BK"]) * cfg["BK"]   # a whole number of BK tiles
+    return cdiv(K, ks), ks
+
+
+# The split-K estimate's H200 figures (fp32, 128x128 tiles, BK 16; benchmarks/results/h200/
+# diagnostics/splitk_probe.txt): 132 SMs, two workgroups resident on each; a round of 264 workgroups
+# takes 0.2134 us per step of K (0.874 ms at K 4096); 132 alone take 0.58 of that.
+_SMS = 132
+_LONE = 0.58
+_ROUND_K_S = 0.874e-3 / 4096
+_BYTES_S = 3e12        # the reduce reading the partial products
+_LAUNCH_S = 4e-6       # the reduce's dispatch
+_MIN_SLICE_K = 256
+
+
+def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K: int,
+           trans_a: bool = False, trans_b: bool = False,
+           lda: int | None = None, ldb: int | None = None, ldc: int | None = None,
+           a_col: int = 0, b_col: int = 0, c_col: int = 0,
+           acc: bool = False, bias: Tensor | None = None,
+           A16: Tensor | None = None, B16: Tensor | None = None) -> None:
+    """C[:, c_col:c_col+N] (+)= op(A) @ op(B) (+ bias).
+
+    Without transposes A is stored [M, lda] and B is stored [K, ldb]; with trans_a A is
+    stored [K, lda] (we use its transpose), with trans_b B is stored [N, ldb].
+    `a_col`/`b_col`/`c_col` select a column slice of the stored matrix.
+    `A16`/`B16` (--precision mixed): f16 copies of A and B in the same layout; when both
+    are given and the shape suits the fast kernel, shaders/matmul_f16.wgsl multiplies
+    them (f32 accumulation) instead of A and B.
+    """
+    if M == 0 or N == 0:
+        return
+    if not rec.rt.unsplit and _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc,
+                                          a_col, b_col, c_col, acc, bias, A16, B16):
+        return
+    # views at any offset: bind from the aligned offset below and shift the indices
+    rt = rec.rt
+    shader, entry = "matmul", "matmul_fast"
+    if A16 is not None and B16 is not None and _MODE != "reference":
+        A16, ea16 = bound(rt, A16)
+        B16, eb16 = bound(rt, B16)
+        C16, ec16 = bound(rt, C)
+        lda16 = (K if not trans_a else M) if lda is None else lda
+        ldb16 = (N if not trans_b else K) if ldb is None else ldb
+        if _fast_ok(M, N, K, trans_a, trans_b, lda16, ldb16, N if ldc is None else ldc,
+                    a_col + ea16, b_col + eb16, c_col + ec16, (C16, bias)):
+            A, B, ea, eb = A16, B16, ea16, eb16
+            shader, entry = "matmul_f16", "matmul_f16"
+    if shader == "matmul":
+        A, ea = bound(rt, A)
+        B, eb = bound(rt, B)
+    C, ec = bound(rt, C)
+    a_col, b_col, c_col = a_col + ea, b_col + eb, c_col + ec
+    bias_off = 0
+    if bias is not None:
+        bias, bias_off = bound(rt, bias)
+    if not trans_a:
+        lda = K if lda is None else lda
+        a_rs, a_cs, a_off = lda, 1, a_col
+    else:
+        lda = M if lda is None else lda
+        a_rs, a_cs, a_off = 1, lda, a_col
+    if not trans_b:
+        ldb = N if ldb is None else ldb
+        b_rs, b_cs, b_off = ldb, 1, b_col
+    else:
+        ldb = K if ldb is None else ldb
+        b_rs, b_cs, b_off = 1, ldb, b_col
+    ldc = N if ldc is None else ldc
+    if shader == "matmul_f16" or _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col,
+                                          (A, B, C, bias)):
+        fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
+        if shader == "matmul" and _MODE != "tiles" and cpu_lanes(rt):
+            u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
+            rec.dispatch("matmul", "matmul_lanes",
+                         {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
+                         (cdiv(N, 32), cdiv(M, 32), 1),
+                         {"TA": int(trans_a), "TB": int(trans_b), "ACC": int(acc), "BIAS": int(bias is not None)})
+            return
+        if shader == "matmul_f16":   # fixed 128x128 tiles, BK 16 (no pipeline constants)
+            bm = bn = 128
+            consts = None
+            slices = _split_k(rt, M, N, K, cdiv(N, bm) * cdiv(M, bm))
+            ks = cdiv(cdiv(K, slices), 16) * 16 if slices > 1 else K
+            slices = cdiv(K, ks)
+        else:
+            cfg = fast_config(rt, M, N, K)
+            consts = {k: int(v) for k, v in cfg.items()}
+            consts.update(TA=int(trans_a), TB=int(trans_b))   # the layouts as constants
+            consts.setdefault("OFFSETS", int(trans_a))   # the tile loads' form (shaders/matmul.wgsl)
+            bm, bn = cfg["BM"], cfg["BN"]
+            slices, ks = splitk_slices(rec.rt, M, N, K)
+        if slices > 1:
+            part = rec.rt.scratch("matmul_splitk", (slices * M * N,))
+            u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
+            rec.dispatch(shader, entry, {0: part, 1: A, 2: B, 3: B, 4: u},
+                         (cdiv(N, bn), cdiv(M, bm), slices), consts)
+            u = rec.rt.uniform(pack("12I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, bias_off, 0))
+            rec.dispatch("matmul", "matmul_splitk_reduce",
+                         {0: C, 1: part, 3: bias if bias is not None else part, 4: u}, cdiv(M * N // 4, 256))
+            return
+        u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
+        rec.dispatch(shader, entry,
+                     {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
+                     (cdiv(N, bn), cdiv(M, bm), 1), consts)
+        return
+    flags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if a_cs == 1 else 0) | (8 if b_cs == 1 else 0)
+    u = rec.rt.uniform(pack("16I", M, N, K, flags, a_off, a_rs, a_cs, b_off,
+                            b_rs, b_cs, c_col, ldc, bias_off, 0, 0, 0))
+    rec.dispatch("matmul", "matmul_forward",
+                 {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
+                 (cdiv(N, 64), cdiv(M, 64), 1))
+
+
+def _windows(m, n, k, trans_a, trans_b, lda, ldb, ldc, has_bias) -> dict:
+    """Elements of each operand a block of m x n (reduction k) binds."""
+    w = {"A": (k - 1) * lda + m if trans_a else (m - 1) * lda + k,
+         "B": (n - 1) * ldb + k if trans_b else (k - 1) * ldb + n,
+         "C": (m - 1) * ldc + n}
+    if has_bias:
+        w["bias"] = n
+    return w
+
+
+_DEPENDS = {"A": "mk", "B": "nk", "C": "mn", "bias": "n"}
+
+
+def _half(d: int) -> int:
+    h = cdiv(d, 2)
+    r = cdiv(h, 128) * 128 if h > 128 else (cdiv(h, 4) * 4 if h > 4 else h)
+    return r if r < d else h
+
+
+def _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, acc, bias,
+                A16=None, B16=None) -> bool:
+    """Record the product as blocks when an operand does not fit one binding (False: it fits)."""
+    rt = rec.rt
+    if fits_all(rt):
+        return False
+    limit = rt.max_binding - (rt.storage_align - 4)
+    if all(4 * t.numel <= limit for t in (A, B, C, bias) if t is not None):
+        return False
+    lda = (M if trans_a else K) if lda is None else lda
+    ldb = (K if trans_b else N) if ldb is None else ldb
+    ldc = N if ldc is None else ldc
+    dims = {"m": M, "n": N, "k": K}
+
+    def win(d):
+        return _windows(d["m"], d["n"], d["k"], trans_a, trans_b, lda, ldb, ldc, bias is not None)
+
+    while True:
+        over = {op: 4 * e for op, e in win(dims).items() if 4 * e > limit}
+        if not over:
+            break
+        op = max(over, key=over.get)
+        best = None
+        for d in _DEPENDS[op]:
+            if dims[d] > 1:
+                size = win({**dims, d: _half(dims[d])})[op]
+                key = (size, d == "k")  # the smaller window; rows/columns before the reduction
+                best = (key, d) if best is None or key < best[0] else best
+        if best is None:
+            raise BindingError(f"a {M}x{N}x{K} matrix product needs {fmt_bytes(over[op])} of one operand "
+                               f"in one storage binding but the adapter allows {fmt_bytes(rt.max_binding)}")
+        dims[best[1]] = _half(dims[best[1]])
+    bm, bn, bk = dims["m"], dims["n"], max(dims["k"], 1)
+    for m0 in range(0, M, bm):
+        m = min(bm, M - m0)
+        for n0 in range(0, N, bn):
+            n = min(bn, N - n0)
+            for k0 in range(0, K, bk):
+                k = min(bk, K - k0)
+                w = _windows(m, n, k, trans_a, trans_b, lda, ldb, ldc, False)
+                a = span(A, a_col + (k0 * lda + m0 if trans_a else m0 * lda + k0), w["A"])
+                b = span(B, b_col + (n0 * ldb + k0 if trans_b else k0 * ldb + n0), w["B"])
+                c = span(C, c_col + m0 * ldc + n0, w["C"])
+                a16 = b16 = None
+                if A16 is not None and B16 is not None:   # the f16 copies share the layout
+                    a16 = span(A16, a_col + (k0 * lda + m0 if trans_a else m0 * lda + k0), w["A"])
+                    b16 = span(B16, b_col + (n0 * ldb + k0 if trans_b else k0 * ldb + n0), w["B"])
+                matmul(rec, c, a, b, M=m, N=n, K=k, trans_a=trans_a, trans_b=trans_b, lda=lda, ldb=ldb,
+                       ldc=ldc, acc=acc or k0 > 0,
+                       bias=span(bias, n0, n) if bias is not None and k0 == 0 else None, A16=a16, B16=b16)
+    return True
+
+
+def cast_f16(rec: Recorder, dst: Tensor, src: Tensor, n: int | None = None) -> None:
+    """dst[:n] = f16(src[:n]) (WRITE; n defaults to src's size).  dst starts on a multiple
+    of 4 elements and is written in whole vec4s: up to n rounded up to 4 (zeros past n;
+    the f16 copies are allocated so).  Ranges larger than one storage binding are cast in
+    pieces."""
+    n = src.numel if n is None else int(n)
+    if n <= 0:
+        return
+    rt = rec.rt
+    piece = max(4, (rt.max_binding - rt.storage_align) // 4 // 1024 * 1024)   # f32 elements
+    for s0 in range(0, n, piece):
+        m = min(piece, n - s0)
+        n4 = cdiv(m, 4)
+        s, es = bound(rt, Tensor(src.buffer, (m,), src.dtype, src.offset + 4 * s0))
+        d, ed = bound(rt, Tensor(dst.buffer, (4 * n4,), dst.dtype, dst.offset + 2 * s0))
+        if ed % 4:
+            raise ValueError("cast_f16: the f16 view must start on a multiple of 4 elements")
+        if d.offset + d.nbytes > d.buffer.size:
+            raise ValueError("cast_f16: the rounded-up f16 range runs past its buffer")
+        u = rt.uniform(pack("4I", m, n4, es, ed // 4))
+        rec.dispatch("matmul_f16", "cast_f16", {0: s, 1: d, 2: u}, cdiv(n4, 256))
+
+
+def linear_forward(rec: Recorder, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, *,
+                   M: int, N: int, K: int, ldx: int | None = None, x_col: int = 0,
+                   ldo: int | None = None, out_col: int = 0, acc: bool = False,
+                   x16: Tensor | None = None, w16: Tensor | None = None) -> None:
+    """out[M, N] (+)= x[M, K] @ weight[N, K]^T + bias.  With x16 and w16 (f16 copies of x
+    and weight, --precision mixed) the product takes them where the shape allows."""
+    matmul(rec, out, x, weight, M=M, N=N, K=K, trans_b=True, lda=ldx, ldb=K, ldc=ldo,
+           a_col=x_col, c_col=out_col, acc=acc, bias=bias, A16=x16, B16=w16)
+
+
+def linear_backward(rec: Recorder, dx: Tensor | None, dweight: Tensor | None, dbias: Tensor | None,
+                    dout: Tensor, x: Tensor, weight: Tensor, ones: Tensor | None = None, *,
+                    M: int, N: int, K: int, ldx: int | None = None, x_col: int = 0,
+                    lddo: int | None = None, dout_col: int = 0, lddx: int | None = None,
+                    dx_col: int = 0, dx_acc: bool = False,
+                    x16: Tensor | None = None, w16: Tensor | None = None,
+                    dout16: Tensor | None = None) -> None:
+    """dx (+)= dout @ weight; dweight += dout^T @ x; dbias += column sums of dout.
+
+    dout is [M, N] (row stride lddo), x is [M, K] (row stride ldx), weight [N, K].
+    `ones` is a tensor of at least M ones, needed only for dbias.
+    --precision mixed: `dout16` is f16 scratch of at least M*lddo elements; dout is cast
+    into it and the two products take it with `w16` (f16 weight) and `x16` (the forward's
+    f16 copy of x) where the shape allows.  dbias stays f32.
+    """
+    ldo = lddo if lddo is not None else N
+    if dout16 is not None and ((dx is not None and w16 is not None) or (dweight is not None and x16 is not None)):
+        dout16 = dout16.view((M * ldo,))   # exactly dout's extent (the scratch may be larger)
+        cast_f16(rec, dout16, dout, M * ldo)
+    else:
+        dout16 = None
+    if dx is not None:
+        matmul(rec, dx, dout, weight, M=M, N=K, K=N, lda=ldo,
+               a_col=dout_col, ldb=K, ldc=lddx, c_col=dx_col, acc=dx_acc, A16=dout16, B16=w16)
+    if dweight is not None:
+        matmul(rec, dweight, dout, x, M=N, N=K, K=M, trans_a=True,
+               lda=ldo, a_col=dout_col,
+               ldb=ldx if ldx is not None else K, b_col=x_col, acc=True, A16=dout16, B16=x16)
+    if dbias is not None:
+        assert ones is not None, "dbias needs a ones vector"
+        matmul(rec, dbias, ones, dout, M=1, N=N, K=M, lda=M,
+               ldb=lddo if lddo is not None else N, b_col=dout_col, acc=True)

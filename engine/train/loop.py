@@ -1,0 +1,232 @@
+"""The training loop: optimizer steps over shuffled windows until --epochs or --max-steps,
+with the learning-rate schedule, the loss read back every --log-every steps, held-out
+evaluation, and periodic checkpoints through a callback.  Used by `train` and `adapt`
+alike (engine/run.py); reports through a `Listener`; nothing prints.
+
+Per step there is no readback: the step's loss and gradient norm stay in the trainer's
+GPU trace until the next read, which happens every --log-every steps, at each epoch's
+end, before an evaluation or a checkpoint, and after the last step.  A non-finite loss
+stops the run at that read, so within --log-every steps and before any checkpoint
+could hold its result.
+
+Everything that makes a continued run identical to an uninterrupted one is in
+`LoopState` (saved with each checkpoint): the step count, the data position and the
+shuffle generator's state (sampler.py), the sums of the epoch and of the current
+logging window, the history of events and the best checkpoint so far.  The schedule is
+a function of the step count.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+from memengine.engine import interrupts
+from memengine.engine.errors import NonFiniteError
+from memengine.engine.io.data import make_batches
+from memengine.engine.listener import Listener, Plan, Progress
+from memengine.engine.train.sampler import WindowOrder
+from memengine.engine.train.schedule import Schedule
+from memengine.engine.train.trainer import Trainer, evaluate
+
+
+def _sums() -> dict:
+    return {"loss": 0.0, "grad_norm": 0.0, "steps": 0, "tokens": 0, "elapsed_s": 0.0, "skipped": 0}
+
+
+@dataclass
+class LoopState:
+    step: int = 0                                  # optimizer steps done, over the whole run
+    order: Optional[dict] = None                   # WindowOrder.state()
+    epoch_sums: dict = field(default_factory=_sums)
+    window_sums: dict = field(default_factory=_sums)  # since the last step event
+    last_loss: Optional[float] = None
+    last_eval: Optional[dict] = None
+    best: Optional[dict] = None                    # {"step", "val_loss"} of the best checkpoint
+    history: list = field(default_factory=list)    # every event so far (step, eval, epoch, checkpoint)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoopState":
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        return cls(**known)
+
+
+def reads_apart(options, n_windows: int) -> int:
+    """The most steps between two reads of the trainer's trace: --log-every, or an epoch
+    (the loop reads at every epoch's end)."""
+    return max(1, min(options.log_every, math.ceil(n_windows / (options.batch_size * options.grad_accum))))
+
+
+def total_steps(options, steps_per_epoch: int) -> int:
+    """Steps the run ends at: --epochs and --max-steps, whichever comes first."""
+    limits = []
+    if options.epoch_limit is not None:
+        limits.append(options.epoch_limit * steps_per_epoch)
+    if options.max_steps is not None:
+        limits.append(options.max_steps)
+    return min(limits)
+
+
+class TrainingLoop:
+    """`run()` trains `trainer.model` on `windows` ([(inputs, targets)]) as `options` say
+    (a TrainOptions).  `on_save(loop)` writes a checkpoint and returns its path."""
+
+    def __init__(self, trainer: Trainer, windows: list, options, *, val_batches: list | None = None,
+                 listener: Listener | None = None, state: LoopState | None = None,
+                 on_save: Callable | None = None, title: str = "train"):
+        self.trainer = trainer
+        self.windows = windows
+        self.o = options
+        self.val_batches = val_batches or None
+        self.listener = listener or Listener()
+        self.state = state or LoopState()
+        self.on_save = on_save
+        self.title = title
+        self.order = WindowOrder(len(windows), options.batch_size * options.grad_accum, options.seed,
+                                 options.shuffle, self.state.order)
+        self.steps_per_epoch = self.order.steps_per_epoch
+        self.total = total_steps(options, self.steps_per_epoch)
+        self.schedule = Schedule(options.lr_schedule, options.lr, options.warmup_steps, self.total, options.min_lr)
+        self._tokens: list[int] = []   # tokens of the steps not read back yet
+        self._mark = time.perf_counter()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        self.state.order = self.order.state()
+        return {**self.state.to_dict(), "schedule": self.schedule.to_dict()}
+
+    def _record(self, event: dict) -> dict:
+        self.state.history.append(event)
+        return event
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> LoopState:
+        with interrupts.deferred():
+            try:
+                self._run()
+            finally:
+                self.listener.on_finish()
+        return self.state
+
+    def _run(self) -> None:
+        o, st, lis = self.o, self.state, self.listener
+        lis.on_start(Plan(title=self.title, total_steps=self.total, steps_per_epoch=self.steps_per_epoch,
+                          epochs=o.epoch_limit, first_step=st.step, windows=len(self.windows),
+                          val_windows=sum(b.n_windows for b in self.val_batches or ())))
+        self._mark = time.perf_counter()
+        B, L = o.batch_size, o.seq_len
+        while st.step < self.total:
+            epoch, k, idx = self.order.next()
+            if k == 1:
+                st.epoch_sums = _sums()
+            micro = make_batches([self.windows[i] for i in idx], B, L)
+            lr = self.schedule.lr(st.step)
+            self._tokens.append(self.trainer.step(micro, lr))
+            st.step += 1
+            lis.on_progress(Progress(step=st.step, total_steps=self.total, epoch=epoch, step_in_epoch=k,
+                                     steps_per_epoch=self.steps_per_epoch, lr=lr, last_loss=st.last_loss))
+            interrupts.check()
+
+            epoch_end = self.order.epoch_done
+            final = st.step >= self.total
+            save = bool(o.save_every) and (st.step % o.save_every == 0 or final)
+            log = st.step % o.log_every == 0
+            val = self.val_batches is not None and (
+                final or epoch_end or (o.eval_every and st.step % o.eval_every == 0) or (save and o.keep_best))
+            if log or epoch_end or final or val or save or self.trainer.pending >= self.trainer.capacity:
+                self._read(epoch)
+            if log:
+                self._step_event(epoch, lr)
+            if val:
+                self._evaluate()
+            if epoch_end or final:
+                self._epoch_event(epoch)
+            if save and self.on_save is not None:
+                self._save()
+
+    def _read(self, epoch: int) -> None:
+        st = self.state
+        losses, norms = self.trainer.read_trace()
+        now = time.perf_counter()
+        dt, self._mark = now - self._mark, now
+        tokens, self._tokens = self._tokens, []
+        first = st.step - len(losses) + 1
+        for i, v in enumerate(losses):
+            if not math.isfinite(v):
+                # loss scaling covers the gradients only: under --precision mixed a forward
+                # activation beyond f16's range gives a non-finite loss at any scale
+                hint = ("try --precision fp32 (an activation beyond f16's range, 65504, does this "
+                        "under mixed precision), or a smaller --lr or --max-grad-norm"
+                        if self.trainer.scaler is not None else "try a smaller --lr or --max-grad-norm")
+                raise NonFiniteError(f"loss became non-finite ({v}) at step {first + i} (epoch {epoch}); {hint}")
+        skipped = self.trainer.last_skipped
+        for sums in (st.epoch_sums, st.window_sums):
+            sums["loss"] += float(np.sum(losses))
+            # a step skipped by loss scaling has no finite norm: the mean is over the others
+            sums["grad_norm"] += float(np.sum(norms[~skipped])) if len(skipped) else float(np.sum(norms))
+            sums["skipped"] = sums.get("skipped", 0) + int(np.sum(skipped))
+            sums["steps"] += len(losses)
+            sums["tokens"] += int(sum(tokens))
+            sums["elapsed_s"] += dt
+        if len(losses):
+            st.last_loss = float(losses[-1])
+
+    def _step_event(self, epoch: int, lr: float) -> None:
+        w = self.state.window_sums
+        n = max(w["steps"], 1)
+        ev = {"event": "step", "step": self.state.step, "epoch": epoch, "loss": w["loss"] / n,
+              "grad_norm": w["grad_norm"] / max(n - w.get("skipped", 0), 1), "lr": lr, "tokens": w["tokens"],
+              "tokens_per_s": w["tokens"] / w["elapsed_s"] if w["elapsed_s"] > 0 else 0.0}
+        if self.trainer.scaler is not None:  # --precision mixed: steps skipped by loss scaling
+            ev["skipped_steps"] = w.get("skipped", 0)
+        self.state.window_sums = _sums()
+        self.listener.on_step(self._record(ev))
+
+    def _epoch_event(self, epoch: int) -> None:
+        e = self.state.epoch_sums
+        n = max(e["steps"], 1)
+        ev = {"event": "epoch", "epoch": epoch, "step": self.state.step, "loss": e["loss"] / n,
+              "grad_norm": e["grad_norm"] / max(n - e.get("skipped", 0), 1), "tokens": e["tokens"],
+              "tokens_per_s": e["tokens"] / e["elapsed_s"] if e["elapsed_s"] > 0 else 0.0,
+              "elapsed_s": e["elapsed_s"]}
+        if self.trainer.scaler is not None:
+            ev["skipped_steps"] = e.get("skipped", 0)
+        self.listener.on_epoch(self._record(ev))
+
+    def _evaluate(self) -> None:
+        def progress(i, n):
+            self.listener.on_eval_progress("val", i, n)
+            interrupts.check()
+
+        r = evaluate(self.trainer.model, self.val_batches, on_progress=progress, fence=self.trainer.fence)
+        ev = {"event": "eval", "step": self.state.step, **r.to_dict(prefix="val_")}
+        self.state.last_eval = ev
+        self.listener.on_eval(self._record(ev))
+        self._mark = time.perf_counter()  # evaluation time is not training time
+
+    def _save(self) -> None:
+        st = self.state
+        if self.o.keep_best and st.last_eval is not None and st.last_eval["step"] == st.step:
+            v = st.last_eval["val_loss"]
+            if st.best is None or v < st.best["val_loss"]:
+                st.best = {"step": st.step, "val_loss": v}
+        path = self.on_save(self)
+        self.listener.on_checkpoint({"event": "checkpoint", "step": st.step, "path": str(path)})
+        self._mark = time.perf_counter()
+
+
+def fit(model, windows: list, options, *, optimizer_state: dict | None = None, val_batches: list | None = None,
+        listener: Listener | None = None, state: LoopState | None = None) -> TrainingLoop:
+    """Train `model` in memory (no files): the loop of `train`/`adapt` without their set-up
+    and outputs.  Returns the loop (its `.state`, `.trainer.optimizer_state()`)."""
+    trainer = Trainer(model, options, optimizer_state, wsla=options.WSLA,
+                      trace_capacity=reads_apart(options, len(windows)))
+    loop = TrainingLoop(trainer, windows, options, val_batches=val_batches, listener=listener, state=state)
+    loop.run()
+    return loop

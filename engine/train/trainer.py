@@ -1,0 +1,223 @@
+"""One optimizer step on the GPU, and evaluation (SPEC section 4).  No loop over epochs
+here (that is engine/loop.py) and no rich: nothing prints.
+
+A step is K micro-batches (--grad-accum), each one command submission: upload the
+batch, forward, loss, backward, gradients added up (cleared by the first).  The last
+one also records the global-norm clip factor and one AdamW dispatch per trainable
+parameter, with this step's learning rate written into AdamW's persistent uniform block.
+Each step's mean loss and pre-clip gradient norm go into a small GPU trace that the loop
+reads back every few steps (`read_trace`), never per step.  A `StepFence` keeps at most
+a few submissions queued, so progress follows the GPU and Ctrl-C stops promptly.
+With --precision mixed (the model's), a `LossScaler` scales the loss gradient and decides on
+the GPU whether the step is applied; whether each step was skipped goes into the trace.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from memengine.engine.errors import MemengineError
+from memengine.engine.kernels.reduce import sum_into
+from memengine.engine.models.mamba1.model import MambaModel, perplexity
+from memengine.engine.runtime import BOUNDED_STEP_S, StepFence, cdiv, piece_depth, piece_span
+from memengine.engine.train.optim import AdamW, GradClipper, LossScaler
+from memengine.engine.train.optim_state import LOSS_SCALE_KEY
+
+
+@dataclass
+class EvalResult:
+    loss: float              # mean next-token loss (nats)
+    perplexity: float
+    tokens: int              # targets scored
+    bits_per_token: float = float("nan")
+    top1_accuracy: float = float("nan")
+    top5_accuracy: float = float("nan")
+
+    def to_dict(self, prefix: str = "") -> dict:
+        return {f"{prefix}loss": self.loss, f"{prefix}perplexity": self.perplexity, f"{prefix}tokens": self.tokens,
+                f"{prefix}bits_per_token": self.bits_per_token, f"{prefix}top1_accuracy": self.top1_accuracy,
+                f"{prefix}top5_accuracy": self.top5_accuracy}
+
+
+def batch_shape(batches) -> tuple[int, int]:
+    if not batches:
+        raise MemengineError("no data: the text is too short to form one window of 2 tokens")
+    shapes = {tuple(b.ids.shape) for b in batches}
+    if len(shapes) != 1:
+        raise ValueError(f"batches must share one shape, got {sorted(shapes)}")
+    return shapes.pop()
+
+
+class Trainer:
+    """Full fine-tuning, WSLA (x_proj only), or a LoRA adapter (when the model has a trained
+    one attached: `model.lora`), with AdamW on the GPU.
+
+    `options` needs lr, beta1, beta2, eps, weight_decay, max_delta, max_grad_norm (a
+    TrainOptions); `wsla` picks the trainable set.  `trace_capacity`: the most steps
+    between two `read_trace` calls."""
+
+    def __init__(self, model: MambaModel, options, optimizer_state: dict | None = None, *, wsla: bool = False,
+                 trace_capacity: int = 1):
+        self.model = model
+        self.options = options
+        rt = model.rt
+        self.opt = AdamW(rt, lr=options.lr, betas=(options.beta1, options.beta2), eps=options.eps,
+                         weight_decay=options.weight_decay, max_delta=options.max_delta)
+        optimizer_state = dict(optimizer_state or {})
+        scaler_state = optimizer_state.pop(LOSS_SCALE_KEY, None)
+        if optimizer_state:
+            self.opt.load_state_dict(optimizer_state)
+        self.clipper = GradClipper(rt)
+        self.names = model.trainable_names(wsla)
+        self.trainable = set(self.names)
+        self.params, self.grads = model.trainable_views(self.names)
+        self._whole = model.whole_stores(self.trainable)      # stepped as whole segments
+        self._norm_views = model.norm_views(self.trainable)   # what the gradient norm sums
+        self.scaler = None
+        if model.mixed:
+            self.scaler = LossScaler(rt, growth_interval=getattr(options, "loss_scale_growth", 2000))
+            model.loss_scale = self.scaler.scale
+            # a resumed mixed run continues its loss scale; AdamW's t is counted on the GPU
+            self.scaler.load(scaler_state, self.opt.step_count)
+        self.capacity = max(1, int(trace_capacity))
+        # trace[j] = loss of the j-th step since the last read, trace[cap + j] = its grad norm,
+        # trace[2 cap + j] = 1 when loss scaling skipped it; a step sums its loss into one
+        # fixed scalar and copies it there (no binding per slot)
+        self.trace = rt.zeros((3 * self.capacity,), name="trace")
+        self.last_skipped = np.zeros(0, bool)
+        self.step_loss = rt.zeros((1,), name="step_loss")
+        self.pending = 0
+        self.fence = StepFence(rt)
+        self._last_step = None
+        self._last_pieces = rt.pieces
+        self._last_boundaries = rt.boundaries
+
+    def optimizer_state(self) -> dict:
+        state = self.opt.state_dict()
+        if self.scaler is not None:   # t = the steps loss scaling let through
+            state[LOSS_SCALE_KEY] = self.scaler.state()
+            state["__step__"] = np.array([self.scaler.applied_steps()], dtype=np.int64)
+        return state
+
+    def step(self, micro: list, lr: float) -> int:
+        """Record and submit one optimizer step over the micro-batches `micro` (Batch of one
+        shape); returns the input tokens it trained on.  No readback."""
+        if self.pending >= self.capacity:
+            raise RuntimeError("Trainer.step: the trace is full; read_trace() first")
+        model, rt = self.model, self.model.rt
+        B, L = batch_shape(micro)
+        ws = model.workspace(B, L)
+        n_total = sum(int(b.n_targets) for b in micro)
+        j = self.pending
+        self.opt.lr = float(lr)
+        tokens = 0
+        for i, b in enumerate(micro):
+            self.fence.wait()  # keeps at most fence.depth submissions queued (no readback)
+            model.write_batch(ws, b.ids, b.targets, denominator=n_total)
+            if model.lora is not None:  # the dropout mask of this micro-batch (from --seed)
+                model.lora.set_counter(self.opt.step_count * 65536 + i)
+            rec = rt.recorder()
+            if i == 0:
+                rec.clear(self.step_loss)
+            model.record_gradients(rec, ws, b.ids, self.trainable, self.step_loss, clear=(i == 0))
+            if i == len(micro) - 1:
+                self.clipper.record(rec, self._norm_views, self.options.max_grad_norm, self.scaler)
+                rec.copy(self.step_loss, self.trace.view((1,), j), slot=True)
+                rec.copy(self.clipper.norm, self.trace.view((1,), self.capacity + j), slot=True)
+                skip = None
+                if self.scaler is not None:
+                    skip = self.scaler.amp
+                    rec.copy(skip.view((1,)), self.trace.view((1,), 2 * self.capacity + j), slot=True)
+                self.opt.record_step(rec, self.params, self.grads, self.clipper.factor, skip,
+                                     whole=self._whole)
+            self.fence.mark(rec)
+            rec.submit()
+            tokens += int(b.n_tokens)
+        self.pending += 1
+        self._pace(rt)
+        return tokens
+
+    def _pace(self, rt) -> None:
+        """Submit steps whole while they are fast, in pieces (layers holding ~gpu.PIECE_S of
+        work each) while they are slow, so that an interrupt acts within a piece at any model
+        size (gpu.Recorder.boundary)."""
+        now = time.perf_counter()
+        if self._last_step is not None:
+            dt = now - self._last_step
+            if dt < BOUNDED_STEP_S:
+                rt.bounded = False
+            elif dt > 4 * BOUNDED_STEP_S:
+                rt.bounded = True
+            if rt.pieces > self._last_pieces:   # this step went in pieces of ~PIECE_S; ~0.1 s queued
+                n = rt.boundaries - self._last_boundaries
+                rt.piece_span = piece_span(dt, n)
+                rt.piece_depth = piece_depth(dt, cdiv(n, rt.piece_span) + 1)
+        self._last_step = now
+        self._last_pieces = rt.pieces
+        self._last_boundaries = rt.boundaries
+
+    def read_trace(self) -> tuple[np.ndarray, np.ndarray]:
+        """(losses, grad norms) of the steps since the last read (a GPU sync point);
+        `last_skipped` then says which of them loss scaling skipped (their norm is not
+        finite)."""
+        n = self.pending
+        if n == 0:
+            self.last_skipped = np.zeros(0, bool)
+            return np.zeros(0), np.zeros(0)
+        rt = self.model.rt
+        both = rt.read(self.trace).astype(np.float64)
+        rec = rt.recorder()
+        rec.clear(self.trace)
+        rec.submit()
+        self.pending = 0
+        self.last_skipped = both[2 * self.capacity:2 * self.capacity + n] != 0
+        return both[:n], both[self.capacity:self.capacity + n]
+
+
+def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = None,
+             fence: StepFence | None = None) -> EvalResult:
+    """Mean next-token loss, perplexity, bits per token and top-1/top-5 next-token accuracy
+    over the batches.  Everything is summed on the GPU, per window, into one buffer read
+    back once at the end and added up in float64 in window order, so the result does not
+    depend on how the windows were batched (a training run's held-out pass at its batch
+    size equals `memengine eval` at batch size 1).  `fence`: a training loop's own, so
+    repeated evaluations create no buffers."""
+    rt = model.rt
+    B, L = batch_shape(batches)
+    ws = model.workspace(B, L, grad=False)
+    M = ws.M
+    hits = rt.scratch(("eval.hits", M), (2 * M,))
+    # per batch: window r's loss / top-1 / top-5 sums go to block[k * B + r] (fixed slots, so
+    # fixed bindings), and the block is copied to sums[batch] (a buffer copy)
+    block = rt.scratch(("eval.block", B), (3 * B,))
+    sums = rt.scratch(("eval.sums", len(batches), B), (len(batches) * 3 * B,))
+    rec = rt.recorder()
+    n_targets = 0
+    total = len(batches)
+    fence = fence or StepFence(rt)
+    for i, batch in enumerate(batches):
+        fence.wait()
+        n_targets += model.write_batch(ws, batch.ids, batch.targets)
+        model.record_forward(rec, ws)
+        model.record_loss(rec, ws, want_grad=False, hits=hits)
+        rec.clear(block)
+        for r in range(int(batch.n_windows)):
+            for k, x in enumerate((ws.loss_rows, hits.view((M,)), hits.view((M,), M))):
+                sum_into(rec, block.view((1,), k * B + r), x.view((L,), r * L))
+        rec.copy(block, sums.view((3 * B,), 3 * B * i), slot=True)
+        fence.mark(rec)
+        rec.submit()
+        if on_progress is not None:
+            on_progress(i + 1, total)
+    per = rt.read(sums).astype(np.float64).reshape(len(batches), 3, B)
+    by_window = np.concatenate([per[i, :, :int(b.n_windows)] for i, b in enumerate(batches)], axis=1)
+    s = by_window.sum(axis=1)  # in window order: the same for any batching
+    n = max(n_targets, 1)
+    loss = float(s[0] / n)
+    return EvalResult(loss=loss, perplexity=perplexity(loss), tokens=n_targets,
+                      bits_per_token=loss / math.log(2.0), top1_accuracy=float(s[1] / n),
+                      top5_accuracy=float(s[2] / n))
