@@ -385,17 +385,18 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False, preci
     from memengine.engine.app.options import TrainOptions
     from memengine.engine.models.mamba1.config import MambaConfig
     from memengine.engine.models.mamba1.init import init_weights
-    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.models.lm import LanguageModel
     from memengine.engine.train.trainer import Trainer
 
     cfg = MambaConfig(**SHAPES[shape])
     rt.trim()
     rt.peak_bytes = 0   # this row's high-water mark, not the process's
-    model = MambaModel(rt, cfg, init_weights(cfg, 0))
-    model.set_precision(precision)
+    adapter = None
     if lora_rank:
         spec = lora.LoraSpec(r=lora_rank, alpha=2 * lora_rank)
-        model.lora = lora.LoraAdapter(rt, cfg, spec, lora.init_tensors(cfg, spec, 0), train=True)
+        adapter = lora.LoraAdapter(rt, cfg, spec, lora.init_tensors(cfg, spec, 0), train=True)
+    model = LanguageModel(rt, cfg, init_weights(cfg, 0), lora=adapter)
+    model.set_precision(precision)
     batch = _batch(cfg, B, L)
     o = TrainOptions(batch_size=B, seq_len=L, precision=precision)
     tr = Trainer(model, o, trace_capacity=max(steps, warmup))
@@ -637,13 +638,13 @@ def bench_decode(rt, shape, prompt_len, new_tokens, reps=3):
     from memengine.engine.app.options import SamplingOptions
     from memengine.engine.models.mamba1.config import MambaConfig
     from memengine.engine.models.mamba1.init import init_weights
-    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.models.lm import LanguageModel
 
     cfg = MambaConfig(**SHAPES[shape])
     ids = _decode_ids(shape, prompt_len)
     out = {}
     rt.trim()
-    model = MambaModel(rt, cfg, init_weights(cfg, 0))
+    model = LanguageModel(rt, cfg, init_weights(cfg, 0))
     dec = Decoder(model)
     for name, kw in (("greedy", dict(temperature=0)), ("sample", dict(temperature=0.8, top_k=50, top_p=0.95))):
         o = SamplingOptions(max_new_tokens=new_tokens, **kw)

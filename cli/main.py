@@ -102,27 +102,23 @@ def init(
 
 def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
             max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    from memengine.engine import models
     from memengine.engine.io.checkpoint import save_checkpoint
-    from memengine.engine.models.mamba1.config import expected_shapes, load_config
-    from memengine.engine.models.mamba1.init import init_weights
 
     cfg_path = Path(config) / "config.json" if Path(config).is_dir() else Path(config)  # as load_config reads it
     inputs = [("the config file", cfg_path)] if cfg_path.exists() else []
     staging.check_output(output, force, inputs=inputs, on_note=ui.note)
-    cfg = load_config(config)
-    tensors = init_weights(cfg, seed)
+    cfg = models.load_config(config)
+    arch = models.of(cfg)
+    tensors = arch.init_weights(cfg, seed)
     n_params = int(sum(int(a.size) for a in tensors.values()))
     with staging.staged_output(output, force) as tmp:
         save_checkpoint(tmp, cfg, tensors, dtype="F32", max_shard_size=max_shard_size,
                         metadata={"producer": f"memengine {engine_version()}", "seed": str(seed)})
-    shapes = expected_shapes(cfg)
     ui.kv(f"initialised {output}", [
         ("config", config),
-        ("layers", cfg.num_hidden_layers),
-        ("hidden size", cfg.hidden_size),
-        ("state size", cfg.state_size),
-        ("vocabulary", cfg.vocab_size),
-        ("tensors", len(shapes)),
+        *arch.summary(cfg),
+        ("tensors", len(tensors)),
         ("parameters", f"{n_params:,}"),
         ("seed", seed),
     ])
@@ -133,7 +129,7 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
 
 # =========================================================================== info
 def _info(o: InfoOptions, ui: UI) -> None:
-    from memengine.engine import lora
+    from memengine.engine import lora, models
     from memengine.engine.app import plan as mplan
     from memengine.engine.app.setup import open_checkpoint, resolve
 
@@ -171,15 +167,7 @@ def _info(o: InfoOptions, ui: UI) -> None:
         ("weights", weight_files[0].name if len(weight_files) == 1 else
          f"{len(weight_files)} shards ({c.extra['model_file'].name})"),
         *([("local path", str(ref.path))] if ref.repo_id else []),
-        ("layers", cfg.num_hidden_layers),
-        ("hidden size (E)", cfg.hidden_size),
-        ("inner size (Di)", cfg.intermediate_size),
-        ("state size (N)", cfg.state_size),
-        ("conv kernel (K)", cfg.conv_kernel),
-        ("dt rank (R)", cfg.dt_rank),
-        ("vocabulary (V)", cfg.vocab_size),
-        ("tied lm_head", cfg.tie_word_embeddings),
-        ("biases", f"use_bias={cfg.use_bias} use_conv_bias={cfg.use_conv_bias}"),
+        *models.of(cfg).describe(cfg),
         ("tensors", len(c.shapes)),
         ("parameters", f"{n_params:,}"),
         ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(dtypes.items()))),

@@ -1,4 +1,7 @@
-"""memengine.engine: the GPU runtime, the Mamba-1 model and its training loop.
+"""memengine.engine: everything a run does (see DEVELOPERS.md, Layout): the GPU backend and
+runtime, the kernels, the architectures (engine/models: a registry by model_type, the
+shared LM shell, Mamba-1 / Falcon-Mamba), training, files and formats, LoRA, the commands'
+runs.
 
 Nothing here imports rich or typer; progress leaves through callbacks.
 """

@@ -11,7 +11,7 @@ from conftest import checked_limits
 from memengine.engine.errors import MemengineError
 from memengine.engine.kernels import matmul as mm
 from memengine.engine.kernels.embedding import EmbeddingBackward, embedding_forward
-from memengine.engine.models.mamba1.model import FlatStore, store_layout
+from memengine.engine.models.store import FlatStore, store_layout
 from memengine.engine.runtime import BindingError, parse_bytes, split
 
 KIB4 = 4096

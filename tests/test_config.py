@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 from memengine.engine.errors import MemengineError
-from memengine.engine.models.mamba1.config import MambaConfig, expected_shapes, load_config
+from memengine.engine.models.mamba1.config import MambaConfig, expected_shapes
+from memengine.engine.models import load_config
 from memengine.engine.models.mamba1.init import init_weights
 
 transformers = pytest.importorskip("transformers")

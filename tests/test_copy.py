@@ -11,7 +11,7 @@ import pytest
 from memengine.engine.app.options import TrainOptions
 from memengine.engine.models.mamba1.config import MambaConfig
 from memengine.engine.models.mamba1.init import init_weights
-from memengine.engine.models.mamba1.model import MambaModel
+from memengine.engine.models.lm import LanguageModel
 from memengine.engine.train.loop import fit
 
 
@@ -73,7 +73,7 @@ def test_training_is_the_same_to_the_bit_with_copies_as_dispatches(rt):
     runs = []
     for on in (False, True):
         with by_dispatch(rt, on):
-            model = MambaModel(rt, cfg, init_weights(cfg, 3))
+            model = LanguageModel(rt, cfg, init_weights(cfg, 3))
             loop = fit(model, wins, TrainOptions(epochs=2, lr=3e-3, batch_size=2, seq_len=24, shuffle=False))
             runs.append(([e["loss"] for e in loop.state.history if e["event"] == "epoch"], model.state_dict()))
     (l0, s0), (l1, s1) = runs

@@ -33,7 +33,7 @@ from memengine.engine.io.tokenizer import ByteTokenizer  # noqa: E402
 from memengine.engine.kernels import scan as scan_mod  # noqa: E402
 from memengine.engine.kernels.decode import matvec, sample  # noqa: E402
 from memengine.engine.models.mamba1.config import MambaConfig  # noqa: E402
-from memengine.engine.models.mamba1.model import MambaModel  # noqa: E402
+from memengine.engine.models.lm import LanguageModel  # noqa: E402
 from memengine.engine.runtime import Tensor  # noqa: E402
 
 CASES = [
@@ -69,13 +69,13 @@ def hf_model(kwargs, seed=0):
     return m
 
 
-def ours_of(rt, m) -> MambaModel:
+def ours_of(rt, m) -> LanguageModel:
     sd = {k: v.detach().to(torch.float32).numpy().copy() for k, v in m.state_dict().items()}
     if m.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     cfg = MambaConfig.from_dict(m.config.to_dict())
     assert cfg.is_falcon == (m.config.model_type == "falcon_mamba")
-    return MambaModel(rt, cfg, sd)
+    return LanguageModel(rt, cfg, sd)
 
 
 def rel(a, b) -> float:
@@ -237,7 +237,7 @@ def test_greedy_from_a_half_precision_checkpoint(rt, tmp_path, dtype):
     m.save_pretrained(tmp_path / dtype)
     c = load_checkpoint(tmp_path / dtype)
     assert {str(d) for d in c.dtypes.values()} == {"F16" if dtype == "float16" else "BF16"}
-    assert_greedy_matches(MambaModel.from_checkpoint(rt, c), m.double(), f"{name} {dtype}", kw["vocab_size"],
+    assert_greedy_matches(LanguageModel.from_checkpoint(rt, c), m.double(), f"{name} {dtype}", kw["vocab_size"],
                           prompt_lens=(9,))
 
 

@@ -30,7 +30,8 @@ from memengine.cli.main import app
 from memengine.engine.errors import MemengineError
 from memengine.engine.io.checkpoint import load_checkpoint
 from memengine.engine.io.tokenizer import load_tokenizer
-from memengine.engine.models.mamba1.config import MambaConfig, load_config
+from memengine.engine.models.mamba1.config import MambaConfig
+from memengine.engine.models import load_config
 from typer.testing import CliRunner
 
 DEEP = "[" * 100_000 + "]" * 100_000

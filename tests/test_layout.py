@@ -100,3 +100,35 @@ def test_engine_modules_have_no_import_circle():
             visit(n)
     # the check sees real edges (it can fail)
     assert "io.codec" in graph["io.safetensors_io"] and "io.checkpoint" in graph["app.quantize"]
+
+
+def _architectures() -> list:
+    """The architecture folders under engine/models/."""
+    return sorted(p.name for p in (ENGINE / "models").iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+
+
+def test_an_architecture_folder_imports_no_other_architecture():
+    archs = _architectures()
+    assert "mamba1" in archs
+    graph = _graph()
+    for arch in archs:
+        for mod, deps in graph.items():
+            if mod.startswith(f"models.{arch}"):
+                others = {d for d in deps if d.startswith("models.") and d.split(".")[1] in set(archs) - {arch}}
+                assert not others, f"{mod} imports {others}"
+
+
+def test_only_an_architecture_folder_imports_its_modules():
+    """The shell, the plan, the commands and LoRA reach an architecture through the registry
+    (engine.models.of / architecture): none imports an architecture folder, so adding one
+    changes no line outside it but its registry line."""
+    archs = set(_architectures())
+    graph = _graph()
+    for mod, deps in graph.items():
+        here = mod.split(".")[1] if mod.startswith("models.") and len(mod.split(".")) > 1 else None
+        bad = {d for d in deps if d.startswith("models.") and len(d.split(".")) > 1 and d.split(".")[1] in archs
+               and d.split(".")[1] != here}
+        assert not bad, f"{mod} imports {bad}"
+    # the memory plan reads the model's own tables, not the kernels of one architecture
+    assert not {d for d in graph["app.plan"] if d in ("kernels.scan", "kernels.conv1d")}, graph["app.plan"]
+    assert "models" in graph["app.plan"] and "models.lm" in graph["app.plan"]

@@ -93,10 +93,10 @@ def test_resume_from_inside_the_second_epoch_is_bit_identical(tiny_ckpt_ro, text
     with torch.no_grad():
         want = hf(input_ids=torch.tensor(ids)).logits.numpy()
     from memengine.engine.io.checkpoint import load_checkpoint
-    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.models.lm import LanguageModel
     from memengine.engine.runtime import get_runtime
 
-    ours = MambaModel.from_checkpoint(get_runtime(), load_checkpoint(step4)).logits(ids.astype(np.int32))
+    ours = LanguageModel.from_checkpoint(get_runtime(), load_checkpoint(step4)).logits(ids.astype(np.int32))
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
     for f in [*step4.iterdir(), *b.iterdir()]:  # no absolute local path in what we wrote
         if f.is_file():
@@ -227,7 +227,7 @@ def test_scheduled_steps_match_torch_adamw(rt):
     from memengine.engine.app.options import TrainOptions
     from memengine.engine.models.mamba1.config import MambaConfig
     from memengine.engine.models.mamba1.init import init_weights
-    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.models.lm import LanguageModel
     from memengine.engine.train.loop import fit
 
     cfg = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=4,
@@ -251,7 +251,7 @@ def test_scheduled_steps_match_torch_adamw(rt):
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
         sch.step()
-    model = MambaModel(rt, cfg, w)
+    model = LanguageModel(rt, cfg, w)
     loop = fit(model, [(ids[0], tg[0]), (ids[1], tg[1])],
                TrainOptions(max_steps=4, lr=1e-2, batch_size=2, seq_len=10, lr_schedule="linear", warmup_steps=2,
                             log_every=1, shuffle=False))
@@ -272,7 +272,7 @@ def test_grad_accum_equals_the_big_batch(rt):
     from memengine.engine.io.data import make_windows
     from memengine.engine.models.mamba1.config import MambaConfig
     from memengine.engine.models.mamba1.init import init_weights
-    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.models.lm import LanguageModel
     from memengine.engine.train.loop import fit
 
     cfg = MambaConfig(vocab_size=256, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=4)
@@ -280,8 +280,8 @@ def test_grad_accum_equals_the_big_batch(rt):
     ws = make_windows(ids, 24)
     assert len(ws) % 6, "a partial last step is part of the test"
     common = dict(epochs=2, lr=3e-3, seq_len=24, log_every=1, max_grad_norm=0.5)
-    big = MambaModel(rt, cfg, init_weights(cfg, 3))
-    acc = MambaModel(rt, cfg, init_weights(cfg, 3))
+    big = LanguageModel(rt, cfg, init_weights(cfg, 3))
+    acc = LanguageModel(rt, cfg, init_weights(cfg, 3))
     lb = fit(big, ws, TrainOptions(batch_size=6, **common))
     la = fit(acc, ws, TrainOptions(batch_size=2, grad_accum=3, **common))
     sb = [e for e in lb.state.history if e["event"] == "step"]
@@ -296,7 +296,7 @@ def test_grad_accum_equals_the_big_batch(rt):
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
     # not the same as a plain batch of 2 (the test can fail)
-    small = MambaModel(rt, cfg, init_weights(cfg, 3))
+    small = LanguageModel(rt, cfg, init_weights(cfg, 3))
     ls = fit(small, ws, TrainOptions(batch_size=2, **common))
     assert len([e for e in ls.state.history if e["event"] == "step"]) != len(sa)
 
@@ -332,7 +332,7 @@ def test_eval_metrics_and_compare(tiny_ckpt_ro, text, tmp_path):
     """bits per token = loss / ln 2; top-1/top-5 against the logits; --compare reports both
     checkpoints and B - A."""
     from memengine.engine.io.checkpoint import load_checkpoint
-    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.models.lm import LanguageModel
     from memengine.engine.runtime import get_runtime
 
     out = tmp_path / "out"
@@ -341,7 +341,7 @@ def test_eval_metrics_and_compare(tiny_ckpt_ro, text, tmp_path):
     r = run("eval", out, "--data", text, "--seq-len", "32", "--json")
     d = json.loads(r.stdout)
     ids = np.frombuffer(text.read_bytes(), np.uint8).astype(np.int32)
-    model = MambaModel.from_checkpoint(get_runtime(), load_checkpoint(out))
+    model = LanguageModel.from_checkpoint(get_runtime(), load_checkpoint(out))
     top1 = top5 = n = 0
     for s in range(0, ids.size - 1, 32):
         x, y = ids[s:s + 32], ids[s + 1:s + 33]

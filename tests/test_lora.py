@@ -23,7 +23,7 @@ peft = pytest.importorskip("peft")
 from memengine.engine import lora as el  # noqa: E402
 from memengine.engine.io.checkpoint import save_checkpoint  # noqa: E402
 from memengine.engine.models.mamba1.config import MambaConfig  # noqa: E402
-from memengine.engine.models.mamba1.model import MambaModel  # noqa: E402
+from memengine.engine.models.lm import LanguageModel  # noqa: E402
 
 ODD = dict(vocab_size=263, hidden_size=20, state_size=3, num_hidden_layers=2, expand=2, conv_kernel=3,
            use_bias=True, use_conv_bias=True, tie_word_embeddings=True, time_step_rank=3)
@@ -142,7 +142,7 @@ def test_loss_and_gradients_equal_peft_autograd(rt, tmp_path, falcon, targets, a
             for n, p in pm.named_parameters() if p.requires_grad}
     assert set(want) == set(tensors)
 
-    model = MambaModel(rt, cfg, sd)
+    model = LanguageModel(rt, cfg, sd)
     model.lora = el.LoraAdapter(rt, cfg, spec, tensors, train=True)
     got = model.loss_and_grads(ids[:, :-1], ids[:, 1:], trainable=set(model.lora.names))
     assert model._G is None, "a LoRA step made the base's gradient store"
@@ -168,7 +168,7 @@ def test_adamw_step_equals_torch(rt, tmp_path):
     rng = np.random.default_rng(1)
     ids = rng.integers(0, cfg.vocab_size, size=(1, 12))
     windows = [(ids[0, :-1], ids[0, 1:])]
-    model = MambaModel(rt, cfg, sd)
+    model = LanguageModel(rt, cfg, sd)
     model.lora = el.LoraAdapter(rt, cfg, spec, tensors, train=True)
     tr = Trainer(model, o)
     tr.step(make_batches(windows, 1, 11), o.lr)
@@ -217,7 +217,7 @@ def test_dropout_gradients_equal_peft_with_the_same_mask(rt, tmp_path):
     B, L = 2, 9
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=(B, L + 1))
 
-    model = MambaModel(rt, cfg, sd)
+    model = LanguageModel(rt, cfg, sd)
     model.lora = ad = el.LoraAdapter(rt, cfg, spec, tensors, seed=11, train=True)
 
     def masks(counter):
@@ -264,8 +264,8 @@ def test_fresh_adapter_leaves_the_base_model_unchanged(rt):
     m = hf_base(ODD)
     sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items() if k != "lm_head.weight"}
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 6))
-    base = MambaModel(rt, cfg, sd).logits(ids)
-    model = MambaModel(rt, cfg, sd)
+    base = LanguageModel(rt, cfg, sd).logits(ids)
+    model = LanguageModel(rt, cfg, sd)
     spec = el.LoraSpec(r=4, alpha=8)
     model.lora = el.LoraAdapter(rt, cfg, spec, el.init_tensors(cfg, spec, 0))
     np.testing.assert_array_equal(model.logits(ids), base)
@@ -371,7 +371,7 @@ def test_mixed_precision_lora_gradients_within_bound_of_peft(rt, tmp_path):
             for n, p in pm.named_parameters() if p.requires_grad}
 
     def run(precision):
-        model = MambaModel(rt, cfg, sd)
+        model = LanguageModel(rt, cfg, sd)
         model.set_precision(precision)
         S = 1024.0 if precision == "mixed" else 1.0
         if precision == "mixed":

@@ -61,7 +61,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from memengine.engine.models.mamba1.config import MambaConfig  # noqa: E402
-from memengine.engine.models.mamba1.model import MambaModel  # noqa: E402
+from memengine.engine.models.lm import LanguageModel  # noqa: E402
 from test_oracle import LIMITS, hf_model, limits_for, rel, tensors_of  # noqa: E402
 
 # shapes the f16 path takes everywhere (E, Di, R + 2N, V multiples of 4)
@@ -88,7 +88,7 @@ def test_mixed_logits_loss_grads_within_bound_of_transformers(rt, monkeypatch, n
 
 
 def _mixed_vs_oracle(rt, monkeypatch, m, cfg, name, kw, B, L, count):
-    ours = MambaModel(rt, cfg, tensors_of(m))
+    ours = LanguageModel(rt, cfg, tensors_of(m))
     ours.set_precision("mixed")
     S = 1024.0
     ours.loss_scale = rt.upload(np.array([S], np.float32))
@@ -256,7 +256,7 @@ def _demo_windows(seq_len):
 
 def test_forced_overflow_in_training_skips_steps_and_reports_them(rt):
     _need_f16(rt)
-    model = MambaModel(rt, CURVE_CFG, init_weights(CURVE_CFG, 0))
+    model = LanguageModel(rt, CURVE_CFG, init_weights(CURVE_CFG, 0))
     model.set_precision("mixed")
     before = model.state_dict()
     o = TrainOptions(max_steps=3, lr=1e-3, batch_size=2, seq_len=16, log_every=3)
@@ -289,9 +289,9 @@ def test_forward_overflow_of_f16_stops_the_run_and_names_fp32(rt):
     w["backbone.layers.0.norm.weight"] = np.full_like(w["backbone.layers.0.norm.weight"], 1e5)
     ws = _demo_windows(16)[:4]
     o = dict(max_steps=2, lr=1e-3, batch_size=2, seq_len=16, log_every=2)
-    fp32 = fit(MambaModel(rt, CURVE_CFG, w), ws, TrainOptions(**o))
+    fp32 = fit(LanguageModel(rt, CURVE_CFG, w), ws, TrainOptions(**o))
     assert all(np.isfinite(e["loss"]) for e in fp32.state.history if e["event"] == "step")
-    model = MambaModel(rt, CURVE_CFG, w)
+    model = LanguageModel(rt, CURVE_CFG, w)
     model.set_precision("mixed")
     with pytest.raises(NonFiniteError, match=r"step 1 .*--precision fp32"):
         fit(model, ws, TrainOptions(**o, precision="mixed"))
@@ -305,7 +305,7 @@ def test_200_step_loss_curve_within_1_percent_of_fp32(rt):
     ws = _demo_windows(16)
     curves = {}
     for precision in ("fp32", "mixed"):
-        model = MambaModel(rt, CURVE_CFG, init_weights(CURVE_CFG, 0))
+        model = LanguageModel(rt, CURVE_CFG, init_weights(CURVE_CFG, 0))
         model.set_precision(precision)
         o = TrainOptions(max_steps=200, lr=3e-3, batch_size=2, seq_len=16, log_every=10, precision=precision)
         loop = fit(model, ws, o)
@@ -348,7 +348,7 @@ def test_loss_scaler_state_is_kept_in_the_optimizer_state(rt, tmp_path):
     _need_f16(rt)
     from memengine.engine.io.data import make_batches
     from memengine.engine.train import optim_state
-    model = MambaModel(rt, CURVE_CFG, init_weights(CURVE_CFG, 0))
+    model = LanguageModel(rt, CURVE_CFG, init_weights(CURVE_CFG, 0))
     model.set_precision("mixed")
     o = TrainOptions(max_steps=2, lr=1e-3, batch_size=2, seq_len=16, log_every=2, precision="mixed")
     trainer = Trainer(model, o, trace_capacity=2)

@@ -457,7 +457,7 @@ def test_whole_store_steps_equal_per_name_steps(lim):
     """A store that trains every view steps as its segments (one dispatch each, moments one
     flat pair): parameters and moments bit-identical to stepping name by name, also after
     moments loaded before the first step (a resume); the padding stays zero."""
-    from memengine.engine.models.mamba1.model import FlatStore
+    from memengine.engine.models.store import FlatStore
     from memengine.engine.runtime import Recorder
 
     rt = lim

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import checked_limits  # noqa: E402
 from memengine.engine.app import plan  # noqa: E402
 from memengine.engine.models.mamba1.config import MambaConfig  # noqa: E402
-from memengine.engine.models.mamba1.model import MambaModel  # noqa: E402
+from memengine.engine.models.lm import LanguageModel  # noqa: E402
 
 LIMITS = ["adapter", "forced"]
 
@@ -120,7 +120,7 @@ def test_logits_loss_grads_match_transformers(rt, monkeypatch, name, kw, B, L, l
 
 
 def _compare(rt, m, tensors, cfg, name, kw, B, L, limits):
-    ours = MambaModel(rt, cfg, tensors)
+    ours = LanguageModel(rt, cfg, tensors)
     if limits == "forced":  # the forcing bites: tensors exceed one binding, the stores split
         ws = ours.workspace(B, L)
         sizes = [t.nbytes for t in ours.P.views.values()]
@@ -166,7 +166,7 @@ def _compare(rt, m, tensors, cfg, name, kw, B, L, limits):
         assert e < 1e-3, n
     print(f"[{name}] largest gradient rel err {worst:.2e}")
     if cfg.is_falcon:  # the dt/B/C norms matter: the same weights run as plain Mamba miss the oracle
-        plain = MambaModel(rt, MambaConfig.from_dict({**m.config.to_dict(), "model_type": "mamba"}), tensors)
+        plain = LanguageModel(rt, MambaConfig.from_dict({**m.config.to_dict(), "model_type": "mamba"}), tensors)
         e_plain = rel(plain.logits(ids), logits_ref.detach().numpy())
         plain.loss_and_grads(ids, targets)
         xp = "backbone.layers.0.mixer.x_proj.weight"
@@ -185,12 +185,12 @@ def test_lm_head_in_row_chunks_matches_whole(rt):
     ids = rng.integers(0, kw["vocab_size"], size=(2, 9)).astype(np.int32)
     tg = rng.integers(0, kw["vocab_size"], size=(2, 9)).astype(np.int32)
 
-    whole = MambaModel(rt, cfg, tensors)
+    whole = LanguageModel(rt, cfg, tensors)
     loss_w = whole.loss_and_grads(ids, tg)
     grads_w = whole.grad_dict()
     logits_w = whole.logits(ids)
 
-    chunked = MambaModel(rt, cfg, tensors)
+    chunked = LanguageModel(rt, cfg, tensors)
     ws = chunked.workspace(2, 9)
     assert ws.chunk == 18
     ws.chunk = 4  # 18 rows -> chunks of 4, 4, 4, 4, 2

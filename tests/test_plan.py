@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 from memengine.engine.app import plan
-from memengine.engine.models.mamba1.config import MambaConfig, load_config
+from memengine.engine.models.mamba1.config import MambaConfig
+from memengine.engine.models import load_config
 from memengine.engine.models.mamba1.init import init_weights
 from test_cli import assert_one_line_error, run_proc
 
@@ -202,14 +203,14 @@ def test_mamba_1_4b_config_and_its_plan(rt, monkeypatch):
 def test_a_remade_gradient_store_is_counted_once(rt):
     """An x_proj-only gradient store remade over every tensor (a WSLA run, then a full one in
     the same process) adds to the allocation count what a fresh full store adds."""
-    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.models.lm import LanguageModel
 
     cfg = MambaConfig.from_dict(SMALL)
-    fresh = MambaModel(rt, cfg, init_weights(cfg, 0))
+    fresh = LanguageModel(rt, cfg, init_weights(cfg, 0))
     before = rt.bytes_allocated
     fresh.grad_store(fresh.names)
     full = rt.bytes_allocated - before
-    model = MambaModel(rt, cfg, init_weights(cfg, 0))
+    model = LanguageModel(rt, cfg, init_weights(cfg, 0))
     before = rt.bytes_allocated
     model.grad_store([n for n in model.names if "x_proj" in n])
     assert 0 < rt.bytes_allocated - before < full

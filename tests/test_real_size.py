@@ -27,7 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from memengine.engine.models.mamba1.config import load_config  # noqa: E402
+from memengine.engine.models import load_config  # noqa: E402
 from memengine.engine.runtime import get_runtime  # noqa: E402
 from test_cli import run  # noqa: E402
 

@@ -13,7 +13,7 @@ from memengine.engine.errors import NonFiniteError
 from memengine.engine.io.data import make_batches, make_windows
 from memengine.engine.models.mamba1.config import MambaConfig
 from memengine.engine.models.mamba1.init import init_weights
-from memengine.engine.models.mamba1.model import MambaModel
+from memengine.engine.models.lm import LanguageModel
 from memengine.engine.train.loop import LoopState, fit
 from memengine.engine.train.trainer import evaluate
 
@@ -36,7 +36,7 @@ def epochs_of(loop):
 
 
 def test_training_halves_the_loss(rt):
-    model = MambaModel(rt, CFG, init_weights(CFG, 0))
+    model = LanguageModel(rt, CFG, init_weights(CFG, 0))
     hist = epochs_of(fit(model, windows(), TrainOptions(epochs=25, lr=3e-3, batch_size=2, seq_len=32)))
     losses = [h["loss"] for h in hist]
     print(f"\nloss: first {losses[0]:.4f} last {losses[-1]:.4f}; grad norm first {hist[0]['grad_norm']:.4f}")
@@ -52,7 +52,7 @@ def test_resume_continues_exactly(rt):
     checkpoints' test in test_long_runs.py resumes a cosine schedule)."""
     opts = dict(lr=2e-3, batch_size=2, seq_len=32, lr_schedule="constant", warmup_steps=2, log_every=1)
     ws = windows()
-    straight = MambaModel(rt, CFG, init_weights(CFG, 1))
+    straight = LanguageModel(rt, CFG, init_weights(CFG, 1))
     full = fit(straight, ws, TrainOptions(epochs=3, **opts))
     spe = full.steps_per_epoch
     stop = spe + 1  # inside the second epoch
@@ -64,13 +64,13 @@ def test_resume_continues_exactly(rt):
         assert abs(ep["loss"] - np.mean([e["loss"] for e in mine])) < 1e-12
         assert abs(ep["grad_norm"] - np.mean([e["grad_norm"] for e in mine])) < 1e-12
 
-    first = MambaModel(rt, CFG, init_weights(CFG, 1))
+    first = LanguageModel(rt, CFG, init_weights(CFG, 1))
     part = fit(first, ws, TrainOptions(epochs=3, max_steps=stop, **opts))
     weights, opt_state = first.state_dict(), part.trainer.optimizer_state()
     state = LoopState.from_dict(part.state_dict())
     assert int(np.asarray(opt_state["__step__"]).reshape(-1)[0]) == stop
 
-    resumed = MambaModel(rt, CFG, weights)
+    resumed = LanguageModel(rt, CFG, weights)
     rest = fit(resumed, ws, TrainOptions(epochs=3, **opts), optimizer_state=opt_state, state=state)
     want = [(e["step"], e["loss"], e["lr"]) for e in full.state.history if e["event"] == "step"]
     got = [(e["step"], e["loss"], e["lr"]) for e in rest.state.history if e["event"] == "step"]
@@ -80,14 +80,14 @@ def test_resume_continues_exactly(rt):
         assert a[k].tobytes() == b[k].tobytes(), k
 
     # without the optimizer and loop state the continuation differs (the test can fail)
-    fresh = MambaModel(rt, CFG, weights)
+    fresh = LanguageModel(rt, CFG, weights)
     fit(fresh, ws, TrainOptions(epochs=3, max_steps=3 * spe - stop, **opts))
     assert any(fresh.state_dict()[k].tobytes() != a[k].tobytes() for k in a)
 
 
 def test_wsla_trains_only_x_proj(rt):
     w0 = init_weights(CFG, 2)
-    model = MambaModel(rt, CFG, w0)
+    model = LanguageModel(rt, CFG, w0)
     fit(model, windows(), AdaptOptions(epochs=2, lr=1e-3, batch_size=2, seq_len=32, max_delta=0.05,
                                        weight_decay=0.0))
     # the gradient store holds x_proj's gradients only, not a second copy of every weight
@@ -105,7 +105,7 @@ def test_wsla_trains_only_x_proj(rt):
 
 def test_trust_region_bounds_every_step(rt):
     w0 = init_weights(CFG, 3)
-    model = MambaModel(rt, CFG, w0)
+    model = LanguageModel(rt, CFG, w0)
     before = model.state_dict()
     fit(model, windows(), TrainOptions(max_steps=1, lr=10.0, batch_size=2, seq_len=32, max_delta=1e-3,
                                        weight_decay=0.0, max_grad_norm=0.0))
@@ -122,7 +122,7 @@ def test_trust_region_bounds_every_step(rt):
 def test_nonfinite_loss_stops_and_never_writes_nan(rt):
     w = init_weights(CFG, 4)
     w["backbone.norm_f.weight"] = np.full_like(w["backbone.norm_f.weight"], 3e38)  # logits overflow
-    model = MambaModel(rt, CFG, w)
+    model = LanguageModel(rt, CFG, w)
     with pytest.raises(NonFiniteError, match="step 1 "):
         fit(model, windows(), TrainOptions(epochs=3, lr=1e-3, batch_size=2, seq_len=32, log_every=4))
     for k, v in model.state_dict().items():
@@ -130,7 +130,7 @@ def test_nonfinite_loss_stops_and_never_writes_nan(rt):
 
 
 def test_eval_matches_mean_of_step_losses(rt):
-    model = MambaModel(rt, CFG, init_weights(CFG, 5))
+    model = LanguageModel(rt, CFG, init_weights(CFG, 5))
     bs = batches(seq_len=16, batch_size=3)
     res = evaluate(model, bs)
     total, n = 0.0, 0
@@ -172,7 +172,7 @@ def test_steps_match_torch_adamw_with_clipping(rt):
         norms.append(float(torch.nn.utils.clip_grad_norm_(hf.parameters(), 0.5)))
         opt.step()
 
-    model = MambaModel(rt, cfg, w)
+    model = LanguageModel(rt, cfg, w)
     hist = epochs_of(fit(model, two_windows, TrainOptions(epochs=2, lr=1e-2, batch_size=2, seq_len=12,
                                                           max_grad_norm=0.5, shuffle=False)))
     assert norms[0] > 0.5  # clipping really happened
@@ -197,7 +197,7 @@ def test_steps_and_evaluations_create_nothing_per_call(rt, monkeypatch, copies):
     from memengine.engine.train.trainer import Trainer
 
     monkeypatch.setattr(rt, "copy_by_dispatch", copies == "dispatch")
-    model = MambaModel(rt, CFG, init_weights(CFG, 8))
+    model = LanguageModel(rt, CFG, init_weights(CFG, 8))
     o = TrainOptions(batch_size=2, seq_len=32, grad_accum=2)
     tr = Trainer(model, o, trace_capacity=4)
     bs = batches()
@@ -246,7 +246,7 @@ def test_slow_steps_go_in_pieces_with_a_tenth_of_a_second_queued(rt, monkeypatch
     weights = []
     try:
         for step_s, bounded in ((0.1, False), (0.26, True)):
-            model = MambaModel(rt, cfg, init_weights(cfg, 3))
+            model = LanguageModel(rt, cfg, init_weights(cfg, 3))
             tr = trmod.Trainer(model, o, trace_capacity=4)
             rt.bounded, rt.piece_depth, rt.piece_span = bounded, 2, 1
             before, fence = rt.pieces, rt.piece_fence()
@@ -279,7 +279,7 @@ def test_slow_steps_go_in_pieces_with_a_tenth_of_a_second_queued(rt, monkeypatch
 def test_gradient_store_grows_from_x_proj_to_every_tensor(rt):
     """A step over x_proj makes a store of x_proj's gradients; a later step over every
     tensor makes it again over all, and x_proj's gradients are the same bits."""
-    model = MambaModel(rt, CFG, init_weights(CFG, 4))
+    model = LanguageModel(rt, CFG, init_weights(CFG, 4))
     ids = np.frombuffer(TEXT[:66], np.uint8).astype(np.int32).reshape(2, 33)
     xp = [n for n in model.names if ".mixer.x_proj." in n]
     model.loss_and_grads(ids[:, :-1], ids[:, 1:], trainable=xp)
@@ -309,7 +309,7 @@ def test_a_device_with_webgpus_eight_storage_buffers_trains(rt, monkeypatch):
     o = TrainOptions(max_steps=3, lr=1e-3, batch_size=2, seq_len=32, log_every=1)
     losses = []
     for r in (rt8, rt):
-        loop = fit(MambaModel(r, cfg, init_weights(cfg, 0)), windows(), o)
+        loop = fit(LanguageModel(r, cfg, init_weights(cfg, 0)), windows(), o)
         losses.append([e["loss"] for e in loop.state.history if e["event"] == "step"])
     print(f"\n8 storage buffers: {losses[0]}\ndefault ({cpu_lanes(rt)=}): {losses[1]}")
     assert len(losses[0]) == 3

@@ -1,11 +1,12 @@
 """Text generation: recurrent decoding on the GPU, one O(1) step per layer and token.
 
-The prompt runs once through the sequence kernels (`MambaModel.record_forward`, B = 1),
-which leaves every layer's activations; two small kernels turn them into the recurrent
-state (the last K-1 conv inputs and the SSM state after the last position, see
-engine/ops/decode.py).  Every new token is then one step: embedding, per layer rmsnorm ->
-in_proj -> conv step -> x_proj -> selective state update (dt_proj fused) -> out_proj onto
-the residual, final norm, LM head, and the sampler, all on the GPU.  The sampled token
+The prompt runs once through the sequence kernels (`LanguageModel.record_forward`, B = 1),
+which leaves every layer's activations; the architecture's block turns them into each
+layer's recurrent state right after that layer (`Block.decode_prefill`; for Mamba-1 the
+last K-1 conv inputs and the SSM state after the last position, engine/kernels/decode.py).
+Every new token is then one step: embedding, per layer the block's `decode_step` (Mamba-1:
+rmsnorm -> in_proj -> conv step -> x_proj -> selective state update -> out_proj onto the
+residual), final norm, LM head, and the sampler, all on the GPU.  The sampled token
 stays on the GPU (the next step embeds it from there); the host reads back 4 bytes per
 token, one step behind the GPU (step t+1 is queued before token t is read), to stream the
 text and check the stop conditions.
@@ -30,15 +31,7 @@ import numpy as np
 from memengine.engine.app.options import SamplingOptions
 from memengine.engine.errors import MemengineError
 from memengine.engine.io.inputs import decode_utf8
-from memengine.engine.kernels.decode import (
-    conv_prefill,
-    conv_step,
-    matvec,
-    pack_layer_constants,
-    sample,
-    ssm_prefill,
-    ssm_step,
-)
+from memengine.engine.kernels.decode import matvec, sample
 from memengine.engine.kernels.embedding import embedding_forward
 from memengine.engine.kernels.rmsnorm import rmsnorm_forward
 from memengine.engine.runtime import BindingError, Recorder, Runtime, Tensor, dispatch_groups
@@ -130,35 +123,22 @@ class _Program(Recorder):
 
 
 class Decoder:
-    """Recurrent decoding state and buffers for one model, batch 1, made once."""
+    """Recurrent decoding state and buffers for one model, batch 1, made once: the shell's
+    (the residual, the final norm, the logits, the token slots) and the architecture's
+    (`Block.decode_state`: every layer's recurrent state)."""
 
     RING = 4  # token slots the sampler writes in turn (the host reads one step behind)
 
     def __init__(self, model):
         rt, c = model.rt, model.cfg
         self.model, self.rt, self.cfg = model, rt, c
-        E, Di, N, R, K, V = c.hidden_size, c.intermediate_size, c.state_size, c.dt_rank, c.conv_kernel, c.vocab_size
-        self.dims = (E, Di, N, R, K, V)
+        E, V = c.hidden_size, c.vocab_size
         e = rt.empty
-        self._tensors = [
-            e((E,), name="dec.h"), e((E,), name="dec.un"), e((1,), name="dec.rstd"), e((2 * Di,), name="dec.xz"),
-            e((Di,), name="dec.xc"), e((R + 2 * N,), name="dec.xdbl"), e((Di,), name="dec.y"),
-            e((E,), name="dec.hf"), e((1,), name="dec.rstd_f"), e((V,), name="dec.logits"),
-            e((2 + self.RING,), "i32", "dec.io")]
-        (self.h, self.un, self.rstd, self.xz, self.xc, self.xdbl, self.y, self.hf, self.rstd_f, self.logits,
-         self.io) = self._tensors
-        if c.is_falcon:  # falcon_mamba: dt_low, B, C each through a weightless RMS norm
-            self.xdbl_n = e((R + 2 * N,), name="dec.xdbl_n")
-            self.mixer_rstd = e((3,), name="dec.mixer_rstd")
-            self.ones = rt.upload(np.ones(max(R, N), np.float32), name="dec.ones")
-            self._tensors += [self.xdbl_n, self.mixer_rstd, self.ones]
-        else:
-            self.xdbl_n = self.xdbl
-        nl = c.num_hidden_layers
-        self.conv = [e((max(K - 1, 1), Di), name=f"dec.conv{i}") for i in range(nl)]
-        self.ssm = [e((Di, N), name=f"dec.ssm{i}") for i in range(nl)]
-        self.consts = [e((Di * N + 2 * Di,), name=f"dec.consts{i}") for i in range(nl)]
-        self._tensors += self.conv + self.ssm + self.consts
+        self._tensors = [e((E,), name="dec.h"), e((E,), name="dec.hf"), e((1,), name="dec.rstd_f"),
+                         e((V,), name="dec.logits"), e((2 + self.RING,), "i32", "dec.io")]
+        self.h, self.hf, self.rstd_f, self.logits, self.io = self._tensors
+        self.state, made = model.block.decode_state(rt)
+        self._tensors += made
         u = rt.wgpu.BufferUsage
         self._readback = [rt.device.create_buffer(label=f"dec.readback{i}", size=4, usage=u.MAP_READ | u.COPY_DST)
                           for i in range(2)]
@@ -172,43 +152,23 @@ class Decoder:
             self.rt.free(t)
         self._tensors = []
 
-    def _head(self) -> Tensor:
-        p = self.model.params
-        return p.lm_head if p.lm_head is not None else p.embeddings
-
     # -- recording
     def _record_step(self, rec, sampling) -> None:
         """One token: embed io[1], every layer's step, final norm, LM head, and (when
         `sampling` is given) the sampler."""
-        E, Di, N, R, K, V = self.dims
-        c, p = self.cfg, self.model.params
-        lora = self.model.lora
-        eps = c.layer_norm_epsilon
+        m, c, p = self.model, self.cfg, self.model.params
+        E, V = c.hidden_size, c.vocab_size
         embedding_forward(rec, self.h, self.io.view((1,), 1), p.embeddings)
-        for i, lp in enumerate(p.layers):
-            rmsnorm_forward(rec, self.un, self.rstd, self.h, lp.norm_weight, eps)
-            matvec(rec, self.xz, lp.in_proj_weight, self.un, lp.in_proj_bias, rows=2 * Di, K=E)
-            if lora is not None:  # a LoRA adapter, applied without merging
-                lora.step(rec, i, "in_proj", self.un, self.xz)
-            conv_step(rec, self.xc, self.conv[i], self.xz, lp.conv1d_weight, lp.conv1d_bias, Di=Di, K=K)
-            matvec(rec, self.xdbl, lp.x_proj_weight, self.xc, rows=R + 2 * N, K=Di)
-            if lora is not None:
-                lora.step(rec, i, "x_proj", self.xc, self.xdbl)
-            if c.is_falcon:
-                for j, (col, w) in enumerate(((0, R), (R, N), (R + N, N))):
-                    rmsnorm_forward(rec, self.xdbl_n, self.mixer_rstd.view((1,), j), self.xdbl,
-                                    self.ones.view((w,)), c.mixer_rms_eps, col=col, ld=R + 2 * N)
-            ssm_step(rec, self.y, self.ssm[i], self.xc, self.xdbl_n, self.xz, lp.dt_proj_weight, self.consts[i],
-                     Di=Di, N=N, R=R)
-            matvec(rec, self.h, lp.out_proj_weight, self.y, lp.out_proj_bias, rows=E, K=Di, acc=True)
-        rmsnorm_forward(rec, self.hf, self.rstd_f, self.h, p.norm_f, eps)
-        matvec(rec, self.logits, self._head(), self.hf, rows=V, K=E)
+        for i in range(c.num_hidden_layers):
+            m.block.decode_step(rec, m, self.state, i, self.h)
+        rmsnorm_forward(rec, self.hf, self.rstd_f, self.h, p.norm_f, c.layer_norm_epsilon)
+        matvec(rec, self.logits, m.head(), self.hf, rows=V, K=E)
         if sampling is not None:
             sample(rec, self.io, self.logits, V=V, **sampling)
 
     def _record_prefill(self, rec, ids: np.ndarray, sampling) -> None:
-        E, Di, N, R, K, V = self.dims
-        m, p = self.model, self.model.params
+        m = self.model
+        E, V = self.cfg.hidden_size, self.cfg.vocab_size
         L = int(ids.size)
         try:  # without gradients: the layers share one set of activations (handed over per layer)
             ws = m.workspace(1, L, grad=False)
@@ -218,18 +178,14 @@ class Decoder:
         rec.clear(self.io)
 
         def handover(rec, i):  # layer i's recurrent state, from its activations in the workspace
-            lp = p.layers[i]
-            pack_layer_constants(rec, self.consts[i], lp.A_log, lp.dt_proj_bias, lp.D, Di=Di, N=N)
-            conv_prefill(rec, self.conv[i], ws.xz[i], L=L, Di=Di, K=K)
-            ssm_prefill(rec, self.ssm[i], ws.states[i], ws.xc[i], ws.delta[i], ws.xdbl_n[i], self.consts[i],
-                        L=L, Di=Di, N=N, R=R)
+            m.block.decode_prefill(rec, m, self.state, ws, i, L)
 
         try:
             m.record_forward(rec, ws, after_layer=handover)
         except BindingError as e:  # one sequence must fit a binding (conv1d, scan); their advice is train's
             why = str(e).replace("; a smaller --seq-len helps", "")
             raise MemengineError(f"the prompt ({L} tokens) is too long for this adapter: {why}") from None
-        matvec(rec, self.logits, self._head(), ws.hf.view((E,), (L - 1) * E), rows=V, K=E)
+        matvec(rec, self.logits, m.head(), ws.hf.view((E,), (L - 1) * E), rows=V, K=E)
         if sampling is not None:
             sample(rec, self.io, self.logits, V=V, **sampling)
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Optional
 from memengine.engine.errors import MemengineError
 from memengine.engine.io.inputs import read_config_data
 from memengine.engine.io.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
-from memengine.engine.models.mamba1.config import MODEL_TYPES
+from memengine.engine import models
 
 # help panels of --help
 DATA = "Data"
@@ -190,7 +190,8 @@ def _revision() -> Any:
 
 def _model_type() -> Any:
     return opt(None, panel=RUNTIME, metavar="mamba|falcon_mamba", restore=False, show_default=False,
-               check=one_of(*MODEL_TYPES),
+               check=(lambda v: v is None or v in models.model_types(),
+                      "must be a registered model type (mamba, falcon_mamba, or one MEMENGINE_MODELS adds)"),
                help="Model type of a checkpoint whose config does not state one (a bare .safetensors): "
                     "mamba (assumed) or falcon_mamba.")
 

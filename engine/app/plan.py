@@ -21,24 +21,25 @@ A refusal is one line naming the figure and the flag that would help: the larges
 weights alone (parameters, gradients, moments) do not fit: no flag can shrink those.
 
 The figures mirror what the code allocates: the parameter store layout
-(`model.store_layout`), the workspace table (`model.workspace_shapes`), the moments, and the
-kernels' scratch (scan work, split-K partial products, reduction partials).
+(`models.store.store_layout`), the workspace table (`models.lm.workspace_shapes`: the shell's
+buffers and the architecture's `Block.workspace_table`), the moments, and the kernels'
+scratch: the shell's (split-K partial products, reduction partials, the evaluation's sums)
+and the architecture's own (`Architecture.plan_scratch`, `plan_units`, `products`: for
+Mamba-1 the scan's work and the conv's weight-gradient partials).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memengine.engine import hostmem
+from memengine.engine import hostmem, models
 from memengine.engine.errors import MemengineError
-from memengine.engine.kernels import conv1d as _conv1d
-from memengine.engine.kernels import rmsnorm as _rmsnorm
+from memengine.engine.kernels import rmsnorm
 from memengine.engine.kernels.lanes import cpu_lanes
 from memengine.engine.kernels.matmul import splitk_slices
-from memengine.engine.kernels.scan import channels_per_workgroup, sequence_scratch, sequence_windows
-from memengine.engine.models.mamba1.config import MambaConfig, expected_shapes
-from memengine.engine.models.mamba1.model import logits_chunk_rows, store_layout, workspace_shapes
-from memengine.engine.runtime import BindingError, binding_refusal, cdiv, env_bytes, fmt_bytes, split
+from memengine.engine.models.lm import logits_chunk_rows, workspace_shapes
+from memengine.engine.models.store import store_layout
+from memengine.engine.runtime import binding_refusal, cdiv, env_bytes, fmt_bytes
 
 KINDS = ("eval", "train", "adapt")
 ENV_MAX_MEMORY = "MEMENGINE_MAX_MEMORY_BYTES"
@@ -135,11 +136,11 @@ class Plan:
                 "ok": self.ok, "problem": self.problems[0][0] if self.problems else None}
 
 
-def _trainable(kind: str, names: list) -> list:
+def _trainable(cfg, kind: str, names: list) -> list:
     if kind == "train":
         return list(names)
     if kind == "adapt":
-        return [n for n in names if ".mixer.x_proj." in n]
+        return models.of(cfg).wsla_names(cfg, names)
     return []
 
 
@@ -147,12 +148,6 @@ def _store_bytes(shapes: dict, lim: Limits) -> int:
     """Bytes of a FlatStore of `shapes` (model.store_layout: aligned views, segments)."""
     _, segments = store_layout(shapes, lim.storage_align // 4, lim.max_buffer)
     return sum(4 * n for n in segments)
-
-
-def _linears(cfg: MambaConfig) -> list:
-    """(out features, in features) of every linear layer of one Mamba layer."""
-    E, Di, N, R = cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank
-    return [(2 * Di, E), (R + 2 * N, Di), (Di, R), (E, Di)]
 
 
 def _splitk_scratch(lim: Limits, products: set) -> int:
@@ -175,7 +170,7 @@ def default_eval_passes(kind: str) -> tuple:
     return () if kind == "train" else (1,)
 
 
-def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Limits,
+def estimate(cfg, batch_size: int, seq_len: int, kind: str, lim: Limits,
              eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> Plan:
     """The plan of one run (see the module docstring); problems are filled in.
 
@@ -191,11 +186,11 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     a_numel = sum(a_sizes)
     B, L = int(batch_size), int(seq_len)
     M = B * L
-    E, Di, N, R, V, K = (cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank,
-                         cfg.vocab_size, cfg.conv_kernel)
+    arch = models.of(cfg)
+    E, V = cfg.hidden_size, cfg.vocab_size
     passes = default_eval_passes(kind) if eval_passes is None else tuple(int(n) for n in eval_passes)
     plan = Plan(kind, B, L, eval_passes=passes, trace_steps=int(trace_steps))
-    shapes = dict(expected_shapes(cfg))
+    shapes = arch.shapes(cfg)
     grad = kind != "eval"
 
     # -- weights: parameter (and gradient) stores, moments
@@ -211,7 +206,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     plan.parts["parameters"] = store + (a_store if a_sizes else 0)
     # a store that trains whole has one flat moment pair per segment (optim.AdamW), else one
     # pair per trained tensor; the gradient store holds the trained tensors only
-    trained = _trainable(kind, list(shapes))
+    trained = _trainable(cfg, kind, list(shapes))
     if kind == "lora":
         plan.parts["gradients"], plan.parts["moments"] = (a_store if a_sizes else 0), 2 * a_store
     elif len(trained) == len(shapes):
@@ -235,32 +230,17 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     plan.parts["activations"] = acts + sum(_buf(4 * M * w) for w in a_rows)
     plan.parts["logits chunk"] = logits
 
-    # -- kernels' scratch
-    scratch = 0
-    db = channels_per_workgroup(lim.lanes, N)
-    try:
-        seqs = split(lim, B, lambda nb: sequence_windows(nb, L, Di, N, R),
-                     scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db, grad))
-    except BindingError:
-        seqs = [(0, 1)]
-    for nb in sorted({nb for _, nb in seqs}):
-        _, work = sequence_scratch(nb, L, Di, N, R, db)
-        scratch += _buf(work) if grad else 0
-    scratch += _buf(sequence_scratch(1, L, Di, N, R)[0])  # the forward's parameter copy, any B
-    scratch += _buf(4)  # the final norm's unused copy binding (ops/rmsnorm.py)
+    # -- kernels' scratch: the layers' own, then the shell's
+    scratch = arch.plan_scratch(lim, cfg, B, L, kind)
+    scratch += _buf(4)  # the final norm's unused copy binding (kernels/rmsnorm.py)
     chunk = logits_chunk_rows(lim.max_binding, M, V)
-    products = {(M, o, i) for o, i in _linears(cfg)} | {(chunk, V, E)}
+    products = arch.products(cfg, M, grad) | {(chunk, V, E)}
     if grad:
-        products |= {(M, i, o) for o, i in _linears(cfg)} | {(o, i, M) for o, i in _linears(cfg)}
         products |= {(chunk, E, V), (V, E, chunk)}
-        if kind == "train":  # the norms' and conv's weight gradients (adapt and LoRA compute none)
-            _, nch = _rmsnorm._chunks(lim, M, E)
+        if kind == "train":  # the norms' weight gradients (adapt and LoRA compute none)
+            _, nch = rmsnorm.chunks(lim, M, E)
             scratch += _buf(4 * nch * E)
-            nch = _conv1d.partial_rows(B, L)
-            scratch += _buf(4 * nch * Di * (K + 1)) + _buf(4 * Di * K) + _buf(4 * Di)
-        else:  # the conv1d backward's unused partials binding
-            scratch += _buf(4 * Di)
-        n_partials = sum(cdiv(_numel(shapes[n]), 2048) + 1 for n in _trainable(kind, list(shapes)))
+        n_partials = sum(cdiv(_numel(shapes[n]), 2048) + 1 for n in _trainable(cfg, kind, list(shapes)))
         n_partials += sum(cdiv(n, 2048) + 1 for n in a_sizes) if kind == "lora" else 0
         scratch += _buf(4 * max(1024, 1 << (n_partials - 1).bit_length()))
     scratch += _splitk_scratch(lim, products) + _buf(4 * 1024)
@@ -274,11 +254,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     # -- units of work that must fit one binding
     plan.units.append((f"one row of the embedding table ({E} values)", 4 * E, False, "tensor"))
     plan.units.append((f"one row of logits ({V} values)", 4 * V, False, "tensor"))
-    plan.units.append((f"one sequence of the conv1d and selective scan at --seq-len {L} ({L} x {2 * Di} values)",
-                       max(sequence_windows(1, L, Di, N, R)), True, "tensor"))
-    plan.units.append((f"the selective scan's scratch for one sequence at --seq-len {L}",
-                       max(sequence_scratch(1, L, Di, N, R, backward=grad)),
-                       True, "adapter"))
+    plan.units += arch.plan_units(cfg, B, L, grad)
     if grad:
         plan.units.append((f"the embedding's scatter plan for batch {B} x {L}", 4 * (2 + 3 * M), True, "tensor"))
     _check(plan, lim)
@@ -323,7 +299,7 @@ def _largest(ok, hi: int) -> int:
     return lo
 
 
-def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
+def advice(cfg, plan: Plan, lim: Limits) -> str:
     """The flag that would make `plan` pass, or a sentence saying that none can."""
     B, L = plan.batch_size, plan.seq_len
     none = "no --batch-size or --seq-len can help on this adapter"
@@ -343,7 +319,7 @@ def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
     return none
 
 
-def check_run(rt, cfg: MambaConfig, batch_size: int, seq_len: int, kind: str,
+def check_run(rt, cfg, batch_size: int, seq_len: int, kind: str,
               eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> Plan:
     """Plan a run on `rt`'s adapter before anything is uploaded; MemengineError (exit 2) with
     one line naming the figure and the flag that would help when it cannot work."""
@@ -354,7 +330,7 @@ def check_run(rt, cfg: MambaConfig, batch_size: int, seq_len: int, kind: str,
     return plan
 
 
-def min_binding(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str = "train") -> int:
+def min_binding(cfg, batch_size: int, seq_len: int, kind: str = "train") -> int:
     """The smallest binding limit a run passes with (tests force it so every tensor splits)."""
     lim = Limits(2**62, 2**62, 256, 2**62)
     need = max(b for _, b, _, k in estimate(cfg, batch_size, seq_len, kind, lim).units if k == "tensor")
@@ -364,7 +340,7 @@ def min_binding(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str = "tr
 PLAN_ROWS = ("parameters", "gradients", "moments", "activations", "logits chunk", "scratch")
 
 
-def report(cfg: MambaConfig, batch_size: int, seq_len: int, lim: Limits) -> dict:
+def report(cfg, batch_size: int, seq_len: int, lim: Limits) -> dict:
     """The plans of eval, train and adapt for one shape (what `memengine info` shows)."""
     out = {"batch_size": int(batch_size), "seq_len": int(seq_len), "limits": lim.to_dict()}
     for kind in KINDS:

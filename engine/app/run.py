@@ -65,9 +65,8 @@ def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, 
     listener.on_adapter(rt.describe())
     ad = opened.adapter
     model = open_model(rt, c, "eval", o.batch_size, o.seq_len, eval_passes=(len(batches),),
-                       adapter=None if ad is None else lora.plan_sizes(c.config, ad.spec, ad.tensors, train=False))
-    if ad is not None:
-        model.lora = lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)
+                       adapter=None if ad is None else lora.plan_sizes(c.config, ad.spec, ad.tensors, train=False),
+                       make_lora=None if ad is None else (lambda rt: lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)))
 
     def progress(i, n):
         listener.on_eval_progress(phase, i, n)
@@ -114,7 +113,7 @@ def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbos
         prompt_ids,
         read_prompt,
     )
-    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.models.lm import LanguageModel
 
     listener = listener or Listener()
     o.validate()
@@ -127,9 +126,9 @@ def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbos
     rt = open_runtime(o.device, verbose)
     listener.on_adapter(rt.describe())
     check_prompt_fits(rt, c.config, ids.size)
-    model = MambaModel.from_checkpoint(rt, c)
-    if ad is not None:  # applied on the GPU, not merged (prompt pass and every decoding step)
-        model.lora = lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)
+    # an adapter is applied on the GPU, not merged (prompt pass and every decoding step)
+    model = LanguageModel.from_checkpoint(rt, c, lora=None if ad is None else lora.LoraAdapter(rt, c.config, ad.spec,
+                                                                                           ad.tensors))
     res = None
     try:
         with interrupts.deferred():
@@ -230,10 +229,10 @@ class _Run:
             opt_dir = self.ckpt.directory
         else:
             opt_dir = lr.source.path if lr.train and lr.source is not None else None
-        from memengine.engine.models.mamba1.config import expected_shapes
+        from memengine.engine import models
 
         shapes = ({n: tuple(a.shape) for n, a in lr.tensors.items()} if lr is not None and lr.train
-                  else dict(expected_shapes(self.ckpt.config)))
+                  else models.of(self.ckpt.config).shapes(self.ckpt.config))
         opt_file = opt_dir / optim_state.OPTIMIZER_FILE if opt_dir is not None else None
         opt_state = optim_state.load(opt_file, shapes) if opt_file is not None else None
         if snap is not None and opt_state is None:
@@ -271,11 +270,11 @@ class _Run:
         self.model = open_model(self.rt, self.ckpt, "lora" if lr and lr.train else o.KIND, o.batch_size, o.seq_len,
                                 eval_passes=evals, trace_steps=reads_apart(o, len(self.windows)),
                                 adapter=None if lr is None else lora.plan_sizes(self.ckpt.config, lr.spec, lr.tensors,
-                                                                                train=lr.train))
-        self.model.set_precision(o.precision)
-        if lr is not None:
-            self.model.lora = lora.LoraAdapter(self.rt, self.ckpt.config, lr.spec, lr.tensors, seed=o.seed,
-                                               train=lr.train)
+                                                                                train=lr.train),
+                                make_lora=None if lr is None else (
+                                    lambda rt: lora.LoraAdapter(rt, self.ckpt.config, lr.spec, lr.tensors, seed=o.seed,
+                                                                train=lr.train)),
+                                precision=o.precision)
         if snap is None and opt_state is not None:
             n = sum(1 for k in opt_state if k.endswith(".exp_avg"))
             lis.on_note(f"resuming optimizer state from {opt_file} ({n} moments)")

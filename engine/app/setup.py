@@ -53,15 +53,19 @@ def open_runtime(device: Optional[str], verbose: bool):
 
 
 def open_model(rt, ckpt, kind: str, batch_size: int, seq_len: int, eval_passes: tuple = (),
-               trace_steps: int = 1, adapter: tuple | None = None):
+               trace_steps: int = 1, adapter: tuple | None = None, make_lora=None, precision: str = "fp32"):
     """The checkpoint's model on `rt`, after the memory plan of a `kind` run (eval, train,
     adapt) at batch_size x seq_len passed (engine/plan.py; `eval_passes`: batches of each
     evaluation the run makes, `trace_steps`: the trainer's trace): nothing is uploaded for
     a run that cannot work, which is refused with one MemengineError line naming the figure
     and the flag that would help.  `adapter`: (elements, per-row activation elements) of a
-    LoRA adapter applied (kind "lora": trained, the base frozen), engine/lora.plan_sizes."""
+    LoRA adapter applied (kind "lora": trained, the base frozen), engine/lora.plan_sizes;
+    `make_lora(rt)` makes that adapter on the GPU (an engine.lora.LoraAdapter, given to the
+    model), `precision`: "fp32" or "mixed"."""
     from memengine.engine.app.plan import check_run
-    from memengine.engine.models.mamba1.model import MambaModel
+    from memengine.engine.models.lm import LanguageModel
 
     check_run(rt, ckpt.config, batch_size, seq_len, kind, eval_passes, trace_steps, adapter=adapter)
-    return MambaModel.from_checkpoint(rt, ckpt)
+    model = LanguageModel.from_checkpoint(rt, ckpt, lora=make_lora(rt) if make_lora is not None else None)
+    model.set_precision(precision)
+    return model

@@ -2,7 +2,7 @@
 set (model.safetensors.index.json + the shards it lists, as transformers writes them), or a
 bare .safetensors file (config from its `__metadata__["config"]`, else inferred from shapes).
 
-Every tensor is decoded to float32 and checked against `expected_shapes(config)`: a missing,
+Every tensor is decoded to float32 and checked against the architecture's tensor table (`Architecture.iter_shapes`): a missing,
 unexpected or misshaped tensor, or a NaN/Inf weight, is a one-line `MemengineError` naming
 the tensor. Writing is atomic per file (temp file in the target dir + os.replace).
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from memengine.engine import models
 from memengine.engine.errors import MemengineError
 from memengine.engine.hostmem import check_fits
 from memengine.engine.io.codec import encode, normalize_dtype
@@ -40,7 +41,6 @@ from memengine.engine.io.shards import (
     split_shards,
 )
 from memengine.engine.io.staging import atomic_write_bytes
-from memengine.engine.models.mamba1.config import MODEL_TYPES, MambaConfig, expected_shapes, iter_expected_shapes
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -50,13 +50,10 @@ TOKENIZER_FILE = "tokenizer.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 CONFIG_METADATA_KEY = "config"
 
-_ALIASES = {"backbone.embedding.weight": "backbone.embeddings.weight"}
-_LAYER = re.compile(r"backbone\.layers\.(\d{1,9})\.")  # a longer index is no layer of a loadable model
-
 
 @dataclass
 class Checkpoint:
-    config: MambaConfig
+    config: object  # the architecture's config (engine.models.of(config) is its architecture)
     tensors: dict[str, np.ndarray]  # float32, canonical HF names, model order
     dtypes: dict[str, str]  # source dtype per tensor ("F32", "F16", "BF16", "F64")
     path: Path  # the checkpoint dir (or the bare file)
@@ -75,89 +72,61 @@ class Checkpoint:
 
 
 # ------------------------------------------------------------------------ inference
-def infer_config(tensors: dict[str, tuple]) -> MambaConfig:
-    """Derive a MambaConfig from tensor name -> shape (HF names; embedding alias accepted)."""
-    shapes = {_ALIASES.get(k, k): tuple(v) for k, v in tensors.items()}
-
-    def need(name: str, ndim: int) -> tuple[int, ...]:
-        if name not in shapes:
-            raise MemengineError(f"cannot infer the model shape: tensor '{name}' is missing")
-        s = shapes[name]
-        if len(s) != ndim:
-            raise MemengineError(f"cannot infer the model shape: tensor '{name}' has shape {list(s)}, expected {ndim} dims")
-        return s
-
-    V, E = need("backbone.embeddings.weight", 2)
-    layer_ids = _layer_ids(shapes)
-    if not layer_ids:
-        raise MemengineError("cannot infer the model shape: no 'backbone.layers.N.*' tensors")
-    n_layers = max(layer_ids) + 1
-    if len(layer_ids) != n_layers:  # the first gap is at most len(layer_ids)
-        gap = next(i for i in range(len(layer_ids) + 1) if i not in layer_ids)
-        raise MemengineError(f"cannot infer the model shape: layer {gap} has no tensors ('backbone.layers.{gap}.*') "
-                             f"though layer {n_layers - 1} has")
-    p = "backbone.layers.0.mixer."
-    two_di, e2 = need(p + "in_proj.weight", 2)
-    Di = two_di // 2
-    if two_di % 2 or e2 != E or Di % E:
-        raise MemengineError(
-            f"cannot infer the model shape: in_proj.weight {[two_di, e2]} is not [2*expand*E, E] with E={E}")
-    di2, N = need(p + "A_log", 2)
-    di3, one, K = need(p + "conv1d.weight", 3)
-    di4, R = need(p + "dt_proj.weight", 2)
-    if not (di2 == di3 == di4 == Di) or one != 1:
-        raise MemengineError("cannot infer the model shape: A_log / conv1d / dt_proj disagree on the inner size")
-    cfg = MambaConfig(
-        vocab_size=V, hidden_size=E, state_size=N, num_hidden_layers=n_layers, expand=Di // E,
-        conv_kernel=K, time_step_rank=R, use_bias=(p + "in_proj.bias") in shapes,
-        use_conv_bias=(p + "conv1d.bias") in shapes, tie_word_embeddings="lm_head.weight" not in shapes,
-    )
-    if cfg.dt_rank == -(-E // 16):
-        cfg.time_step_rank = "auto"
-    return cfg
+def infer_config(tensors: dict[str, tuple], model_type: str | None = None):
+    """A config from tensor name -> shape alone (a bare file): the architecture of
+    `model_type` (default mamba) reads the shapes."""
+    return models.architecture(model_type).infer_config(tensors)
 
 
 # -------------------------------------------------------------------------- checks
-def _layer_ids(names) -> set[int]:
-    return {int(m.group(1)) for k in names if (m := _LAYER.match(k))}
+def _layer_pattern(arch):
+    return re.compile(re.escape(arch.LAYER_PREFIX) + r"(\d{1,9})\.")  # a longer index is no layer of a loadable model
 
 
-def _canonicalize(tensors: dict[str, Any], where: str) -> dict[str, Any]:
+def _layer_ids(arch, names) -> set[int]:
+    pat = _layer_pattern(arch)
+    return {int(m.group(1)) for k in names if (m := pat.match(k))}
+
+
+def _canonicalize(arch, tensors: dict[str, Any], where: str) -> dict[str, Any]:
+    """Tensor names as the architecture names them (`Architecture.ALIASES`)."""
     out: dict[str, Any] = {}
     for k, v in tensors.items():
-        k2 = _ALIASES.get(k, k)
+        k2 = arch.ALIASES.get(k, k)
         if k2 in out:
-            raise MemengineError(f"{where}: both 'backbone.embedding.weight' and 'backbone.embeddings.weight' present")
+            other = next(a for a, b in arch.ALIASES.items() if b == k2)
+            raise MemengineError(f"{where}: both '{other}' and '{k2}' present")
         out[k2] = v
     return out
 
 
-def check_tensors(cfg: MambaConfig, shapes: dict[str, tuple], where: str) -> None:
-    """Keys and shapes against expected_shapes(cfg): one-line error naming the first bad tensor.
+def check_tensors(cfg, shapes: dict[str, tuple], where: str) -> None:
+    """Keys and shapes against the architecture's tensor table for `cfg`: one-line error
+    naming the first bad tensor.
 
     The expected tensors are walked one at a time, so a config that claims far more tensors
     than the file holds (10^9 layers) is refused at the first missing one."""
+    arch = models.of(cfg)
+    pat = _layer_pattern(arch)
     n_expected = 0
-    for name, shape in iter_expected_shapes(cfg):
+    for name, shape in arch.iter_shapes(cfg):
         n_expected += 1
         if name not in shapes:
             hint = ""
-            m = _LAYER.match(name)
-            if m and int(m.group(1)) >= (held := len(_layer_ids(shapes))):
+            m = pat.match(name)
+            if m and int(m.group(1)) >= (held := len(_layer_ids(arch, shapes))):
                 hint = (f" (the config has num_hidden_layers={cfg.num_hidden_layers:,} but the weights hold {held} "
                         "layer(s); fix num_hidden_layers in the config)")
-            elif name.endswith(".bias") and (".in_proj." in name or ".out_proj." in name):
-                hint = " (config has use_bias=true)"
-            elif name.endswith("conv1d.bias"):
-                hint = " (config has use_conv_bias=true)"
-            elif name == "lm_head.weight":
+            elif name == arch.HEAD:
                 hint = " (config has tie_word_embeddings=false)"
+            else:
+                hint = arch.missing_hint(cfg, name)
             raise MemengineError(f"{where}: missing tensor '{name}' (expected shape {list(shape)}){hint}")
         if tuple(shapes[name]) != tuple(shape):
             raise MemengineError(
                 f"{where}: tensor '{name}' has shape {list(shapes[name])}, expected {list(shape)} for this config")
     if len(shapes) != n_expected:  # every expected name is in shapes, so this dict is no larger than the file
-        exp = expected_shapes(cfg)
+        exp = arch.shapes(cfg)
         for name in shapes:
             if name not in exp:
                 raise MemengineError(f"{where}: unexpected tensor '{name}' (shape {list(shapes[name])}) for this config")
@@ -172,23 +141,25 @@ def _check_finite(name: str, a: np.ndarray, where: str) -> None:
             f"{where}: tensor '{name}' holds {int(bad.sum())} non-finite value(s) ({kind}, first at index {list(map(int, idx))})")
 
 
-def _drop_tied_head(cfg: MambaConfig, tensors: dict[str, Any], where: str) -> None:
-    if cfg.tie_word_embeddings and "lm_head.weight" in tensors and "backbone.embeddings.weight" in tensors:
-        head, emb = tensors["lm_head.weight"], tensors["backbone.embeddings.weight"]
+def _drop_tied_head(cfg, tensors: dict[str, Any], where: str) -> None:
+    arch = models.of(cfg)
+    if cfg.tie_word_embeddings and arch.HEAD in tensors and arch.EMBEDDINGS in tensors:
+        head, emb = tensors[arch.HEAD], tensors[arch.EMBEDDINGS]
         if np.shape(head) == np.shape(emb) and np.array_equal(np.asarray(head), np.asarray(emb)):
-            del tensors["lm_head.weight"]
+            del tensors[arch.HEAD]
         else:
             raise MemengineError(
-                f"{where}: config ties lm_head to the embeddings but tensor 'lm_head.weight' differs from them; "
+                f"{where}: config ties lm_head to the embeddings but tensor '{arch.HEAD}' differs from them; "
                 "set tie_word_embeddings to false in config.json")
 
 
 # --------------------------------------------------------------------------- loading
-def _read_json_config(path: Path) -> tuple[MambaConfig, str | None]:
-    """(config, the model_type it states or None)."""
+def _read_json_config(path: Path, model_type: str | None) -> tuple[object, str | None]:
+    """(config, the model_type it states or None); a config that states none is read as
+    `model_type`'s (default mamba)."""
     d = read_json(path, "config file")
-    cfg = MambaConfig.from_dict(d, source=str(path))
-    return cfg, d.get("model_type")
+    cfg = models.config_from_dict(d, str(path), model_type)
+    return cfg, d.get("model_type") if isinstance(d, dict) else None
 
 
 def _present(path: Path, what: str) -> bool:
@@ -270,8 +241,8 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_ten
     rest of the checkpoint (config, tokenizer) and no weight file is looked for there.
     """
     p = Path(path)
-    if model_type is not None and model_type not in MODEL_TYPES:
-        raise MemengineError(f"model type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})")
+    if model_type is not None:
+        models.architecture(model_type)  # refused at once when no architecture has it
     if not p.exists():
         raise MemengineError(f"checkpoint '{p}' not found")
     if headers is not None:
@@ -289,18 +260,18 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_ten
 
     stated: str | None = None
     if cfg_file is not None:
-        cfg, stated = _read_json_config(cfg_file)
+        cfg, stated = _read_json_config(cfg_file, model_type)
         cfg_where = str(cfg_file)
     else:
         meta_hdr = next((h for h in headers if CONFIG_METADATA_KEY in h.metadata), None)
         if meta_hdr is not None:
             cfg_where = f"{meta_hdr.path} __metadata__ config"
             d = loads_json(meta_hdr.metadata[CONFIG_METADATA_KEY], f"{meta_hdr.path}: __metadata__ 'config'")
-            cfg = MambaConfig.from_dict(d, source=cfg_where)
+            cfg = models.config_from_dict(d, cfg_where, model_type)
             stated = d.get("model_type") if isinstance(d, dict) else None
         else:
             cfg_where = f"{where} (no config; shape inferred from the tensors)"
-            cfg = infer_config({k: v.shape for h in headers for k, v in h.tensors.items()})
+            cfg = infer_config({k: v.shape for h in headers for k, v in h.tensors.items()}, model_type)
     warnings: list[str] = []
     if stated is not None and model_type is not None and stated != model_type:
         raise MemengineError(f"model type {model_type!r} was asked for, but {cfg_where} says {stated!r}")
@@ -316,9 +287,10 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_ten
             if info.dtype not in ("F32", "F16", "BF16", "F64"):
                 raise MemengineError(
                     f"{h.path}: tensor '{name}' has dtype {info.dtype}; model weights must be F32, F16 or BF16")
-    shapes = _canonicalize({k: v.shape for h in headers for k, v in h.tensors.items()}, where)
-    if cfg.tie_word_embeddings and "lm_head.weight" in shapes:
-        shapes.pop("lm_head.weight")  # decided after decoding (identical -> dropped)
+    arch = models.of(cfg)
+    shapes = _canonicalize(arch, {k: v.shape for h in headers for k, v in h.tensors.items()}, where)
+    if cfg.tie_word_embeddings and arch.HEAD in shapes:
+        shapes.pop(arch.HEAD)  # decided after decoding (identical -> dropped)
     check_tensors(cfg, shapes, where)
     tok = directory / TOKENIZER_FILE
     tok_present = _present(tok, "tokenizer file")
@@ -327,9 +299,9 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_ten
                              "weight_files": [h.path for h in headers]}
     if opt_present:
         extra["optimizer_path"] = directory / OPTIMIZER_FILE
-    ordered_shapes = {name: tuple(shapes[name]) for name in expected_shapes(cfg)}
+    ordered_shapes = {name: tuple(shapes[name]) for name in arch.shapes(cfg)}
     if not read_tensors:
-        dtypes = _canonicalize({k: v.dtype for h in headers for k, v in h.tensors.items()}, where)
+        dtypes = _canonicalize(arch, {k: v.dtype for h in headers for k, v in h.tensors.items()}, where)
         return Checkpoint(config=cfg, tensors={}, dtypes={k: dtypes[k] for k in ordered_shapes}, path=p,
                           tokenizer_path=tok if tok_present else None, extra=extra, warnings=warnings,
                           shapes=ordered_shapes)
@@ -343,10 +315,10 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_ten
         t, dt, _ = read_safetensors(h.path)
         raw.update(t)
         dtypes.update(dt)
-    tensors = _canonicalize(raw, where)
-    dtypes = _canonicalize(dtypes, where)
+    tensors = _canonicalize(arch, raw, where)
+    dtypes = _canonicalize(arch, dtypes, where)
     _drop_tied_head(cfg, tensors, where)
-    ordered = {name: tensors[name] for name in expected_shapes(cfg)}
+    ordered = {name: tensors[name] for name in arch.shapes(cfg)}
     for name, a in ordered.items():
         _check_finite(name, a, where)
 
@@ -387,7 +359,7 @@ def _safe_file_name(name: str) -> str:
     return name
 
 
-def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str, np.ndarray], *,
+def save_checkpoint(out_dir: str | Path, config, tensors: dict[str, np.ndarray], *,
                     dtype: str = "F32", tokenizer_path: str | Path | None = None,
                     extra_files: dict[str, bytes | Path] | None = None,
                     metadata: dict[str, str] | None = None,
@@ -408,13 +380,13 @@ def save_checkpoint(out_dir: str | Path, config: MambaConfig, tensors: dict[str,
     if out.exists() and not out.is_dir():
         raise MemengineError(f"output '{out}' exists and is not a directory")
     where = f"saving to {out}"
-    tensors = _canonicalize(dict(tensors), where)
+    tensors = _canonicalize(models.of(config), dict(tensors), where)
     _drop_tied_head(config, tensors, where)
     check_tensors(config, {k: np.shape(v) for k, v in tensors.items()}, where)
     config.validate()
 
     payload: dict[str, Any] = {}
-    for name in expected_shapes(config):
+    for name in models.of(config).shapes(config):
         a = np.asarray(tensors[name])
         if a.dtype.kind != "f":
             raise MemengineError(f"{where}: tensor '{name}' has dtype {a.dtype}, expected float")

@@ -7,7 +7,7 @@ Forward only (nothing here is differentiated).  The step of one layer, given h [
                 y = (<s, Cm> + D xc) * silu(z)       (dt_proj is fused in: R is small)
     matvec      in_proj, x_proj, out_proj (accumulating onto h: the residual), LM head
 
-and after a prompt's sequence pass (`MambaModel.record_forward` on B = 1):
+and after a prompt's sequence pass (`LanguageModel.record_forward` on B = 1):
 
     conv_prefill   the last K-1 pre-conv inputs x of the prompt (zeros before its start)
     ssm_prefill    the SSM state after the prompt's last position

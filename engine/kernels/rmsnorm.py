@@ -14,7 +14,7 @@ from memengine.engine.kernels.lanes import row_workgroup
 from memengine.engine.runtime import Recorder, Tensor, bound, cdiv, pack, rows, split
 
 
-def _chunks(rt, M: int, E: int) -> tuple[int, int]:
+def chunks(rt, M: int, E: int) -> tuple[int, int]:
     """(rows per chunk, number of chunks) of the two-stage dweight reduction; the partial
     sums ([chunks, E]) are bound whole, so there are no more chunks than fit one binding."""
     rpc = max(16, cdiv(M, 256), cdiv(M, max(1, (rt.max_binding - rt.storage_align) // (4 * E))))
@@ -72,7 +72,7 @@ def rmsnorm_backward(rec: Recorder, dx: Tensor, dweight: Tensor, dout: Tensor, x
     if M == 0:
         return
     rt = rec.rt
-    rpc, nch = _chunks(rt, M, E)
+    rpc, nch = chunks(rt, M, E)
     bw, ow = bound(rt, weight)
 
     def bind_rows(r0, n):

@@ -41,38 +41,56 @@ from typing import Callable, Optional
 
 import numpy as np
 from memengine.engine.errors import MemengineError
-from memengine.engine.models.mamba1.config import MambaConfig
+from memengine.engine.models.store import FlatStore
+from memengine.engine import models
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
-TARGETS = ("in_proj", "x_proj")
-DEFAULT_TARGETS = ",".join(TARGETS)
-REFUSED = {
-    "out_proj": "PEFT refuses LoRA on out_proj in Mamba models (the fused kernels bypass the module)",
-    "conv1d": "PEFT refuses LoRA on conv1d in Mamba models (the fused kernels bypass the module)",
-    "dt_proj": "transformers' Mamba multiplies by dt_proj.weight directly, so a PEFT adapter on it has no effect",
-}
 _NAME = re.compile(r"^backbone\.layers\.(\d+)\.mixer\.(\w+)\.lora_([AB])\.weight$")
 
 
-def parse_targets(value: str) -> tuple:
-    """'in_proj,x_proj' -> ('in_proj', 'x_proj') in canonical order; one line for a bad name."""
+def known_targets() -> tuple:
+    """Every layer some registered architecture lets LoRA adapt, in the architectures' order."""
+    out: list = []
+    for mt in models.model_types():
+        out += [t for t in models.architecture(mt).lora_targets if t not in out]
+    return tuple(out)
+
+
+def _refused(arch=None) -> dict:
+    if arch is not None:
+        return dict(arch.lora_refused)
+    out: dict = {}
+    for mt in models.model_types():
+        out.update(models.architecture(mt).lora_refused)
+    return {k: v for k, v in out.items() if k not in known_targets()}
+
+
+def default_targets(arch) -> str:
+    """--lora-targets when none is given: every layer the architecture lets LoRA adapt."""
+    return ",".join(arch.lora_targets)
+
+
+def parse_targets(value: str, arch=None) -> tuple:
+    """'in_proj,x_proj' -> ('in_proj', 'x_proj') in canonical order; one line for a bad name.
+    Against `arch`'s targets, or (before the model is known) any registered architecture's."""
+    targets = tuple(arch.lora_targets) if arch is not None else known_targets()
+    refused = _refused(arch)
     names = [t.strip() for t in str(value).split(",") if t.strip()]
     if not names:
-        raise ValueError("names no layer (choose from " + ", ".join(TARGETS) + ")")
+        raise ValueError("names no layer (choose from " + ", ".join(targets) + ")")
     for t in names:
-        if t in REFUSED:
-            raise ValueError(f"{t}: {REFUSED[t]}; choose from {', '.join(TARGETS)}")
-        if t not in TARGETS:
-            raise ValueError(f"{t}: not a layer LoRA can adapt (choose from {', '.join(TARGETS)})")
-    return tuple(t for t in TARGETS if t in names)
+        if t in refused:
+            raise ValueError(f"{t}: {refused[t]}; choose from {', '.join(targets)}")
+        if t not in targets:
+            raise ValueError(f"{t}: not a layer LoRA can adapt (choose from {', '.join(targets)})")
+    return tuple(t for t in targets if t in names)
 
 
-def dims(cfg: MambaConfig, target: str) -> tuple[int, int]:
+def dims(cfg, target: str) -> tuple[int, int]:
     """(in_features, out_features) of a target layer."""
-    E, Di, N, R = cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank
-    return {"in_proj": (E, 2 * Di), "x_proj": (Di, R + 2 * N)}[target]
+    return models.of(cfg).lora_dims(cfg, target)
 
 
 def tensor_name(layer: int, target: str, which: str) -> str:
@@ -87,7 +105,7 @@ class LoraSpec:
     r: int
     alpha: float
     dropout: float = 0.0
-    targets: tuple = TARGETS
+    targets: tuple = field(default_factory=known_targets)  # every registered architecture's
     base: Optional[str] = None          # base_model_name_or_path
     use_rslora: bool = False
     revision: Optional[str] = None
@@ -153,7 +171,7 @@ class LoraSpec:
                    layers=None if layers is None else tuple(sorted(set(layers))))
 
 
-def shapes(cfg: MambaConfig, spec: LoraSpec, layers: Optional[list] = None) -> dict:
+def shapes(cfg, spec: LoraSpec, layers: Optional[list] = None) -> dict:
     """name -> shape of every adapter tensor, layer by layer, A before B."""
     out = {}
     for i in (range(cfg.num_hidden_layers) if layers is None else layers):
@@ -164,7 +182,7 @@ def shapes(cfg: MambaConfig, spec: LoraSpec, layers: Optional[list] = None) -> d
     return out
 
 
-def init_tensors(cfg: MambaConfig, spec: LoraSpec, seed: int) -> dict:
+def init_tensors(cfg, spec: LoraSpec, seed: int) -> dict:
     """A fresh adapter as PEFT initialises one: lora_A U(+-1/sqrt(in)) (kaiming-uniform with
     a = sqrt 5) from `seed`, lora_B zeros."""
     rng = np.random.default_rng(seed)
@@ -216,16 +234,17 @@ def read_adapter(path) -> Adapter:
                                  f"{ADAPTER_WEIGHTS} only")
         raise MemengineError(f"{p}: no {ADAPTER_WEIGHTS}")
     raw, _, _ = read_safetensors(weights)
+    targets_known, refused = known_targets(), _refused()
     tensors, targets = {}, set()
     for key, a in raw.items():
         name = key[len(PREFIX):] if key.startswith(PREFIX) else key
         m = _NAME.match(name)
-        if m is not None and m.group(2) in REFUSED:
-            raise MemengineError(f"{weights}: tensor '{key}': {REFUSED[m.group(2)]} (memengine applies LoRA "
-                                 f"on {', '.join(TARGETS)})")
-        if m is None or m.group(2) not in TARGETS:
+        if m is not None and m.group(2) in refused:
+            raise MemengineError(f"{weights}: tensor '{key}': {refused[m.group(2)]} (memengine applies LoRA "
+                                 f"on {', '.join(targets_known)})")
+        if m is None or m.group(2) not in targets_known:
             raise MemengineError(f"{weights}: tensor '{key}' is not a LoRA matrix of "
-                                 f"{', '.join(TARGETS)} (base_model.model.backbone.layers.N.mixer.<layer>."
+                                 f"{', '.join(targets_known)} (base_model.model.backbone.layers.N.mixer.<layer>."
                                  "lora_A.weight / lora_B.weight)")
         if a.dtype.kind != "f" or a.ndim != 2:
             raise MemengineError(f"{weights}: tensor '{key}' is not a floating matrix")
@@ -235,7 +254,7 @@ def read_adapter(path) -> Adapter:
         targets.add(m.group(2))
     if not tensors:
         raise MemengineError(f"{weights}: no LoRA tensors")
-    spec.targets = tuple(t for t in TARGETS if t in targets)
+    spec.targets = tuple(t for t in targets_known if t in targets)
     return Adapter(spec, tensors, p)
 
 
@@ -249,7 +268,7 @@ def describe(path) -> dict:
             "parameters": int(sum(a.size for a in ad.tensors.values())), "base_model_name_or_path": s.base}
 
 
-def check_against(adapter: Adapter, cfg: MambaConfig, where: str) -> None:
+def check_against(adapter: Adapter, cfg, where: str) -> None:
     """Every tensor fits the base model's shapes; A and B come in pairs of rank r."""
     r = adapter.spec.r
     for name, a in adapter.tensors.items():
@@ -360,7 +379,7 @@ class RunLora:
     source: Optional[Adapter] = None    # the adapter the run started from
 
 
-def for_run(o, adapter: Optional[Adapter], cfg: MambaConfig, base_name: str) -> Optional[RunLora]:
+def for_run(o, adapter: Optional[Adapter], cfg, base_name: str) -> Optional[RunLora]:
     """What adapter a run uses: `adapter` is CKPT's (or the resumed step's) when it was one.
     A LoRA run writes its effective rank, alpha, dropout and targets back into `o` (so the
     run record and a resume carry them)."""
@@ -380,7 +399,7 @@ def for_run(o, adapter: Optional[Adapter], cfg: MambaConfig, base_name: str) -> 
         return None
     if src is not None:
         spec = LoraSpec(**{**src.spec.__dict__})
-        targets = parse_targets(o.lora_targets) if o.lora_targets is not None else None
+        targets = parse_targets(o.lora_targets, models.of(cfg)) if o.lora_targets is not None else None
         for name, mine, theirs in (("lora_rank", o.lora_rank, spec.r), ("lora_alpha", o.lora_alpha, spec.alpha),
                                    ("lora_targets", targets, spec.targets)):
             if mine is not None and mine != theirs:
@@ -392,7 +411,7 @@ def for_run(o, adapter: Optional[Adapter], cfg: MambaConfig, base_name: str) -> 
         tensors = src.tensors
     else:
         spec = LoraSpec(r=int(o.lora_rank), alpha=float(o.lora_alpha if o.lora_alpha is not None else o.lora_rank),
-                        dropout=float(o.lora_dropout or 0.0), targets=parse_targets(o.lora_targets or DEFAULT_TARGETS))
+                        dropout=float(o.lora_dropout or 0.0), targets=parse_targets(o.lora_targets or default_targets(models.of(cfg)), models.of(cfg)))
         tensors = init_tensors(cfg, spec, o.seed)
     spec.base = base_name
     o.lora_rank, o.lora_alpha, o.lora_dropout = spec.r, spec.alpha, spec.dropout
@@ -413,7 +432,7 @@ def write_run_adapter(directory, run: RunLora, tensors: dict, tokenizer: Optiona
             atomic_write_bytes(Path(directory) / name, Path(src).read_bytes())
 
 
-def plan_sizes(cfg: MambaConfig, spec: LoraSpec, tensors: dict, *, train: bool) -> tuple[tuple, tuple]:
+def plan_sizes(cfg, spec: LoraSpec, tensors: dict, *, train: bool) -> tuple[tuple, tuple]:
     """(element counts of the adapter's tensors, widths of the [M, width] buffers it
     allocates), for the memory plan (engine/plan.py): s x A^T per adapted layer and the dt
     scratch; with dropout while training, the dropped inputs and a gradient scratch per
@@ -507,21 +526,20 @@ class LoraWorkspace:
 
 class LoraAdapter:
     """An adapter's matrices (and, when trained, their gradients) on the GPU, applied by the
-    model's forward and backward (MambaModel.lora)."""
+    model's forward and backward (LanguageModel.lora)."""
 
-    def __init__(self, rt, cfg: MambaConfig, spec: LoraSpec, tensors: dict, *, seed: int = 0, train: bool = False):
-        from memengine.engine.models.mamba1.model import FlatStore
-
+    def __init__(self, rt, cfg, spec: LoraSpec, tensors: dict, *, seed: int = 0, train: bool = False):
         self.rt, self.cfg, self.spec = rt, cfg, spec
+        self.targets = tuple(models.of(cfg).lora_targets)
         self.shapes = {n: tuple(np.shape(a)) for n, a in tensors.items()}
         order = {n: k for k, n in enumerate(shapes(cfg, spec))}
         self.names = sorted(self.shapes, key=lambda n: order.get(n, len(order)))
         self.shapes = {n: self.shapes[n] for n in self.names}
         self.gpu_shapes = self.shapes
         self.pairs = sorted({(int(_NAME.match(n).group(1)), _NAME.match(n).group(2)) for n in self.names},
-                            key=lambda k: (k[0], TARGETS.index(k[1])))
+                            key=lambda k: (k[0], self.targets.index(k[1])))
         self._pair_set = set(self.pairs)
-        self.fan_in = {t: dims(cfg, t)[0] for t in TARGETS}
+        self.fan_in = {t: dims(cfg, t)[0] for t in self.targets}
         self.P = FlatStore(rt, self.shapes, "lora.params")
         self.G = FlatStore(rt, self.shapes, "lora.grads") if train else None
         self.train = train
@@ -555,7 +573,7 @@ class LoraAdapter:
         return lw
 
     def _salt(self, key) -> int:
-        return key[0] * len(TARGETS) + TARGETS.index(key[1]) + 1
+        return key[0] * len(self.targets) + self.targets.index(key[1]) + 1
 
     def forward(self, rec, ws, layer: int, target: str, x, out, *, train: bool, ldx=None, x_col: int = 0) -> None:
         """out[M, out] += s * (drop(x) A^T) B^T for this layer's adapted `target` (if any)."""

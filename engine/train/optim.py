@@ -80,10 +80,15 @@ class LossScaler:
     its trace (no readback per step).
     """
 
-    def __init__(self, rt, init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
+    def __init__(self, rt, init_scale: float = 2.0 ** 16, growth_interval: int = 2000, scale: Tensor | None = None):
+        """`scale`: the [1] tensor to keep S in (a model's loss scale), else one of its own."""
         self.rt = rt
         self.growth_interval = int(growth_interval)
-        self.scale: Tensor = rt.upload(np.array([init_scale], np.float32), name="loss_scale")
+        if scale is None:
+            scale = rt.upload(np.array([init_scale], np.float32), name="loss_scale")
+        else:
+            rt.write(scale, np.array([init_scale], np.float32))
+        self.scale: Tensor = scale
         self.amp: Tensor = rt.zeros((4,), name="loss_scale.state")
 
     def state(self) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 from memengine.engine.errors import MemengineError
 from memengine.engine.kernels.reduce import sum_into
-from memengine.engine.models.mamba1.model import MambaModel, perplexity
+from memengine.engine.models.lm import LanguageModel, perplexity
 from memengine.engine.runtime import BOUNDED_STEP_S, StepFence, cdiv, piece_depth, piece_span
 from memengine.engine.train.optim import AdamW, GradClipper, LossScaler
 from memengine.engine.train.optim_state import LOSS_SCALE_KEY
@@ -60,7 +60,7 @@ class Trainer:
     TrainOptions); `wsla` picks the trainable set.  `trace_capacity`: the most steps
     between two `read_trace` calls."""
 
-    def __init__(self, model: MambaModel, options, optimizer_state: dict | None = None, *, wsla: bool = False,
+    def __init__(self, model: LanguageModel, options, optimizer_state: dict | None = None, *, wsla: bool = False,
                  trace_capacity: int = 1):
         self.model = model
         self.options = options
@@ -79,8 +79,9 @@ class Trainer:
         self._norm_views = model.norm_views(self.trainable)   # what the gradient norm sums
         self.scaler = None
         if model.mixed:
-            self.scaler = LossScaler(rt, growth_interval=getattr(options, "loss_scale_growth", 2000))
-            model.loss_scale = self.scaler.scale
+            # the scale lives in the model's tensor, which its cross-entropy multiplies in
+            self.scaler = LossScaler(rt, growth_interval=getattr(options, "loss_scale_growth", 2000),
+                                     scale=model.loss_scale)
             # a resumed mixed run continues its loss scale; AdamW's t is counted on the GPU
             self.scaler.load(scaler_state, self.opt.step_count)
         self.capacity = max(1, int(trace_capacity))
@@ -178,7 +179,7 @@ class Trainer:
         return both[:n], both[self.capacity:self.capacity + n]
 
 
-def evaluate(model: MambaModel, batches: list, on_progress: Callable | None = None,
+def evaluate(model: LanguageModel, batches: list, on_progress: Callable | None = None,
              fence: StepFence | None = None) -> EvalResult:
     """Mean next-token loss, perplexity, bits per token and top-1/top-5 next-token accuracy
     over the batches.  Everything is summed on the GPU, per window, into one buffer read

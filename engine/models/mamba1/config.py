@@ -14,13 +14,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from memengine.engine.errors import MemengineError
-from memengine.engine.io.inputs import read_config_data
 
-CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs"
 
 # model_type -> the transformers class that loads it
 MODEL_TYPES = {"mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM"}
@@ -222,36 +219,6 @@ class MambaConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_hf_dict(), indent=2, sort_keys=True) + "\n"
-
-
-def available_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json")) + sorted(
-        p.stem for p in CONFIGS_DIR.glob("*.yaml")
-    )
-
-
-def _read_config_file(path: Path) -> dict:
-    data = read_config_data(path, "config file")
-    if not isinstance(data, dict):
-        raise MemengineError(f"config file '{path}' must hold a JSON/YAML object")
-    return data
-
-
-def load_config(name_or_path: str | Path) -> MambaConfig:
-    """A named config from configs/ (tiny, small, mamba-130m, mamba-1.4b), a JSON/YAML file or a checkpoint dir."""
-    s = str(name_or_path)
-    p = Path(s)
-    if p.exists():
-        if p.is_dir():
-            p = p / "config.json"
-        return MambaConfig.from_dict(_read_config_file(p), source=str(p))
-    for ext in (".json", ".yaml", ".yml"):
-        cand = CONFIGS_DIR / f"{s}{ext}"
-        if "/" not in s and cand.is_file():
-            return MambaConfig.from_dict(_read_config_file(cand), source=str(cand))
-    raise MemengineError(
-        f"config '{s}' is neither a file nor a built-in config (built-in: {', '.join(available_configs())})"
-    )
 
 
 def expected_shapes(cfg: MambaConfig) -> dict[str, tuple[int, ...]]:

@@ -12,7 +12,7 @@ import bench
 from memengine.engine.app.options import TrainOptions
 from memengine.engine.models.mamba1.config import MambaConfig
 from memengine.engine.models.mamba1.init import init_weights
-from memengine.engine.models.mamba1.model import MambaModel
+from memengine.engine.models.lm import LanguageModel
 from memengine.engine.runtime import get_runtime
 from memengine.engine.train.trainer import Trainer
 
@@ -21,7 +21,7 @@ shape, B, L, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.ar
 tag = os.environ.get("TAG", "")
 for prec in sys.argv[5].split(","):
     cfg = MambaConfig(**bench.SHAPES[shape])
-    model = MambaModel(rt, cfg, init_weights(cfg, 0)); model.set_precision(prec)
+    model = LanguageModel(rt, cfg, init_weights(cfg, 0)); model.set_precision(prec)
     batch = bench._batch(cfg, B, L)
     o = TrainOptions(batch_size=B, seq_len=L, precision=prec)
     tr = Trainer(model, o, trace_capacity=1)
