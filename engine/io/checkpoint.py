@@ -245,19 +245,51 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_ten
         models.architecture(model_type)  # refused at once when no architecture has it
     if not p.exists():
         raise MemengineError(f"checkpoint '{p}' not found")
+    weights, cfg_file, directory, headers = _weight_headers(p, headers, read_tensors)
+    where = str(weights)
+    cfg, warnings = _config(cfg_file, headers, where, model_type)
+    for h in headers:
+        for name, info in h.tensors.items():
+            if info.dtype not in ("F32", "F16", "BF16", "F64"):
+                raise MemengineError(
+                    f"{h.path}: tensor '{name}' has dtype {info.dtype}; model weights must be F32, F16 or BF16")
+    arch = models.of(cfg)
+    shapes = _canonicalize(arch, {k: v.shape for h in headers for k, v in h.tensors.items()}, where)
+    if cfg.tie_word_embeddings and arch.HEAD in shapes:
+        shapes.pop(arch.HEAD)  # decided after decoding (identical -> dropped)
+    check_tensors(cfg, shapes, where)
+    tok = directory / TOKENIZER_FILE
+    tok = tok if _present(tok, "tokenizer file") else None
+    extra: dict[str, Any] = {"metadata": dict(headers[0].metadata), "model_file": weights,
+                             "weight_files": [h.path for h in headers]}
+    if _present(directory / OPTIMIZER_FILE, "optimizer state"):
+        extra["optimizer_path"] = directory / OPTIMIZER_FILE
+    ordered_shapes = {name: tuple(shapes[name]) for name in arch.shapes(cfg)}
+    if not read_tensors:
+        dtypes = _canonicalize(arch, {k: v.dtype for h in headers for k, v in h.tensors.items()}, where)
+        return Checkpoint(config=cfg, tensors={}, dtypes={k: dtypes[k] for k in ordered_shapes}, path=p,
+                          tokenizer_path=tok, extra=extra, warnings=warnings, shapes=ordered_shapes)
+    ordered, dtypes = _decode(cfg, headers, where)
+    return Checkpoint(config=cfg, tensors=ordered, dtypes=dtypes, path=p, tokenizer_path=tok, extra=extra,
+                      warnings=warnings, shapes={k: tuple(a.shape) for k, a in ordered.items()})
+
+
+def _weight_headers(p: Path, headers, read_tensors: bool) -> tuple:
+    """(the weights' file, config.json or None, the checkpoint's directory, the weight
+    files' headers): `headers` given (a model id's, read elsewhere) or read from `p`."""
     if headers is not None:
         assert not read_tensors and headers, "remote headers describe the weights; they hold none"
-        directory = p
         weights = headers[0].path if len(headers) == 1 else p / INDEX_FILE
         cfg_file = p / CONFIG_FILE if _present(p / CONFIG_FILE, "config file") else None
-    else:
-        weights, cfg_file, directory = _locate(p)
-        if weights.name.endswith(".index.json"):
-            headers = _sharded_headers(weights)
-        else:
-            headers = [read_header(weights)]
-    where = str(weights)
+        return weights, cfg_file, p, headers
+    weights, cfg_file, directory = _locate(p)
+    headers = _sharded_headers(weights) if weights.name.endswith(".index.json") else [read_header(weights)]
+    return weights, cfg_file, directory, headers
 
+
+def _config(cfg_file, headers, where: str, model_type: str | None) -> tuple:
+    """(config, warnings): from config.json, else the weights' metadata, else the tensor
+    shapes; the model type settled (`model_type` where none is stated)."""
     stated: str | None = None
     if cfg_file is not None:
         cfg, stated = _read_json_config(cfg_file, model_type)
@@ -281,34 +313,15 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_ten
             warnings.append(
                 f"{cfg_where} does not state the model type; assuming mamba (falcon_mamba has the same "
                 "tensors: use --model-type falcon_mamba for one)")
+    return cfg, warnings
 
-    for h in headers:
-        for name, info in h.tensors.items():
-            if info.dtype not in ("F32", "F16", "BF16", "F64"):
-                raise MemengineError(
-                    f"{h.path}: tensor '{name}' has dtype {info.dtype}; model weights must be F32, F16 or BF16")
-    arch = models.of(cfg)
-    shapes = _canonicalize(arch, {k: v.shape for h in headers for k, v in h.tensors.items()}, where)
-    if cfg.tie_word_embeddings and arch.HEAD in shapes:
-        shapes.pop(arch.HEAD)  # decided after decoding (identical -> dropped)
-    check_tensors(cfg, shapes, where)
-    tok = directory / TOKENIZER_FILE
-    tok_present = _present(tok, "tokenizer file")
-    opt_present = _present(directory / OPTIMIZER_FILE, "optimizer state")
-    extra: dict[str, Any] = {"metadata": dict(headers[0].metadata), "model_file": weights,
-                             "weight_files": [h.path for h in headers]}
-    if opt_present:
-        extra["optimizer_path"] = directory / OPTIMIZER_FILE
-    ordered_shapes = {name: tuple(shapes[name]) for name in arch.shapes(cfg)}
-    if not read_tensors:
-        dtypes = _canonicalize(arch, {k: v.dtype for h in headers for k, v in h.tensors.items()}, where)
-        return Checkpoint(config=cfg, tensors={}, dtypes={k: dtypes[k] for k in ordered_shapes}, path=p,
-                          tokenizer_path=tok if tok_present else None, extra=extra, warnings=warnings,
-                          shapes=ordered_shapes)
+
+def _decode(cfg, headers, where: str) -> tuple[dict, dict]:
+    """Every tensor decoded to float32, in model order, checked finite; and its source dtype."""
     check_fits(host_bytes([t for h in headers for t in h.tensors.values()]),
                f"{where}: decoding the weights to float32 (memengine computes in float32)",
                "use a machine with more memory")
-
+    arch = models.of(cfg)
     raw: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for h in headers:
@@ -321,12 +334,7 @@ def load_checkpoint(path: str | Path, *, model_type: str | None = None, read_ten
     ordered = {name: tensors[name] for name in arch.shapes(cfg)}
     for name, a in ordered.items():
         _check_finite(name, a, where)
-
-    return Checkpoint(
-        config=cfg, tensors=ordered, dtypes={k: dtypes[k] for k in ordered}, path=p,
-        tokenizer_path=tok if tok_present else None, extra=extra, warnings=warnings,
-        shapes={k: tuple(a.shape) for k, a in ordered.items()},
-    )
+    return ordered, {k: dtypes[k] for k in ordered}
 
 
 def host_bytes(infos) -> int:
@@ -384,57 +392,19 @@ def save_checkpoint(out_dir: str | Path, config, tensors: dict[str, np.ndarray],
     _drop_tied_head(config, tensors, where)
     check_tensors(config, {k: np.shape(v) for k, v in tensors.items()}, where)
     config.validate()
-
-    payload: dict[str, Any] = {}
-    for name in models.of(config).shapes(config):
-        a = np.asarray(tensors[name])
-        if a.dtype.kind != "f":
-            raise MemengineError(f"{where}: tensor '{name}' has dtype {a.dtype}, expected float")
-        a = a.astype(np.float32, copy=False)
-        _check_finite(name, a, where)
-        if dt == "F32":
-            payload[name] = a
-        elif dt == "F16":
-            payload[name] = F16Bits(encode(a, "F16", name=name))
-        else:
-            payload[name] = BF16Bits(encode(a, "BF16", name=name))
-
+    payload = _encoded(config, tensors, dt, where)
     meta = {"format": "pt", CONFIG_METADATA_KEY: json.dumps(config.to_hf_dict(), sort_keys=True)}
     if metadata:
         meta.update({str(k): str(v) for k, v in metadata.items()})
-
     tok_src = Path(tokenizer_path) if tokenizer_path is not None else None
     if tok_src is not None and not tok_src.is_file():
         raise MemengineError(f"tokenizer file '{tok_src}' not found")
-    files: dict[str, bytes | Path] = {}
-    for name, content in (extra_files or {}).items():
-        name = _safe_file_name(name)
-        if name in (MODEL_FILE, CONFIG_FILE, INDEX_FILE) or SHARD_NAME.fullmatch(name):
-            raise MemengineError(f"extra file name {name!r} would overwrite the checkpoint itself")
-        if isinstance(content, (bytes, bytearray)):
-            files[name] = bytes(content)
-        else:  # a path (str or Path) to copy
-            src = Path(content)
-            if not src.is_file():
-                raise MemengineError(f"extra file '{src}' not found")
-            files[name] = src
-
-    shards, total_size = split_shards(payload, limit, lambda v: getattr(v, "bits", v).nbytes)
+    files = _extra_files(extra_files)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise MemengineError(f"cannot create output directory '{out}' ({e.strerror or e})") from None
-    if len(shards) == 1:
-        write_safetensors(out / MODEL_FILE, payload, meta)
-        stale = [out / INDEX_FILE, *(f for f in out.iterdir() if SHARD_NAME.fullmatch(f.name))]
-    else:
-        for fname, names in shards.items():
-            write_safetensors(out / fname, {n: payload[n] for n in names}, meta)
-        index = {"metadata": {"total_parameters": int(sum(np.asarray(tensors[n]).size for n in payload)),
-                              "total_size": total_size},
-                 "weight_map": {n: fname for fname, names in shards.items() for n in names}}
-        atomic_write_bytes(out / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-        stale = [out / MODEL_FILE, *(f for f in out.iterdir() if SHARD_NAME.fullmatch(f.name) and f.name not in shards)]
+    stale = _write_weights(out, payload, meta, limit, tensors)
     try:
         for f in stale:
             if f.is_file():
@@ -456,6 +426,57 @@ def save_checkpoint(out_dir: str | Path, config, tensors: dict[str, np.ndarray],
     except OSError as e:
         raise MemengineError(f"cannot write into '{out}' ({e.strerror or e})") from None
     return out
+
+
+def _encoded(config, tensors: dict, dt: str, where: str) -> dict:
+    """Every tensor in model order as written: float32, or f16/bf16 bits."""
+    payload: dict[str, Any] = {}
+    for name in models.of(config).shapes(config):
+        a = np.asarray(tensors[name])
+        if a.dtype.kind != "f":
+            raise MemengineError(f"{where}: tensor '{name}' has dtype {a.dtype}, expected float")
+        a = a.astype(np.float32, copy=False)
+        _check_finite(name, a, where)
+        if dt == "F32":
+            payload[name] = a
+        elif dt == "F16":
+            payload[name] = F16Bits(encode(a, "F16", name=name))
+        else:
+            payload[name] = BF16Bits(encode(a, "BF16", name=name))
+    return payload
+
+
+def _extra_files(extra_files: dict | None) -> dict:
+    """Side files by name: bytes, or a path to copy (names that are the checkpoint's own refused)."""
+    files: dict[str, bytes | Path] = {}
+    for name, content in (extra_files or {}).items():
+        name = _safe_file_name(name)
+        if name in (MODEL_FILE, CONFIG_FILE, INDEX_FILE) or SHARD_NAME.fullmatch(name):
+            raise MemengineError(f"extra file name {name!r} would overwrite the checkpoint itself")
+        if isinstance(content, (bytes, bytearray)):
+            files[name] = bytes(content)
+        else:  # a path (str or Path) to copy
+            src = Path(content)
+            if not src.is_file():
+                raise MemengineError(f"extra file '{src}' not found")
+            files[name] = src
+    return files
+
+
+def _write_weights(out: Path, payload: dict, meta: dict, limit: int, tensors: dict) -> list:
+    """One model.safetensors, or the shards and their index (written last); returns the
+    weight files of an earlier save that this one does not use."""
+    shards, total_size = split_shards(payload, limit, lambda v: getattr(v, "bits", v).nbytes)
+    if len(shards) == 1:
+        write_safetensors(out / MODEL_FILE, payload, meta)
+        return [out / INDEX_FILE, *(f for f in out.iterdir() if SHARD_NAME.fullmatch(f.name))]
+    for fname, names in shards.items():
+        write_safetensors(out / fname, {n: payload[n] for n in names}, meta)
+    index = {"metadata": {"total_parameters": int(sum(np.asarray(tensors[n]).size for n in payload)),
+                          "total_size": total_size},
+             "weight_map": {n: fname for fname, names in shards.items() for n in names}}
+    atomic_write_bytes(out / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    return [out / MODEL_FILE, *(f for f in out.iterdir() if SHARD_NAME.fullmatch(f.name) and f.name not in shards)]
 
 
 def _file_chunks(path: Path, size: int = 1 << 22):
