@@ -182,18 +182,21 @@ def estimate(cfg, batch_size: int, seq_len: int, kind: str, lim: Limits,
     kind "lora" trains it: no gradient store for the base, moments for the adapter only."""
     if kind not in KINDS + ("lora",):
         raise ValueError(f"kind must be one of {KINDS + ('lora',)}")
-    a_sizes, a_rows = adapter or ((), ())
-    a_numel = sum(a_sizes)
     B, L = int(batch_size), int(seq_len)
-    M = B * L
-    arch = models.of(cfg)
-    E, V = cfg.hidden_size, cfg.vocab_size
     passes = default_eval_passes(kind) if eval_passes is None else tuple(int(n) for n in eval_passes)
     plan = Plan(kind, B, L, eval_passes=passes, trace_steps=int(trace_steps))
-    shapes = arch.shapes(cfg)
-    grad = kind != "eval"
+    a_sizes, a_rows = adapter or ((), ())
+    shapes = models.of(cfg).shapes(cfg)
+    _weights(plan, cfg, shapes, lim, a_sizes)
+    _activations(plan, cfg, lim, a_rows)
+    plan.parts["scratch"] = _scratch(plan, cfg, shapes, lim, a_sizes)
+    _units(plan, cfg)
+    _check(plan, lim)
+    return plan
 
-    # -- weights: parameter (and gradient) stores, moments
+
+def _weights(plan: Plan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -> None:
+    """The parameter (and gradient) stores and the moments."""
     for name, shape in shapes.items():
         plan.buffers.append((f"tensor {name}", 4 * _numel(shape), False))
     try:
@@ -206,8 +209,8 @@ def estimate(cfg, batch_size: int, seq_len: int, kind: str, lim: Limits,
     plan.parts["parameters"] = store + (a_store if a_sizes else 0)
     # a store that trains whole has one flat moment pair per segment (optim.AdamW), else one
     # pair per trained tensor; the gradient store holds the trained tensors only
-    trained = _trainable(cfg, kind, list(shapes))
-    if kind == "lora":
+    trained = _trainable(cfg, plan.kind, list(shapes))
+    if plan.kind == "lora":
         plan.parts["gradients"], plan.parts["moments"] = (a_store if a_sizes else 0), 2 * a_store
     elif len(trained) == len(shapes):
         plan.parts["gradients"], plan.parts["moments"] = store, 2 * store
@@ -215,10 +218,12 @@ def estimate(cfg, batch_size: int, seq_len: int, kind: str, lim: Limits,
         plan.parts["gradients"] = _store_bytes({n: shapes[n] for n in trained}, lim) if trained else 0
         plan.parts["moments"] = sum(2 * _buf(4 * _numel(shapes[n])) for n in trained)
 
-    # -- activations (adapt also evaluates before training: a light workspace as well)
-    acts = 0
-    logits = 0
-    for g in ((False, True) if kind == "adapt" else (grad,)):
+
+def _activations(plan: Plan, cfg, lim: Limits, a_rows: tuple) -> None:
+    """The workspace (adapt also evaluates before training: a light workspace as well)."""
+    B, L, kind = plan.batch_size, plan.seq_len, plan.kind
+    acts = logits = 0
+    for g in ((False, True) if kind == "adapt" else (kind != "eval",)):
         for name, (shape, _, copies) in workspace_shapes(cfg, B, L, g, lim.max_binding).items():
             nbytes = _buf(4 * _numel(shape))
             if name == "logits":
@@ -227,10 +232,16 @@ def estimate(cfg, batch_size: int, seq_len: int, kind: str, lim: Limits,
                 continue
             acts += copies * nbytes
             plan.buffers.append((f"activation {name} [{' x '.join(map(str, shape))}]", 4 * _numel(shape), True))
-    plan.parts["activations"] = acts + sum(_buf(4 * M * w) for w in a_rows)
+    plan.parts["activations"] = acts + sum(_buf(4 * B * L * w) for w in a_rows)
     plan.parts["logits chunk"] = logits
 
-    # -- kernels' scratch: the layers' own, then the shell's
+
+def _scratch(plan: Plan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -> int:
+    """The kernels' scratch: the layers' own (the architecture's table), then the shell's."""
+    B, L, kind = plan.batch_size, plan.seq_len, plan.kind
+    M, E, V = B * L, cfg.hidden_size, cfg.vocab_size
+    grad = kind != "eval"
+    arch = models.of(cfg)
     scratch = arch.plan_scratch(lim, cfg, B, L, kind)
     scratch += _buf(4)  # the final norm's unused copy binding (kernels/rmsnorm.py)
     chunk = logits_chunk_rows(lim.max_binding, M, V)
@@ -245,20 +256,24 @@ def estimate(cfg, batch_size: int, seq_len: int, kind: str, lim: Limits,
         scratch += _buf(4 * max(1024, 1 << (n_partials - 1).bit_length()))
     scratch += _splitk_scratch(lim, products) + _buf(4 * 1024)
     # evaluation: top-1/top-5 hits per row, a batch's window sums, every batch's sums
-    if passes:
-        scratch += _buf(4 * 2 * M) + _buf(4 * 3 * B) + sum(_buf(4 * 3 * B * int(n)) for n in sorted(set(passes)))
+    if plan.eval_passes:
+        scratch += (_buf(4 * 2 * M) + _buf(4 * 3 * B)
+                    + sum(_buf(4 * 3 * B * int(n)) for n in sorted(set(plan.eval_passes))))
     if grad:  # the trainer's trace (loss and grad norm per step) and step loss
-        scratch += _buf(4 * 2 * max(1, int(trace_steps))) + _buf(4)
-    plan.parts["scratch"] = scratch
+        scratch += _buf(4 * 2 * max(1, int(plan.trace_steps))) + _buf(4)
+    return scratch
 
-    # -- units of work that must fit one binding
+
+def _units(plan: Plan, cfg) -> None:
+    """The units of work that must each fit one binding: the shell's and the layers'."""
+    B, L = plan.batch_size, plan.seq_len
+    E, V = cfg.hidden_size, cfg.vocab_size
+    grad = plan.kind != "eval"
     plan.units.append((f"one row of the embedding table ({E} values)", 4 * E, False, "tensor"))
     plan.units.append((f"one row of logits ({V} values)", 4 * V, False, "tensor"))
-    plan.units += arch.plan_units(cfg, B, L, grad)
+    plan.units += models.of(cfg).plan_units(cfg, B, L, grad)
     if grad:
-        plan.units.append((f"the embedding's scatter plan for batch {B} x {L}", 4 * (2 + 3 * M), True, "tensor"))
-    _check(plan, lim)
-    return plan
+        plan.units.append((f"the embedding's scatter plan for batch {B} x {L}", 4 * (2 + 3 * B * L), True, "tensor"))
 
 
 def _check(plan: Plan, lim: Limits) -> None:
