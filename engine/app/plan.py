@@ -38,7 +38,7 @@ from memengine.engine.kernels.matmul import splitk_slices
 from memengine.engine.kernels.scan import channels_per_workgroup, sequence_scratch, sequence_windows
 from memengine.engine.models.mamba1.config import MambaConfig, expected_shapes
 from memengine.engine.models.mamba1.model import logits_chunk_rows, store_layout, workspace_shapes
-from memengine.engine.runtime import BindingError, binding_refusal, cdiv, env_bytes, fmt_bytes, split
+from memengine.engine.runtime import BindingError, binding_refusal, cdiv, env_bytes, fmt_bytes, largest, split
 
 KINDS = ("eval", "train", "adapt")
 ENV_MAX_MEMORY = "MEMENGINE_MAX_MEMORY_BYTES"
@@ -309,20 +309,6 @@ def _check(plan: Plan, lim: Limits) -> None:
                                   True))
 
 
-def _largest(ok, hi: int) -> int:
-    """Largest n in [1, hi] with ok(n) (ok monotone decreasing), or 0."""
-    if hi < 1 or not ok(1):
-        return 0
-    lo = 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
     """The flag that would make `plan` pass, or a sentence saying that none can."""
     B, L = plan.batch_size, plan.seq_len
@@ -334,10 +320,10 @@ def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
         passes = tuple(cdiv(k * B * L, b * n) for k in plan.eval_passes)
         return estimate(cfg, b, n, plan.kind, lim, passes, plan.trace_steps).ok
 
-    b = _largest(lambda b: ok(b, L), B - 1)
+    b = largest(lambda b: ok(b, L), B - 1)  # the largest that passes, or 0
     if b:
         return f"use --batch-size {b}" + (" or less" if b > 1 else "")
-    n = _largest(lambda n: ok(1, n), L - 1)
+    n = largest(lambda n: ok(1, n), L - 1)
     if n:
         return f"use --seq-len {n} or less" + (" with --batch-size 1" if B > 1 else "")
     return none

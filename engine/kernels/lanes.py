@@ -26,7 +26,7 @@ def cpu_lanes(rt) -> bool:
     ok = _OK.get(rt)
     if ok is None:
         ok = False
-        bindable = int(getattr(rt, "limits", {}).get("max-storage-buffers-per-shader-stage", 8))
+        bindable = rt.limit("max-storage-buffers-per-shader-stage", 8)
         if getattr(rt, "has_subgroups", False) and is_cpu(rt) and bindable >= STORAGE_BUFFERS:
             out = rt.zeros((4,))
             rec = rt.recorder()
