@@ -38,7 +38,16 @@ from memengine.engine.kernels.matmul import splitk_slices
 from memengine.engine.kernels.scan import channels_per_workgroup, sequence_scratch, sequence_windows
 from memengine.engine.models.mamba1.config import MambaConfig, expected_shapes
 from memengine.engine.models.mamba1.model import logits_chunk_rows, store_layout, workspace_shapes
-from memengine.engine.runtime import BindingError, binding_refusal, cdiv, env_bytes, fmt_bytes, largest, split
+from memengine.engine.runtime import (
+    BindingError,
+    KernelSettings,
+    binding_refusal,
+    cdiv,
+    env_bytes,
+    fmt_bytes,
+    largest,
+    split,
+)
 
 KINDS = ("eval", "train", "adapt")
 ENV_MAX_MEMORY = "MEMENGINE_MAX_MEMORY_BYTES"
@@ -56,6 +65,7 @@ class Limits:
     memory: int | None = None        # bytes a run may use in all; None: not known
     memory_source: str = "unknown (a GPU reports no memory size)"
     lanes: bool = False              # the 8-lane kernels run (ops/lanes.py: CPU adapters)
+    kernels: KernelSettings = field(default_factory=KernelSettings.from_env)  # the runtime's switches
 
     def __post_init__(self):
         self.adapter_max_binding = self.adapter_max_binding or self.max_binding
@@ -64,7 +74,7 @@ class Limits:
     def of(cls, rt) -> "Limits":
         memory, source = memory_budget(getattr(rt, "adapter_type", ""))
         return cls(rt.max_buffer, rt.max_binding, rt.storage_align, rt.adapter_max_binding, memory, source,
-                   cpu_lanes(rt))
+                   cpu_lanes(rt), rt.kernels)
 
     def to_dict(self) -> dict:
         return {"max_buffer_bytes": self.max_buffer, "max_binding_bytes": self.max_binding,
@@ -237,7 +247,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
 
     # -- kernels' scratch
     scratch = 0
-    db = channels_per_workgroup(lim.lanes, N)
+    db = channels_per_workgroup(lim.lanes and lim.kernels.scan_lanes, N)
     try:
         seqs = split(lim, B, lambda nb: sequence_windows(nb, L, Di, N, R),
                      scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db, grad))

@@ -5,7 +5,8 @@ modules, buffer flags, mapped waits); the modules here are split by concern:
 tensor.py (Tensor, Uniform, views, grids), ranges.py (`split`: calls over tensors larger
 than one binding), runtime.py (Runtime, get_runtime: caches, pool, limits, the WGSL
 linker), recorder.py (Recorder, StepFence, Program), pacing.py (Pacer: a step submitted in
-pieces), profiler.py (timestamp queries).  The names below are their public ones.
+pieces), profiler.py (timestamp queries), settings.py (KernelSettings: the kernels'
+switches).  The names below are their public ones.
 
 Conventions every kernel wrapper follows:
 
@@ -55,6 +56,7 @@ from memengine.engine.runtime.runtime import (  # noqa: F401
     get_runtime,
     parse_bytes,
 )
+from memengine.engine.runtime.settings import ENV_MATMUL, KernelSettings  # noqa: F401
 from memengine.engine.runtime.tensor import (  # noqa: F401
     DTYPES,
     ITEMSIZE,

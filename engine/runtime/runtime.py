@@ -15,6 +15,7 @@ from memengine.engine.hostmem import fmt_bytes
 from memengine.engine.runtime.pacing import MAX_PIECES, Pacer
 from memengine.engine.runtime.profiler import Profiler
 from memengine.engine.runtime.recorder import Recorder, StepFence
+from memengine.engine.runtime.settings import KernelSettings
 from memengine.engine.runtime.tensor import DTYPES, ITEMSIZE, Tensor, Uniform
 
 # environment variables that lower the adapter's limits (bytes; K/M/G suffixes = KiB/MiB/GiB)
@@ -119,6 +120,8 @@ class Runtime:
         self.peak_bytes = 0
         # how Recorder.boundary submits steps in pieces: a trainer hands its own in
         self.pacer = Pacer()
+        # the kernels' switches (MEMENGINE_MATMUL ...), read once
+        self.kernels = KernelSettings.from_env()
         # Recorder.copy / clear as dispatches (shaders/copy.wgsl) rather than buffer copies
         # and clears, which end the compute pass: on the H200 a step's 194 copies cost 1.4%
         # of it that way; on a CPU adapter a dispatch costs more than a pass break
