@@ -24,7 +24,6 @@ import logging
 import os
 import tempfile
 
-from memengine.engine import interrupts
 from memengine.engine.errors import NoAdapterError
 
 # the runtime's names of the optional features it asks for (see Backend.FEATURES)
