@@ -156,10 +156,6 @@ class Recorder:
         self.rt.pacer.since_piece = 0
 
 
-_RUNTIMES: dict = {}
-
-
-
 class Program(Recorder):
     """A fixed list of dispatches, resolved to (pipeline, bind group, grid) once and replayed
     into any command encoder (`encode`).  The op wrappers record into it as into a Recorder;

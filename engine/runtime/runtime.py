@@ -449,12 +449,14 @@ _RUNTIMES: dict = {}
 
 
 def get_runtime(device: str | None = None, verbose: bool = False) -> Runtime:
-    """The process-wide runtime for a device request (MEMENGINE_DEVICE when None)."""
+    """The process-wide runtime for a device request (MEMENGINE_DEVICE when None) on the
+    backend MEMENGINE_BACKEND names (unset: engine/backend's default)."""
     request = device or os.environ.get("MEMENGINE_DEVICE", "auto")
-    rt = _RUNTIMES.get(request)
+    key = (request, os.environ.get(ENV_BACKEND, "").strip())
+    rt = _RUNTIMES.get(key)
     if rt is None:
         rt = Runtime(request, verbose)
-        _RUNTIMES[request] = rt
+        _RUNTIMES[key] = rt
     else:
         rt.apply_env_limits()
     return rt
