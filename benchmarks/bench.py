@@ -63,9 +63,9 @@ MATMUL_VARIANTS = {
 }
 
 
-# module settings of engine/ops/scan.py per variant (parallel: the GPU kernels where the
-# 8-lane scan would run)
-SCAN_VARIANTS = {"default": {}, "workgroup-memory": {"SUBGROUPS": False}, "parallel": {"LANES": False}}
+# the runtime's scan switches per variant (rt.kernels, engine/runtime/settings.py; parallel:
+# the GPU kernels where the 8-lane scan would run)
+SCAN_VARIANTS = {"default": {}, "workgroup-memory": {"scan_subgroups": False}, "parallel": {"scan_lanes": False}}
 
 
 def _rate(tflops):
@@ -191,10 +191,10 @@ def bench_scan(rt, B, L, Di, N, R, variants=("default",)):
     t_end = time.perf_counter() + 1.0   # an idle GPU clocks up first (seen: 3.5x on the first timing)
     while time.perf_counter() < t_end:
         rec = rt.recorder(); fwd(rec); bwd(rec); rec.submit(); rt.sync()
-    saved = {k: getattr(scan_mod, k) for k in ("SUBGROUPS", "LANES")}
+    saved = {k: getattr(rt.kernels, k) for k in ("scan_subgroups", "scan_lanes")}
     for v in variants:
         for k, val in {**saved, **SCAN_VARIANTS[v]}.items():
-            setattr(scan_mod, k, val)
+            setattr(rt.kernels, k, val)
         out[v] = {}
         for name, fn in (("forward", fwd), ("backward", bwd)):
             r = _gpu_ms(rt, fn)
@@ -203,7 +203,7 @@ def bench_scan(rt, B, L, Di, N, R, variants=("default",)):
         # (the 8-lane scan has no butterfly: None)
         out[v]["butterfly_lanes"] = None if scan_mod._lanes(rt, N, R, 0) else scan_mod.butterfly_lanes(rt, B, L, Di, N)
     for k, val in saved.items():
-        setattr(scan_mod, k, val)
+        setattr(rt.kernels, k, val)
     for t in (u, delta, xdbl, xz, dt_bias, A_log, D, y, states, dy, du, ddelta, ddt, dA, dD, dxdbl, dxz):
         rt.free(t)
     rt.trim()
@@ -315,16 +315,16 @@ def bench_matmul(rt, cases, torch, variants=("default",)):
             rec = rt.recorder(); mm.matmul(rec, C, A, Bt, **kw); rec.submit(); rt.sync()
         warm = False
         for v in variants:
-            old_mode, old_force = mm._MODE, mm.FORCE
-            mm._MODE = MATMUL_VARIANTS[v].get("mode", old_mode)
-            mm.FORCE = MATMUL_VARIANTS[v].get("force", old_force)
+            old_mode, old_force = rt.kernels.matmul, rt.kernels.matmul_tiles
+            rt.kernels.matmul = MATMUL_VARIANTS[v].get("mode", old_mode)
+            rt.kernels.matmul_tiles = MATMUL_VARIANTS[v].get("force", old_force)
             try:
                 r = _gpu_ms(rt, lambda rec: mm.matmul(rec, C, A, Bt, **kw), reps=5)
                 if v != "default":   # each variant's result checked too
                     rec = rt.recorder(); mm.matmul(rec, C, A, Bt, **{**kw, "acc": False}); rec.submit()
                     r["rel_err"] = float(np.abs(rt.read(C)[pick, :kw["N"]] - want).max() / np.abs(want).max())
             finally:
-                mm._MODE, mm.FORCE = old_mode, old_force
+                rt.kernels.matmul, rt.kernels.matmul_tiles = old_mode, old_force
             r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
             row[v] = r
         if rt.has_f16:   # --precision mixed's kernel: the same product from f16 copies

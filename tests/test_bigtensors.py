@@ -170,7 +170,7 @@ def test_split_k_inside_row_blocks(rt, monkeypatch):
     bias = rng.standard_normal(N).astype(np.float32)
     ref = a.astype(np.float64) @ b + bias + c0
     entries = []
-    monkeypatch.setattr(mm, "_MODE", "tiles")   # split-K is matmul_fast's (matmul_lanes never splits)
+    monkeypatch.setattr(rt.kernels, "matmul", "tiles")   # split-K is matmul_fast's (matmul_lanes never splits)
     with checked_limits(rt, monkeypatch, 256 * 1024):
         inner = Recorder.dispatch
 

@@ -119,10 +119,10 @@ def test_step_logits_equal_sequence_logits(rt, name, kw):
 def forced_binding(rt, monkeypatch, binding):
     """conftest's checked_limits (every dispatch's bindings checked against the forced limit),
     the decoder's recorded step program included (it resolves its dispatches itself)."""
-    from memengine.engine.app.generate import _Program
+    from memengine.engine.runtime import Program
 
     seen = {"step_dispatches": 0}
-    orig = _Program.dispatch
+    orig = Program.dispatch
 
     def checked(self, shader, entry, bindings, groups, constants=None):
         for i, r in bindings.items():
@@ -132,7 +132,7 @@ def forced_binding(rt, monkeypatch, binding):
         return orig(self, shader, entry, bindings, groups, constants)
 
     with checked_limits(rt, monkeypatch, binding) as s:
-        monkeypatch.setattr(_Program, "dispatch", checked)
+        monkeypatch.setattr(Program, "dispatch", checked)
         seen["recorded"] = s
         yield seen
 

@@ -10,6 +10,7 @@ count too: they hide a circle rather than remove it):
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,6 +101,19 @@ def test_engine_modules_have_no_import_circle():
             visit(n)
     # the check sees real edges (it can fail)
     assert "io.codec" in graph["io.safetensors_io"] and "io.checkpoint" in graph["app.quantize"]
+
+
+def test_only_the_backend_imports_wgpu():
+    backend = ENGINE / "backend"
+    for p in ENGINE.rglob("*.py"):
+        if backend in p.parents:
+            continue
+        _, ext = _imports(p)
+        assert not ({"wgpu", "wgpudawn"} & ext), p
+        # nor reaches the binding through an attribute (`rt.wgpu.BufferUsage`)
+        assert not re.search(r"\.wgpu\b", p.read_text(encoding="utf-8")), p
+    # the check sees real imports (it can fail)
+    assert "wgpu" in _imports(backend / "wgpu_native.py")[1]
 
 
 def _architectures() -> list:

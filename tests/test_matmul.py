@@ -12,8 +12,8 @@ from memengine.engine.kernels.lanes import cpu_lanes
 
 
 def run(rt, mode, a, b, c0, bias, M, N, K, ta, tb, acc=True, **kw):
-    old = mm._MODE
-    mm._MODE = mode
+    old = rt.kernels.matmul
+    rt.kernels.matmul = mode
     try:
         A, B, C = rt.upload(a), rt.upload(b), rt.upload(c0)
         Bi = rt.upload(bias) if bias is not None else None
@@ -23,7 +23,7 @@ def run(rt, mode, a, b, c0, bias, M, N, K, ta, tb, acc=True, **kw):
         n = len(rt._pipelines)
         return rt.read(C), n
     finally:
-        mm._MODE = old
+        rt.kernels.matmul = old
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 4, 4), (132, 76, 68), (300, 260, 64), (8, 128, 1536), (7, 37, 13)])
@@ -90,7 +90,7 @@ def test_column_slices_and_strides(rt):
     xdbl = rng.standard_normal((M, W)).astype(np.float32)
     w = rng.standard_normal((Di, R)).astype(np.float32)
     for mode in ("auto", "tiles", "reference"):
-        mm._MODE = mode
+        rt.kernels.matmul = mode
         try:
             X, Wt, Y = rt.upload(xdbl), rt.upload(w), rt.empty((M, Di))
             rec = rt.recorder()
@@ -98,7 +98,7 @@ def test_column_slices_and_strides(rt):
             rec.submit()
             np.testing.assert_allclose(rt.read(Y), xdbl[:, 4:4 + R] @ w.T, rtol=1e-5, atol=1e-5)
         finally:
-            mm._MODE = "auto"
+            rt.kernels.matmul = "auto"
 
 
 @pytest.mark.parametrize("M,N,K,ta", [(80, 24, 4096, True), (48, 96, 2056, False), (130, 36, 3000, True)])
@@ -162,8 +162,8 @@ def test_every_tile_configuration_matches_numpy(rt, cfg, offsets):
     cfg = {**mm.BASE, **cfg, "OFFSETS": offsets}
     assert mm.valid_config(cfg)
     rng = np.random.default_rng(5)
-    old = mm.FORCE
-    mm.FORCE = cfg
+    old = rt.kernels.matmul_tiles
+    rt.kernels.matmul_tiles = cfg
     try:
         for (M, N, K), (ta, tb) in zip([(132, 84, 68), (40, 136, 36), (72, 20, 100), (96, 56, 2100)],
                                        itertools.product([False, True], [False, True])):
@@ -177,7 +177,7 @@ def test_every_tile_configuration_matches_numpy(rt, cfg, offsets):
             assert ("matmul", "matmul_fast", tuple(sorted((k, int(v)) for k, v in consts.items()))) in rt._pipelines
             assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5, (M, N, K, ta, tb)
     finally:
-        mm.FORCE = old
+        rt.kernels.matmul_tiles = old
 
 
 def test_modules_with_and_without_naga_checks_give_the_same_bits(rt, monkeypatch):

@@ -70,12 +70,12 @@ ACT_X = np.concatenate([
 
 
 @pytest.fixture(params=["cpu", "cpu-tree", "gpu"])
-def row_wg(request, monkeypatch):
+def row_wg(request, monkeypatch, rt):
     """The invocations per row of rmsnorm and cross entropy as lanes.row_workgroup chooses
     them on CPU adapters (8 up to rows of 2048; where those 8 are one subgroup they sum by
     shuffles, `cpu-tree` through workgroup memory instead) and elsewhere (the shaders' sizes)."""
-    monkeypatch.setattr(lanes, "ROW_WG", request.param.split("-")[0])
-    monkeypatch.setattr(lanes, "ROW_SG", False if request.param == "cpu-tree" else None)
+    monkeypatch.setattr(rt.kernels, "row_workgroup", request.param.split("-")[0])
+    monkeypatch.setattr(rt.kernels, "row_subgroups", False if request.param == "cpu-tree" else None)
     return request.param
 
 @pytest.mark.parametrize("kind", ["silu", "softplus"])
@@ -204,7 +204,7 @@ def test_row_sums_by_shuffles_equal_the_tree_bit_for_bit(rt, monkeypatch):
     entropy (max and sum)."""
     if not lanes.cpu_lanes(rt):
         pytest.skip(f"row sums by shuffles are for CPU adapters with 8-lane subgroups; this is {rt.describe()}")
-    monkeypatch.setattr(lanes, "ROW_WG", "cpu")
+    monkeypatch.setattr(rt.kernels, "row_workgroup", "cpu")
     r = _rng(11)
     M, E, V = 37, 200, 300
     X = (r.standard_normal((M, E)) * 3).astype(np.float32)
@@ -213,7 +213,7 @@ def test_row_sums_by_shuffles_equal_the_tree_bit_for_bit(rt, monkeypatch):
     T = r.integers(0, V, size=M).astype(np.int32)
     got = {}
     for sg in (None, False):
-        monkeypatch.setattr(lanes, "ROW_SG", sg)
+        monkeypatch.setattr(rt.kernels, "row_subgroups", sg)
         w = Flat(rt, W)
         xt, out, rstd = rt.upload(X), rt.empty((M, E)), rt.empty((M,))
         lg, tg, loss = rt.upload(L), rt.upload(T), rt.empty((M,))

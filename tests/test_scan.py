@@ -87,10 +87,10 @@ def gpu_forward(rt, p, B, L, Di, N, R):
 
 
 @pytest.fixture(params=["lanes", "parallel"])
-def forward_kernel(request, monkeypatch):
+def forward_kernel(request, monkeypatch, rt):
     """the 8-lane scan (scan_lanes_*) where it runs (CPU adapters with 8-lane subgroups, N <= 16 and
     N % 4 == 0; elsewhere the parallel kernel again) and the parallel kernel."""
-    monkeypatch.setattr(scan_mod, "LANES", request.param == "lanes")
+    monkeypatch.setattr(rt.kernels, "scan_lanes", request.param == "lanes")
     return request.param
 
 
@@ -105,22 +105,22 @@ def test_forward_vs_numpy(rt, shape, forward_kernel):
 
 
 @pytest.fixture(params=[True, False], ids=["subgroups", "workgroup-memory"])
-def subgroups(request, monkeypatch):
+def subgroups(request, monkeypatch, rt):
     """The parallel backward's channel sums through subgroup shuffles (where the adapter has
     them; lavapipe's subgroups of 8 take the shuffles for 3 of the 4 butterfly stages) and
     through workgroup memory only."""
-    monkeypatch.setattr(scan_mod, "LANES", False)
-    monkeypatch.setattr(scan_mod, "SUBGROUPS", request.param)
+    monkeypatch.setattr(rt.kernels, "scan_lanes", False)
+    monkeypatch.setattr(rt.kernels, "scan_subgroups", request.param)
     return request.param
 
 
 @pytest.fixture(params=["lanes", "subgroups", "workgroup-memory"])
-def kernel(request, monkeypatch):
+def kernel(request, monkeypatch, rt):
     """Every backward: the 8-lane scan (where it runs; elsewhere the next one again),
     the parallel kernel with the channel sums through subgroup shuffles, and through
     workgroup memory only."""
-    monkeypatch.setattr(scan_mod, "LANES", request.param == "lanes")
-    monkeypatch.setattr(scan_mod, "SUBGROUPS", request.param != "workgroup-memory")
+    monkeypatch.setattr(rt.kernels, "scan_lanes", request.param == "lanes")
+    monkeypatch.setattr(rt.kernels, "scan_subgroups", request.param != "workgroup-memory")
     return request.param
 
 

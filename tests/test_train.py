@@ -300,8 +300,9 @@ def test_a_device_with_webgpus_eight_storage_buffers_trains(rt, monkeypatch):
     default device does."""
     from memengine.engine import runtime as gpu
     from memengine.engine.kernels.lanes import cpu_lanes
+    from memengine.engine.runtime import runtime as runtime_module
 
-    monkeypatch.setattr(gpu, "STORAGE_BUFFERS", 8)
+    monkeypatch.setattr(runtime_module, "STORAGE_BUFFERS", 8)
     rt8 = gpu.Runtime("auto")
     assert rt8.limits["max-storage-buffers-per-shader-stage"] == 8
     assert not cpu_lanes(rt8)

@@ -12,7 +12,7 @@ token, one step behind the GPU (step t+1 is queued before token t is read), to s
 text and check the stop conditions.
 
 Nothing is allocated per token: the step's buffers, bind groups and uniforms are made once
-(`Decoder`) and the step's dispatches are recorded once into a `_Program` that each token
+(`Decoder`) and the step's dispatches are recorded once into a `Program` that each token
 replays into a fresh command encoder (WebGPU has no reusable compute command buffers).
 
 The engine reports through callbacks (`on_text` with text that is safe to show, `on_token`
@@ -34,7 +34,7 @@ from memengine.engine.io.inputs import decode_utf8
 from memengine.engine.kernels.decode import matvec, sample
 from memengine.engine.kernels.embedding import embedding_forward
 from memengine.engine.kernels.rmsnorm import rmsnorm_forward
-from memengine.engine.runtime import BindingError, Recorder, Runtime, Tensor, dispatch_groups
+from memengine.engine.runtime import BindingError, Program, Tensor
 
 STOP_LENGTH, STOP_EOS, STOP_TEXT, STOP_INTERRUPTED = "length", "eos", "stop", "interrupted"
 
@@ -85,43 +85,6 @@ def eos_token_ids(tokenizer, config, checkpoint_dir=None) -> frozenset:
 
 
 # ---------------------------------------------------------------------------- GPU side
-class _Program(Recorder):
-    """A fixed list of dispatches, resolved to (pipeline, bind group, grid) once and replayed
-    into any command encoder.  The op wrappers record into it as into a Recorder."""
-
-    def __init__(self, rt: Runtime):  # no encoder: nothing is encoded until replay
-        self.rt = rt
-        self.ops: list = []
-        self.dispatches = 0
-
-    def dispatch(self, shader, entry, bindings, groups, constants=None):
-        groups = dispatch_groups(groups)
-        if groups is None:
-            return
-        pl = self.rt.pipeline(shader, entry, constants)
-        self.ops.append((pl, self.rt.bind_group(pl, bindings), groups))
-        self.dispatches += 1
-
-    def copy(self, src, dst):  # pragma: no cover - the decode step has none
-        raise NotImplementedError("a _Program holds dispatches only")
-
-    clear = copy
-
-    def submit(self):  # pragma: no cover
-        raise NotImplementedError("replay a _Program with encode()")
-
-    def encode(self, encoder) -> None:
-        p = encoder.begin_compute_pass()
-        last = None
-        for pl, bg, g in self.ops:
-            if pl is not last:
-                p.set_pipeline(pl)
-                last = pl
-            p.set_bind_group(0, bg)
-            p.dispatch_workgroups(*g)
-        p.end()
-
-
 class Decoder:
     """Recurrent decoding state and buffers for one model, batch 1, made once: the shell's
     (the residual, the final norm, the logits, the token slots) and the architecture's
@@ -139,9 +102,7 @@ class Decoder:
         self.h, self.hf, self.rstd_f, self.logits, self.io = self._tensors
         self.state, made = model.block.decode_state(rt)
         self._tensors += made
-        u = rt.wgpu.BufferUsage
-        self._readback = [rt.device.create_buffer(label=f"dec.readback{i}", size=4, usage=u.MAP_READ | u.COPY_DST)
-                          for i in range(2)]
+        self._readback = [rt.readback_buffer(4, f"dec.readback{i}") for i in range(2)]
         self._readback_tensor = [Tensor(b, (1,), "i32", 0, b.label) for b in self._readback]
         self._step = None
         self._step_key = None
@@ -218,15 +179,15 @@ class Decoder:
         return a
 
     # -- sampling loop
-    def _program(self, sampling: dict) -> _Program:
+    def _program(self, sampling: dict) -> Program:
         key = tuple(sorted(sampling.items()))
         if self._step_key != key:
-            prog = _Program(self.rt)
+            prog = Program(self.rt)
             self._record_step(prog, sampling)
             self._step, self._step_key = prog, key
         return self._step
 
-    def _submit_step(self, prog: _Program, t: int) -> None:
+    def _submit_step(self, prog: Program, t: int) -> None:
         enc = self.rt.device.create_command_encoder()
         prog.encode(enc)
         self._fetch(enc, t)
@@ -237,12 +198,7 @@ class Decoder:
         encoder.copy_buffer_to_buffer(self.io.buffer, self.io.offset + 4 * slot, self._readback[t % 2], 0, 4)
 
     def _read(self, t: int) -> int:
-        buf = self._readback[t % 2]
-        buf.map_sync(self.rt.wgpu.MapMode.READ)
-        try:
-            return int(np.frombuffer(buf.read_mapped(), dtype=np.int32)[0])
-        finally:
-            buf.unmap()
+        return int(np.frombuffer(self.rt.read_mapped(self._readback[t % 2]), dtype=np.int32)[0])
 
     def run(self, ids, n_max: int, sampling: dict, on_token) -> tuple[float, float]:
         """Prompt, then up to n_max tokens; `on_token(t, id)` gets each on the host in order

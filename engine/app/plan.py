@@ -39,7 +39,7 @@ from memengine.engine.kernels.lanes import cpu_lanes
 from memengine.engine.kernels.matmul import splitk_slices
 from memengine.engine.models.lm import logits_chunk_rows, workspace_shapes
 from memengine.engine.models.store import store_layout
-from memengine.engine.runtime import binding_refusal, cdiv, env_bytes, fmt_bytes
+from memengine.engine.runtime import KernelSettings, binding_refusal, cdiv, env_bytes, fmt_bytes, largest
 
 KINDS = ("eval", "train", "adapt")
 ENV_MAX_MEMORY = "MEMENGINE_MAX_MEMORY_BYTES"
@@ -57,6 +57,7 @@ class Limits:
     memory: int | None = None        # bytes a run may use in all; None: not known
     memory_source: str = "unknown (a GPU reports no memory size)"
     lanes: bool = False              # the 8-lane kernels run (ops/lanes.py: CPU adapters)
+    kernels: KernelSettings = field(default_factory=KernelSettings.from_env)  # the runtime's switches
 
     def __post_init__(self):
         self.adapter_max_binding = self.adapter_max_binding or self.max_binding
@@ -65,7 +66,7 @@ class Limits:
     def of(cls, rt) -> "Limits":
         memory, source = memory_budget(getattr(rt, "adapter_type", ""))
         return cls(rt.max_buffer, rt.max_binding, rt.storage_align, rt.adapter_max_binding, memory, source,
-                   cpu_lanes(rt))
+                   cpu_lanes(rt), rt.kernels)
 
     def to_dict(self) -> dict:
         return {"max_buffer_bytes": self.max_buffer, "max_binding_bytes": self.max_binding,
@@ -300,20 +301,6 @@ def _check(plan: Plan, lim: Limits) -> None:
                                   True))
 
 
-def _largest(ok, hi: int) -> int:
-    """Largest n in [1, hi] with ok(n) (ok monotone decreasing), or 0."""
-    if hi < 1 or not ok(1):
-        return 0
-    lo = 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def advice(cfg, plan: Plan, lim: Limits) -> str:
     """The flag that would make `plan` pass, or a sentence saying that none can."""
     B, L = plan.batch_size, plan.seq_len
@@ -325,10 +312,10 @@ def advice(cfg, plan: Plan, lim: Limits) -> str:
         passes = tuple(cdiv(k * B * L, b * n) for k in plan.eval_passes)
         return estimate(cfg, b, n, plan.kind, lim, passes, plan.trace_steps).ok
 
-    b = _largest(lambda b: ok(b, L), B - 1)
+    b = largest(lambda b: ok(b, L), B - 1)  # the largest that passes, or 0
     if b:
         return f"use --batch-size {b}" + (" or less" if b > 1 else "")
-    n = _largest(lambda n: ok(1, n), L - 1)
+    n = largest(lambda n: ok(1, n), L - 1)
     if n:
         return f"use --seq-len {n} or less" + (" with --batch-size 1" if B > 1 else "")
     return none

@@ -1,1 +1,213 @@
-"""GPU backends."""
+"""GPU backends: the one place that talks to a WebGPU implementation.
+
+The runtime (engine/runtime) asks a `Backend` for what differs between implementations:
+the adapters and the choice among them, the device (features, limits), shader modules
+(trusted or checked), buffer usage flags and map modes, waits on mapped buffers, the WGSL
+dialect (enable directives) and the spelling of feature names.  Everything else goes
+through the objects a backend hands back (device, queue, buffers, command encoders,
+compute passes, pipelines, bind groups), which follow wgpu-py's object API
+(`device.create_buffer(label=, size=, usage=)`, `device.create_command_encoder()`,
+`device.queue.submit / write_buffer / read_buffer`, `buffer.map_async / map_sync /
+read_mapped / unmap`, `encoder.begin_compute_pass()` ...); a backend over another binding
+wraps its objects to match.
+
+`get_backend(name)` returns the backend registered under `name` ("wgpu": wgpu-native
+through wgpu-py, `wgpu_native.py`); only the modules of this package import a WebGPU
+binding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import tempfile
+
+from memengine.engine.errors import NoAdapterError
+
+# the runtime's names of the optional features it asks for (see Backend.FEATURES)
+TIMESTAMPS, SUBGROUPS, SHADER_F16 = "timestamp-query", "subgroups", "shader-f16"
+# a wait on the GPU is cut into slices this long with an interrupt check between them
+WAIT_SLICE_S = 0.05
+
+NO_ADAPTER_HINT = (
+    "no WebGPU adapter found; on a machine without a GPU install Mesa's software "
+    "Vulkan driver (Debian/Ubuntu: apt-get install -y mesa-vulkan-drivers)"
+)
+
+
+def adapter_kind(info: dict) -> str:
+    """'discretegpu', 'integratedgpu', 'virtualgpu', 'cpu' ... (lower case) of an adapter's info."""
+    return str(info.get("adapter_type", "")).lower()
+
+
+@contextlib.contextmanager
+def silence_fd2(enabled: bool):
+    """Drop anything native code writes on fd 2 (driver banners) while enabled."""
+    if not enabled:
+        yield
+        return
+    import sys
+
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+class Backend:
+    """What the runtime needs from a WebGPU implementation.  A subclass sets the class
+    attributes and implements the methods that raise NotImplementedError here."""
+
+    name = ""
+    # buffer usage flags (combined with |) and the read map mode, in the binding's values
+    STORAGE = UNIFORM = COPY_SRC = COPY_DST = MAP_READ = QUERY_RESOLVE = 0
+    MAP_MODE_READ = 0
+    # the runtime's feature names (TIMESTAMPS, SUBGROUPS, SHADER_F16) -> this backend's
+    FEATURES: dict = {TIMESTAMPS: TIMESTAMPS, SUBGROUPS: SUBGROUPS, SHADER_F16: SHADER_F16}
+    # the directive a module that uses subgroup operations starts with (None: the WGSL
+    # compiler takes them without one)
+    SUBGROUPS_ENABLE: str | None = "enable subgroups;"
+
+    # ---------------------------------------------------------------- adapters
+    def quiet(self, verbose: bool) -> None:
+        """Keep driver chatter off stderr unless the user asked for it."""
+        if verbose:
+            return
+        # Mesa prints "XDG_RUNTIME_DIR is invalid or not set" when it is unset/invalid.
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        if not xdg or not os.path.isdir(xdg):
+            d = os.path.join(tempfile.gettempdir(), f"memengine-runtime-{os.getuid()}")
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            with contextlib.suppress(OSError):
+                os.chmod(d, 0o700)
+            os.environ["XDG_RUNTIME_DIR"] = d
+
+    def adapters(self) -> list:
+        """Every adapter the implementation finds."""
+        raise NotImplementedError
+
+    def adapter_info(self, adapter) -> dict:
+        """'device', 'description', 'vendor', 'adapter_type', 'backend_type' of an adapter."""
+        raise NotImplementedError
+
+    def adapter_features(self, adapter) -> set:
+        """The adapter's features, in this backend's spelling."""
+        raise NotImplementedError
+
+    def adapter_limits(self, adapter) -> dict:
+        """The adapter's limits, by WebGPU's kebab-case names ('max-buffer-size' ...)."""
+        raise NotImplementedError
+
+    def choose_adapter(self, request: str = "auto", verbose: bool = False):
+        """Pick an adapter: 'auto' (best), 'gpu' (real GPU only), 'cpu' (software), or a
+        case-insensitive substring of the adapter's name."""
+        self.quiet(verbose)
+        request = (request or "auto").strip()
+        with silence_fd2(not verbose):
+            try:
+                adapters = self.adapters()
+            except Exception as e:
+                adapters = []
+                if verbose:
+                    logging.getLogger("memengine").warning("adapter enumeration failed: %s", e)
+        if not adapters:
+            raise NoAdapterError(NO_ADAPTER_HINT)
+        infos = {id(a): self.adapter_info(a) for a in adapters}
+
+        def score(a):
+            info = infos[id(a)]
+            kind = adapter_kind(info)
+            backend = str(info.get("backend_type", "")).lower()
+            s = {"discretegpu": 40, "integratedgpu": 30, "virtualgpu": 20, "cpu": 10}.get(kind, 0)
+            s += {"vulkan": 5, "metal": 5, "d3d12": 4, "opengl": 1}.get(backend, 0)
+            return s
+
+        def names():
+            return ", ".join(sorted({infos[id(a)].get("device", "?") for a in adapters}))
+
+        req = request.lower()
+        if req == "auto":
+            cands = adapters
+        elif req == "gpu":
+            cands = [a for a in adapters if adapter_kind(infos[id(a)]) != "cpu"]
+            if not cands:
+                raise NoAdapterError(f"--device gpu: no hardware GPU adapter (found: {names()}); "
+                                     "use --device auto or cpu")
+        elif req == "cpu":
+            cands = [a for a in adapters if adapter_kind(infos[id(a)]) == "cpu"]
+            if not cands:
+                raise NoAdapterError("--device cpu: no software adapter found; " + NO_ADAPTER_HINT.split("; ", 1)[1])
+        else:
+            cands = [a for a in adapters
+                     if any(req in str(infos[id(a)].get(k, "")).lower() for k in ("device", "description", "vendor"))]
+            if not cands:
+                raise NoAdapterError(f"--device {request!r} matches no adapter (found: {names()})")
+        return max(cands, key=score)
+
+    # ---------------------------------------------------------------- device
+    def request_device(self, adapter, features: list, limits: dict, verbose: bool = False):
+        """A device with `features` (this backend's spelling) and `limits` (kebab-case)."""
+        raise NotImplementedError
+
+    def device_limits(self, device) -> dict:
+        """The device's limits, by WebGPU's kebab-case names."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shaders
+    def enables(self, directives: list, subgroups: bool) -> list:
+        """The `enable ...;` lines a module starts with: the shader's own `directives` and,
+        where it uses subgroup operations (`subgroups`), the backend's directive for them."""
+        if subgroups and self.SUBGROUPS_ENABLE and self.SUBGROUPS_ENABLE not in directives:
+            return [*directives, self.SUBGROUPS_ENABLE]
+        return list(directives)
+
+    def create_module(self, device, label: str, code: str, checks: bool):
+        """A shader module; without `checks`, compiled without the WGSL compiler's run-time
+        checks (index clamping, loop bounding) where the implementation can."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- mapping
+    def wait_mapped(self, buf, mode) -> None:
+        """Map `buf` (waiting for the GPU work before it), then unmap it, with
+        `interrupts.check()` at least every WAIT_SLICE_S while waiting."""
+        raise NotImplementedError
+
+    def read_mapped(self, buf) -> bytes:
+        """The bytes of a MAP_READ buffer once the GPU work before it is done."""
+        buf.map_sync(self.MAP_MODE_READ)
+        try:
+            return bytes(buf.read_mapped())
+        finally:
+            buf.unmap()
+
+
+# name -> module whose `BACKEND` class implements it (imported when first asked for, so
+# that importing this package loads no binding)
+REGISTRY = {"wgpu": "memengine.engine.backend.wgpu_native"}
+DEFAULT = "wgpu"
+_MADE: dict = {}
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The backend registered under `name` (None: DEFAULT), made once per process."""
+    name = name or DEFAULT
+    b = _MADE.get(name)
+    if b is None:
+        if name not in REGISTRY:
+            raise NoAdapterError(f"unknown GPU backend {name!r} (known: {', '.join(sorted(REGISTRY))})")
+        try:
+            mod = importlib.import_module(REGISTRY[name])
+        except Exception as e:  # pragma: no cover
+            raise NoAdapterError(f"cannot import the {name} backend ({e}); install memengine's dependencies") from e
+        b = _MADE[name] = mod.BACKEND()
+    return b
+

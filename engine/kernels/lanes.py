@@ -26,8 +26,8 @@ def cpu_lanes(rt) -> bool:
     ok = _OK.get(rt)
     if ok is None:
         ok = False
-        bindable = int(getattr(rt, "limits", {}).get("max-storage-buffers-per-shader-stage", 8))
-        if getattr(rt, "has_subgroups", False) and is_cpu(rt) and bindable >= STORAGE_BUFFERS:
+        if (getattr(rt, "has_subgroups", False) and is_cpu(rt)
+                and rt.limit("max-storage-buffers-per-shader-stage", 8) >= STORAGE_BUFFERS):
             out = rt.zeros((4,))
             rec = rt.recorder()
             rec.dispatch("lanes", "lanes_probe", {0: out}, 1)
@@ -39,20 +39,14 @@ def cpu_lanes(rt) -> bool:
     return ok
 
 
-# None: row_workgroup decides by the adapter; "cpu" / "gpu" force either choice (tests)
-ROW_WG = None
-# None: 8-invocation rows sum by subgroup shuffles where cpu_lanes; False: through workgroup
-# memory (tests)
-ROW_SG = None
-
-
 def row_workgroup(rt, n: int, default: int) -> dict | None:
     """Pipeline constants of the kernels that reduce one row of `n` values per workgroup
     (rmsnorm, cross entropy; `default` invocations otherwise).  On a CPU adapter as few
     invocations as keep each one's serial sum at 256 terms or less (the default's precision
     at n = 65536), at least 8 (one SIMD vector, whose barriers switch no coroutines:
     rmsnorm at E 64 3.7x faster on lavapipe than with 128)."""
-    cpu = is_cpu(rt) if ROW_WG is None else ROW_WG == "cpu"
+    force = rt.kernels.row_workgroup  # None: by the adapter; "cpu" / "gpu" force either choice (tests)
+    cpu = is_cpu(rt) if force is None else force == "cpu"
     if not cpu:
         return None
     wg = 8
@@ -60,4 +54,4 @@ def row_workgroup(rt, n: int, default: int) -> dict | None:
         wg *= 2
     # 8 invocations that are one subgroup sum by shuffles instead of barriers (the same
     # pairing, so the same bits)
-    return {"WG": wg, "SG8": int(wg == 8 and ROW_SG is not False and cpu_lanes(rt))}
+    return {"WG": wg, "SG8": int(wg == 8 and rt.kernels.row_subgroups is not False and cpu_lanes(rt))}

@@ -10,20 +10,36 @@ helps, the reduction (K, accumulated): `_split_call`.
 
 from __future__ import annotations
 
-import os
-
 from memengine.engine.kernels.lanes import cpu_lanes
-from memengine.engine.runtime import BindingError, Recorder, Tensor, bound, cdiv, fits_all, fmt_bytes, pack, span
+from memengine.engine.runtime import (
+    BindingError,
+    KernelSettings,
+    Recorder,
+    Tensor,
+    bound,
+    cdiv,
+    fits_all,
+    fmt_bytes,
+    pack,
+    span,
+)
 
-# "reference" forces the plain kernel everywhere (the fast ones must match it); "nosplit"
-# turns split-K off; "tiles" keeps matmul_fast where matmul_lanes would run
-_MODE = os.environ.get("MEMENGINE_MATMUL", "auto")
+# `rt.kernels.matmul` (MEMENGINE_MATMUL): "reference" forces the plain kernel everywhere (the
+# fast ones must match it); "nosplit" turns split-K off; "tiles" keeps matmul_fast where
+# matmul_lanes would run
 
 # matmul_fast's tile configuration (its pipeline constants): BM x BN of C per workgroup of
 # (BM/8)*(BN/8) threads, K in steps of BK; see shaders/matmul.wgsl.
 BASE = dict(BM=128, BN=128, BK=16)
-# a dict or a function (rt, M, N, K) -> dict forcing the configuration (tests, benchmarks)
-FORCE = None
+# `rt.kernels.matmul_tiles`: a dict or a function (rt, M, N, K) -> dict forcing the
+# configuration (tests, benchmarks)
+
+
+def _settings(rt) -> KernelSettings:
+    """The runtime's kernel switches; the environment's for the stand-ins the sizing
+    helpers also take (a plan's limits, anything with `max_binding`)."""
+    k = getattr(rt, "kernels", None)
+    return k if k is not None else KernelSettings.from_env()
 
 
 def valid_config(c: dict) -> bool:
@@ -41,8 +57,9 @@ def fast_config(rt, M: int, N: int, K: int) -> dict:
     Measured on the H200 (benchmarks/README.md): 128x128 tiles, BK 16 everywhere except
     few rows (x_proj's weight gradient, M = 80: BM = M rounded up to 8, 1.3x) and few
     columns (dt_proj's weight and input gradients, N = 48: BN 64, 1.5x and 1.2x)."""
-    if FORCE is not None:
-        c = FORCE(rt, M, N, K) if callable(FORCE) else FORCE
+    force = _settings(rt).matmul_tiles
+    if force is not None:
+        c = force(rt, M, N, K) if callable(force) else force
         c = {**BASE, **c}
     else:
         c = dict(BASE)
@@ -54,8 +71,8 @@ def fast_config(rt, M: int, N: int, K: int) -> dict:
     return c
 
 
-def _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tensors) -> bool:
-    if _MODE == "reference" or K % 4 or N % 4 or ldc % 4 or c_col % 4:
+def _fast_ok(mode, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, tensors) -> bool:
+    if mode == "reference" or K % 4 or N % 4 or ldc % 4 or c_col % 4:
         return False
     if any(t.offset % 16 for t in tensors if t is not None):
         return False
@@ -89,7 +106,7 @@ def _split_k(rt, M: int, N: int, K: int, tiles: int, tile_elems: int = 128 * 128
     the smaller count where estimates are within 0.5%.  Few output tiles leave SMs idle or
     alone (the weight gradients: 12-144 tiles of 264 places); a count of workgroups that
     fills the last round is what the estimate favours."""
-    if _MODE == "nosplit" or K < 2 * _MIN_SLICE_K:
+    if _settings(rt).matmul == "nosplit" or K < 2 * _MIN_SLICE_K:
         return 1
     cap = min(rt.max_binding, 256 * 2**20)
     best, best_t = 1, _split_cost(M, N, K, tiles, tile_elems, 1, bk)
@@ -147,14 +164,15 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         return
     # views at any offset: bind from the aligned offset below and shift the indices
     rt = rec.rt
+    mode = rt.kernels.matmul
     shader, entry = "matmul", "matmul_fast"
-    if A16 is not None and B16 is not None and _MODE != "reference":
+    if A16 is not None and B16 is not None and mode != "reference":
         A16, ea16 = bound(rt, A16)
         B16, eb16 = bound(rt, B16)
         C16, ec16 = bound(rt, C)
         lda16 = (K if not trans_a else M) if lda is None else lda
         ldb16 = (N if not trans_b else K) if ldb is None else ldb
-        if _fast_ok(M, N, K, trans_a, trans_b, lda16, ldb16, N if ldc is None else ldc,
+        if _fast_ok(mode, M, N, K, trans_a, trans_b, lda16, ldb16, N if ldc is None else ldc,
                     a_col + ea16, b_col + eb16, c_col + ec16, (C16, bias)):
             A, B, ea, eb = A16, B16, ea16, eb16
             shader, entry = "matmul_f16", "matmul_f16"
@@ -179,10 +197,10 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
         ldb = K if ldb is None else ldb
         b_rs, b_cs, b_off = 1, ldb, b_col
     ldc = N if ldc is None else ldc
-    if shader == "matmul_f16" or _fast_ok(M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col,
+    if shader == "matmul_f16" or _fast_ok(mode, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col,
                                           (A, B, C, bias)):
         fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
-        if shader == "matmul" and _MODE != "tiles" and cpu_lanes(rt):
+        if shader == "matmul" and mode != "tiles" and cpu_lanes(rt):
             u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
             rec.dispatch("matmul", "matmul_lanes",
                          {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},

@@ -20,7 +20,8 @@ joined by a parallel scan of (decay, state) pairs; the state dimension is in reg
 The shader's header comment has the details.  On CPU adapters with 8-lane subgroups
 (lavapipe) the shader's scan_lanes_forward / scan_lanes_backward run instead: a workgroup
 of one 8-lane subgroup per (batch row, 8 channels), each lane walking the sequence step by
-step (the same saved states and partial sums; `LANES = False` keeps the kernels above).
+step (the same saved states and partial sums; `rt.kernels.scan_lanes = False` keeps the
+kernels above).
 They read Bm|Cm as vec4s, so they take time_step_rank values divisible by 4 (that of every
 released Mamba checkpoint); other calls take the kernels above.
 
@@ -48,26 +49,30 @@ DB = 16      # channels per workgroup (the shader's DB)
 # the largest state_size the kernels run (None: no limit; checked before any upload): the
 # state dimension is walked in passes of 16 states over workgroup memory, any N fits
 MAX_N = None
-# False: the backward's channel sums go through workgroup memory even where the adapter has
-# subgroups (the tests run both ways).
-SUBGROUPS = True
-# False: the kernels above even where the 8-lane scan runs (the tests run both)
-LANES = True
+# rt.kernels.scan_subgroups = False: the backward's channel sums go through workgroup memory
+# even where the adapter has subgroups; rt.kernels.scan_lanes = False: the kernels above even
+# where the 8-lane scan runs (the tests run every way; runtime/settings.py)
 LANE_DB = 8      # channels per workgroup of the 8-lane scan
 LANE_MAX_N = 16  # the state sizes it takes: N <= 16, N % 4 == 0
 
 
+def scan_lanes(rt) -> bool:
+    """Whether the runtime's scans may take the 8-lane kernels: it takes the 8-lane kernels
+    (kernels/lanes.py) and `rt.kernels.scan_lanes` lets the scan use them."""
+    return cpu_lanes(rt) and rt.kernels.scan_lanes
+
+
 def channels_per_workgroup(lanes: bool, N: int) -> int:
-    """LANE_DB where the 8-lane scan may run (`lanes`: the runtime takes the 8-lane
-    kernels, ops/lanes.py), else DB: it sizes the backward's dB/dC partials (the larger
-    size where a call may still take the other kernels, see `_lanes`)."""
-    return LANE_DB if LANES and lanes and N <= LANE_MAX_N and N % 4 == 0 else DB
+    """LANE_DB where the 8-lane scan may run (`lanes`: `scan_lanes(rt)`), else DB: it sizes
+    the backward's dB/dC partials (the larger size where a call may still take the other
+    kernels, see `_lanes`)."""
+    return LANE_DB if lanes and N <= LANE_MAX_N and N % 4 == 0 else DB
 
 
 def _lanes(rt, N: int, R: int, xdbl_off: int) -> bool:
     """Whether this call runs the 8-lane scan: it reads Bm|Cm as vec4s, so their columns
     must start at a multiple of 4 (time_step_rank R, and xdbl's element offset)."""
-    return channels_per_workgroup(cpu_lanes(rt), N) == LANE_DB and R % 4 == 0 and (xdbl_off + R) % 4 == 0
+    return channels_per_workgroup(scan_lanes(rt), N) == LANE_DB and R % 4 == 0 and (xdbl_off + R) % 4 == 0
 
 
 def scan_state_shape(B, L, Di, N) -> tuple:
@@ -109,7 +114,7 @@ def sequence_scratch(B, L, Di, N, R, db=DB, backward=True) -> list:
 
 
 def _sequences(rt, B, L, Di, N, R, backward: bool) -> list:
-    db = channels_per_workgroup(cpu_lanes(rt), N)
+    db = channels_per_workgroup(scan_lanes(rt), N)
     return split(rt, B, lambda nb: sequence_windows(nb, L, Di, N, R),
                  scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db, backward),
                  unit=f"one sequence of the selective scan (seq_len {L}; a smaller --seq-len helps)")
@@ -146,8 +151,8 @@ def _check(B, L, Di, N, R, **shapes):
             assert t.numel == want[k], (k, t.shape, want[k])
 
 
-def _constants():
-    return None if SUBGROUPS else {"SUBGROUPS": 0}
+def _constants(rt):
+    return None if rt.kernels.scan_subgroups else {"SUBGROUPS": 0}
 
 
 def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D, xdbl, xz,
@@ -223,7 +228,7 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     if lanes:
         rec.dispatch(SHADER, "scan_lanes_backward", {**bindings, 11: work}, B * lay["nblk"], {"NS": N})
     else:
-        rec.dispatch(SHADER, "selective_scan_backward", bindings, B * lay["nblk"], _constants())
+        rec.dispatch(SHADER, "selective_scan_backward", bindings, B * lay["nblk"], _constants(rt))
     rec.dispatch(SHADER, "selective_scan_backward_dbc", {11: work, 12: bt["dxdbl"], 14: uni}, cdiv(M * N, 256))
     for out, n, base, stride, scale_a in ((ddt_bias, Di, lay["off_pb"], Di, 0),
                                           (dD, Di, lay["off_pd"], Di, 0),

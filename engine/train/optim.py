@@ -287,7 +287,7 @@ class AdamW:
                 struct.pack_into(_ADAM_FMT, data, self._slots[key if i == 0 else (key, i)] * self._stride,
                                  n, self.lr, b1, b2, self.eps, self.weight_decay,
                                  b1 ** t, b2 ** t, self.max_delta, 0 if skip is None else 1, 0.0, 0.0)
-        rt.device.queue.write_buffer(self._ubuf, 0, bytes(data))
+        rt.write_buffer(self._ubuf, 0, bytes(data))
 
         clip = clip_factor if clip_factor is not None else self._ones_tensor()
         if skip is None:

@@ -23,7 +23,7 @@ import numpy as np
 from memengine.engine.errors import MemengineError
 from memengine.engine.kernels.reduce import sum_into
 from memengine.engine.models.lm import LanguageModel, perplexity
-from memengine.engine.runtime import BOUNDED_STEP_S, StepFence, cdiv, piece_depth, piece_span
+from memengine.engine.runtime import Pacer, StepFence
 from memengine.engine.train.optim import AdamW, GradClipper, LossScaler
 from memengine.engine.train.optim_state import LOSS_SCALE_KEY
 
@@ -94,8 +94,9 @@ class Trainer:
         self.pending = 0
         self.fence = StepFence(rt)
         self._last_step = None
-        self._last_pieces = rt.pieces
-        self._last_boundaries = rt.boundaries
+        # how this trainer's steps are submitted (whole, or in pieces while slow): the
+        # runtime's recorders pace by it
+        self.pacer = rt.pacer = Pacer()
 
     def optimizer_state(self) -> dict:
         state = self.opt.state_dict()
@@ -139,27 +140,16 @@ class Trainer:
             rec.submit()
             tokens += int(b.n_tokens)
         self.pending += 1
-        self._pace(rt)
+        self._pace()
         return tokens
 
-    def _pace(self, rt) -> None:
-        """Submit steps whole while they are fast, in pieces (layers holding ~gpu.PIECE_S of
-        work each) while they are slow, so that an interrupt acts within a piece at any model
-        size (gpu.Recorder.boundary)."""
+    def _pace(self) -> None:
+        """Submit steps whole while they are fast, in pieces (layers holding ~pacing.PIECE_S
+        of work each) while they are slow, so that an interrupt acts within a piece at any
+        model size (Recorder.boundary): the step's time goes to this trainer's pacer."""
         now = time.perf_counter()
-        if self._last_step is not None:
-            dt = now - self._last_step
-            if dt < BOUNDED_STEP_S:
-                rt.bounded = False
-            elif dt > 4 * BOUNDED_STEP_S:
-                rt.bounded = True
-            if rt.pieces > self._last_pieces:   # this step went in pieces of ~PIECE_S; ~0.1 s queued
-                n = rt.boundaries - self._last_boundaries
-                rt.piece_span = piece_span(dt, n)
-                rt.piece_depth = piece_depth(dt, cdiv(n, rt.piece_span) + 1)
+        self.pacer.step_done(None if self._last_step is None else now - self._last_step)
         self._last_step = now
-        self._last_pieces = rt.pieces
-        self._last_boundaries = rt.boundaries
 
     def read_trace(self) -> tuple[np.ndarray, np.ndarray]:
         """(losses, grad norms) of the steps since the last read (a GPU sync point);

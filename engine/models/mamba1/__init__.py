@@ -141,7 +141,7 @@ class Mamba1(Architecture):
         Di, N, R, K = cfg.intermediate_size, cfg.state_size, cfg.dt_rank, cfg.conv_kernel
         grad = kind != "eval"
         total = 0
-        db = scan.channels_per_workgroup(lim.lanes, N)
+        db = scan.channels_per_workgroup(lim.lanes and lim.kernels.scan_lanes, N)
         try:
             seqs = split(lim, B, lambda nb: scan.sequence_windows(nb, L, Di, N, R),
                          scratch=lambda nb: scan.sequence_scratch(nb, L, Di, N, R, db, grad))

@@ -3,7 +3,7 @@
 body written out U times.  On the H200 (fma_rate.txt) the rate rose from 27.7 TFLOP/s (f32,
 U 1) to 51.9 (U 16) as naga compiles a module by default, with a loop-bounding counter in
 every loop; "trusted" modules are compiled without naga's run-time checks, as memengine
-compiles its own (engine/gpu.py, importable as `memengine`: benchmarks/device_setup.sh).
+compiles its own (engine/backend/wgpu_native.py, importable as `memengine`: benchmarks/device_setup.sh).
 
     python3 benchmarks/results/h200/diagnostics/fma_rate.py
 """
@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import wgpu
-from memengine.engine.runtime import _create_module
+from memengine.engine.backend import get_backend
 
 
 def shader(t, n_iter, unroll):
@@ -51,7 +51,7 @@ def main():
     for t in ["f32"] + (["f16"] if feats else []):
         for checks, unroll in itertools.product(("checked", "trusted"), (1, 4, 16)):
             code = shader(t, n_iter, unroll)
-            mod = _create_module(dev, "fma", code, checks == "checked")
+            mod = get_backend("wgpu").create_module(dev, "fma", code, checks == "checked")
             pipe = dev.create_compute_pipeline(layout="auto", compute={"module": mod, "entry_point": "main"})
             bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0),
                                        entries=[{"binding": 0, "resource": {"buffer": buf}}])

@@ -17,7 +17,7 @@ code = """
 mod = dev.create_shader_module(code=code)
 pl = dev.create_compute_pipeline(layout="auto", compute={"module": mod, "entry_point": "main"})
 G = int(sys.argv[1]) if len(sys.argv) > 1 else 132
-U = rt.wgpu.BufferUsage
+U = rt.backend   # its buffer usage flags (STORAGE, COPY_SRC, COPY_DST)
 buf = dev.create_buffer(size=4 * 64 * G, usage=U.STORAGE | U.COPY_SRC | U.COPY_DST)
 buf2 = dev.create_buffer(size=4 * 64 * G, usage=U.STORAGE | U.COPY_SRC | U.COPY_DST)
 bg = dev.create_bind_group(layout=pl.get_bind_group_layout(0), entries=[{"binding": 0, "resource": {"buffer": buf}}])

@@ -35,8 +35,8 @@ while time.time() < t_end:
 for x in (A, B, C): rt.free(x)
 
 # staircase: a 128 x (128*11) strip, rows of tiles 1..60 (11 .. 660 workgroups), K 4096, no split
-old = mm._MODE
-mm._MODE = "nosplit"
+old = rt.kernels.matmul
+rt.kernels.matmul = "nosplit"
 K = 4096
 for ty in list(range(2, 62, 2)):
     kw = dict(M=128 * ty, N=128 * 11, K=K, trans_b=True)
@@ -45,7 +45,7 @@ for ty in list(range(2, 62, 2)):
     out["stair"].append((ty * 11, ms))
     print(f"stair tiles {ty*11:4d} ms {ms:.3f} per-wave-of-264 {ms / -(-ty*11 // 264):.3f}", flush=True)
     for x in (A, B, C): rt.free(x)
-mm._MODE = old
+rt.kernels.matmul = old
 
 cases = {c[0]: c[2] for c in bench.step_matmuls(8, 2048, "mamba-130m")}
 orig = mm._split_k
