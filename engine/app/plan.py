@@ -96,7 +96,10 @@ def _numel(shape) -> int:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
+    """The memory plan of one run (what it allocates, the units that must fit one binding,
+    the problems); not the listener's `Plan` of a training run's steps."""
+
     kind: str
     batch_size: int
     seq_len: int
@@ -175,8 +178,13 @@ def default_eval_passes(kind: str) -> tuple:
     return () if kind == "train" else (1,)
 
 
+# how a plan's problems name a sequence's length: the flag of eval, train and adapt
+SEQUENCE = "at --seq-len {}"
+
+
 def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Limits,
-             eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> Plan:
+             eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None,
+             sequence: str = SEQUENCE) -> MemoryPlan:
     """The plan of one run (see the module docstring); problems are filled in.
 
     `eval_passes`: the number of batches of each distinct evaluation the run makes (eval:
@@ -184,7 +192,9 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     the per-window sums (12 bytes a window); None: `default_eval_passes`.  `trace_steps`:
     the steps a trainer's loss/norm trace holds (engine/loop.reads_apart).  `adapter`:
     (tensor sizes, widths of its per-row buffers) of a LoRA adapter applied (lora.plan_sizes);
-    kind "lora" trains it: no gradient store for the base, moments for the adapter only."""
+    kind "lora" trains it: no gradient store for the base, moments for the adapter only.
+    `sequence`: how the problems name one sequence's length ("{}": the length), by default
+    the flag that sets it."""
     if kind not in KINDS + ("lora",):
         raise ValueError(f"kind must be one of {KINDS + ('lora',)}")
     a_sizes, a_rows = adapter or ((), ())
@@ -194,7 +204,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     E, Di, N, R, V, K = (cfg.hidden_size, cfg.intermediate_size, cfg.state_size, cfg.dt_rank,
                          cfg.vocab_size, cfg.conv_kernel)
     passes = default_eval_passes(kind) if eval_passes is None else tuple(int(n) for n in eval_passes)
-    plan = Plan(kind, B, L, eval_passes=passes, trace_steps=int(trace_steps))
+    plan = MemoryPlan(kind, B, L, eval_passes=passes, trace_steps=int(trace_steps))
     shapes = dict(expected_shapes(cfg))
     grad = kind != "eval"
 
@@ -274,9 +284,9 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     # -- units of work that must fit one binding
     plan.units.append((f"one row of the embedding table ({E} values)", 4 * E, False, "tensor"))
     plan.units.append((f"one row of logits ({V} values)", 4 * V, False, "tensor"))
-    plan.units.append((f"one sequence of the conv1d and selective scan at --seq-len {L} ({L} x {2 * Di} values)",
+    plan.units.append((f"one sequence of the conv1d and selective scan {sequence.format(L)} ({L} x {2 * Di} values)",
                        max(sequence_windows(1, L, Di, N, R)), True, "tensor"))
-    plan.units.append((f"the selective scan's scratch for one sequence at --seq-len {L}",
+    plan.units.append((f"the selective scan's scratch for one sequence {sequence.format(L)}",
                        max(sequence_scratch(1, L, Di, N, R, backward=grad)),
                        True, "adapter"))
     if grad:
@@ -285,7 +295,7 @@ def estimate(cfg: MambaConfig, batch_size: int, seq_len: int, kind: str, lim: Li
     return plan
 
 
-def _check(plan: Plan, lim: Limits) -> None:
+def _check(plan: MemoryPlan, lim: Limits) -> None:
     slack = lim.storage_align - 4
     shape = f"batch {plan.batch_size} x {plan.seq_len}"
     for what, nbytes, grows, limit_kind in plan.units:
@@ -323,7 +333,7 @@ def _largest(ok, hi: int) -> int:
     return lo
 
 
-def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
+def advice(cfg: MambaConfig, plan: MemoryPlan, lim: Limits) -> str:
     """The flag that would make `plan` pass, or a sentence saying that none can."""
     B, L = plan.batch_size, plan.seq_len
     none = "no --batch-size or --seq-len can help on this adapter"
@@ -344,7 +354,7 @@ def advice(cfg: MambaConfig, plan: Plan, lim: Limits) -> str:
 
 
 def check_run(rt, cfg: MambaConfig, batch_size: int, seq_len: int, kind: str,
-              eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> Plan:
+              eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> MemoryPlan:
     """Plan a run on `rt`'s adapter before anything is uploaded; MemengineError (exit 2) with
     one line naming the figure and the flag that would help when it cannot work."""
     lim = Limits.of(rt)
