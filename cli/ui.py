@@ -313,10 +313,6 @@ class UI:
             self.console.print()
             self.console.print(Text(msg, style="bold cyan" if self.tty else ""))
 
-    def debug(self, msg: str) -> None:
-        if self.verbose and not self.quiet:
-            self.console.print(Text(msg, style="dim" if self.tty else ""))
-
     def warn(self, msg: str) -> None:
         if not self.quiet:
             self.console.print(Text("warning: " + msg, style="yellow" if self.tty else ""))
@@ -354,21 +350,6 @@ class UI:
 
     def run_view(self) -> RunView:
         return RunView(self)
-
-    def status(self, msg: str):
-        """A spinner on a terminal (for slow single steps such as evaluation)."""
-        import contextlib
-
-        if self.quiet:
-            return contextlib.nullcontext()
-        if self.tty:
-            return self.console.status(msg)
-        self.console.print(msg, highlight=False)
-        return contextlib.nullcontext()
-
-    def eval_progress(self, title: str):
-        """A transient progress bar for an evaluation pass; returns a callback holder."""
-        return _EvalProgress(self, title)
 
 
 class _EvalProgress:
