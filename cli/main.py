@@ -133,44 +133,22 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
 
 # =========================================================================== info
 def _info(o: InfoOptions, ui: UI) -> None:
-    from memengine.engine import lora
     from memengine.engine.app import plan as mplan
-    from memengine.engine.app.setup import open_checkpoint, resolve
+    from memengine.engine.app.info import info_report
 
-    if lora.is_adapter(o.ckpt):
-        d = lora.describe(o.ckpt)
+    rep = info_report(o, ui.warn, verbose=ui.verbose)
+    d = rep.data
+    if rep.lora is not None:
         ui.kv(f"LoRA adapter {o.ckpt}", [(k.replace("_", " "), ", ".join(v) if isinstance(v, list) else v)
-                                         for k, v in d.items()])
+                                         for k, v in rep.lora.items()])
         ui.emit(d)
         return
-    ref = resolve(o.ckpt, o.revision, o.model_type, weights=False)   # an uncached id: headers from the Hub
-    c = open_checkpoint(ref, ui.warn, read_tensors=False)   # the headers: no weight is read
-    cfg = c.config
-    n_params = c.n_params
-    dtypes: dict[str, int] = {}
-    for name in c.shapes:
-        dt = str(c.dtypes.get(name, "F32")) if getattr(c, "dtypes", None) else "F32"
-        dtypes[dt] = dtypes.get(dt, 0) + 1
-    weight_files = c.extra.get("weight_files", [])
-    files = weight_files if ref.path.is_file() else sorted(p for p in ref.path.iterdir() if p.is_file())
-    nbytes = int(sum(p.stat().st_size for p in files))
-    if ref.headers:   # the weights stayed on the Hub: their tensor data, by the headers
-        nbytes += sum(h.file_size for h in ref.headers)
-    plan = None
-    try:
-        from memengine.engine.runtime import get_runtime
-
-        rt = get_runtime(o.device or None, verbose=ui.verbose)
-        adapter, caps = rt.describe(), rt.capabilities()
-        plan = mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt))
-    except MemengineError as e:
-        adapter, caps = f"none ({e})", None
-    tok = getattr(c, "tokenizer_path", None)
+    cfg, caps, plan = rep.config, d["gpu"], d["plan"]
     ui.kv(f"checkpoint {o.ckpt}", [
         ("model type", cfg.model_type),
-        ("weights", weight_files[0].name if len(weight_files) == 1 else
-         f"{len(weight_files)} shards ({c.extra['model_file'].name})"),
-        *([("local path", str(ref.path))] if ref.repo_id else []),
+        ("weights", rep.weight_files[0] if len(rep.weight_files) == 1 else
+         f"{len(rep.weight_files)} shards ({rep.model_file})"),
+        *([("local path", rep.local_path)] if rep.local_path is not None else []),
         ("layers", cfg.num_hidden_layers),
         ("hidden size (E)", cfg.hidden_size),
         ("inner size (Di)", cfg.intermediate_size),
@@ -180,15 +158,15 @@ def _info(o: InfoOptions, ui: UI) -> None:
         ("vocabulary (V)", cfg.vocab_size),
         ("tied lm_head", cfg.tie_word_embeddings),
         ("biases", f"use_bias={cfg.use_bias} use_conv_bias={cfg.use_conv_bias}"),
-        ("tensors", len(c.shapes)),
-        ("parameters", f"{n_params:,}"),
-        ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(dtypes.items()))),
-        ("size on disk", f"{nbytes:,} bytes" if not ref.headers else
-         f"{nbytes:,} bytes (the weights' tensor data on the Hub; not downloaded)"),
-        ("tokenizer", str(tok) if tok else "byte-level (built-in)"),
-        ("optimizer state", "yes" if c.extra.get("optimizer_path") else
-         "not looked for (not downloaded)" if ref.headers else "no"),
-        ("adapter", adapter),
+        ("tensors", len(d["tensors"])),
+        ("parameters", f"{d['parameters']:,}"),
+        ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(d["dtypes"].items()))),
+        ("size on disk", f"{d['bytes']:,} bytes" if not rep.remote else
+         f"{d['bytes']:,} bytes (the weights' tensor data on the Hub; not downloaded)"),
+        ("tokenizer", d["tokenizer"] or "byte-level (built-in)"),
+        ("optimizer state", "yes" if rep.optimizer_state else
+         "not looked for (not downloaded)" if rep.remote else "no"),
+        ("adapter", d["adapter"]),
         ("GPU features", "n/a" if caps is None else
          f"{', '.join(caps['features']) or 'none'}; largest binding "
          f"{caps['max_storage_binding_bytes'] / 2**20:,.0f} MiB"),
@@ -203,23 +181,7 @@ def _info(o: InfoOptions, ui: UI) -> None:
         for kind in mplan.KINDS:
             if not plan[kind]["ok"]:
                 ui.note(f"{kind}: {plan[kind]['problem']}; {plan[kind]['advice']}")
-    ui.emit({
-        "path": str(o.ckpt),
-        "local_path": str(ref.path),
-        "model_type": cfg.model_type,
-        "weight_files": [p.name for p in weight_files],
-        "config": cfg.to_hf_dict(),
-        "parameters": n_params,
-        "tensors": {n: {"shape": list(shape), "dtype": str(c.dtypes.get(n, "F32")) if c.dtypes else "F32"}
-                    for n, shape in c.shapes.items()},
-        "dtypes": dtypes,
-        "bytes": nbytes,
-        "weights_downloaded": not ref.headers,
-        "tokenizer": str(tok) if tok else None,
-        "adapter": adapter,
-        "gpu": caps,
-        "plan": plan,
-    })
+    ui.emit(d)
 
 
 run_command(app, InfoOptions, _info, name="info", help="""Show a checkpoint's config, parameter count, dtypes and size, the GPU adapter, and the memory plan (or a LoRA adapter's rank, alpha, targets and base).
