@@ -96,12 +96,11 @@ def init(
     """Create a new, randomly initialised checkpoint (initialised the way transformers does)."""
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
-        parse_size(max_shard_size)
-        do_init(ui, config, output, seed, force, max_shard_size)
+        do_init(ui, config, output, seed, force, parse_size(max_shard_size))
 
 
 def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
-            max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     from memengine.engine.io.checkpoint import save_checkpoint
     from memengine.engine.models.mamba1.config import expected_shapes, load_config
     from memengine.engine.models.mamba1.init import init_weights
@@ -321,9 +320,8 @@ def merge(
     with guard(ui):
         from memengine.engine.lora import merge as merge_adapter
 
-        parse_size(max_shard_size)
         rep = merge_adapter(adapter, output, base=base, revision=revision, model_type=model_type,
-                            max_shard_size=max_shard_size, force=force, warn=ui.warn)
+                            max_shard_size=parse_size(max_shard_size), force=force, warn=ui.warn)
         ui.kv(f"merge {adapter} -> {output}", [("base", rep.base), ("rank", rep.r), ("scaling", rep.scaling),
                                                ("merged tensors", len(rep.merged)), ("dtype", rep.dtype)])
         ui.emit({"event": "summary", "output": str(output), "base": rep.base, "r": rep.r, "scaling": rep.scaling,
@@ -358,19 +356,20 @@ def quantize(
         from memengine.engine.io.codec import quantize_target
 
         d = quantize_target(dtype)
-        parse_size(max_shard_size)
-        from memengine.engine.app.setup import resolve
+        limit = parse_size(max_shard_size)
+        from memengine.engine.io.resolve import resolve_checkpoint
 
-        do_quantize(ui, resolve(ckpt, revision, model_type), output, d, saturate, dry_run, force,
-                    max_shard_size=max_shard_size)
+        do_quantize(ui, resolve_checkpoint(ckpt, revision, model_type), output, d, saturate, dry_run, force,
+                    max_shard_size=limit)
 
 
 def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate: bool, dry_run: bool,
-                force: bool, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> dict:
+                force: bool, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> dict:
     from memengine.engine.app.quantize import quantize_checkpoint
-    from memengine.engine.app.setup import open_checkpoint, resolve
+    from memengine.engine.app.setup import open_checkpoint
+    from memengine.engine.io.resolve import resolve_checkpoint
 
-    ref = resolve(ckpt_path)
+    ref = resolve_checkpoint(ckpt_path)
     src = ref.spec
     if output is None and not dry_run:
         raise MemengineError("--output is required (or use --dry-run)")
@@ -475,12 +474,12 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
 
         ui.step(f"2/6  train on {len(text):,} characters of the bundled text")
         _train(TrainOptions(ckpt=base, data=[str(sample)], output=trained, epochs=epochs, lr=lr,
-                            batch_size=batch_size, seq_len=seq_len, device=device, force=True).validate(), ui)
+                            batch_size=batch_size, seq_len=seq_len, device=device, force=True), ui)
 
         ui.step("3/6  adapt (WSLA: x_proj only) on a new sentence")
         ui.note(f"  \"{DEMO_SENTENCE.split('. ')[0]}.\"")
         code = _adapt(AdaptOptions(ckpt=trained, data=[str(note)], output=adapted, lr=lr, batch_size=1,
-                                   seq_len=seq_len, device=device, force=True).validate(), ui)
+                                   seq_len=seq_len, device=device, force=True), ui)
         if code:
             ui.warn("the demo's adaptation rolled back (the trained model is kept); continuing")
 
@@ -507,7 +506,7 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         rows = []
         for label, path in ((trained.name, trained), (adapted.name, adapted))[:2 if code == 0 else 1]:
             res = gen.run(GenerateOptions(ckpt=path, prompt=DEMO_PROMPT, max_new_tokens=80, temperature=0,
-                                          stop=["\n"], device=device).validate(), ui, stream=False)
+                                          stop=["\n"], device=device), ui, stream=False)
             rows.append((label, DEMO_PROMPT + res.text, f"{res.tokens_per_s:,.0f}"))
         ui.table(f"continuations of \"{DEMO_PROMPT}\"", ["model", "text", "tokens/s"], rows,
                  right=[False, False, True])

@@ -139,9 +139,9 @@ class RunView(Listener):
         self._beat()
         self.ui.note(message)
 
-    def on_adapter(self, description: str) -> None:
-        if self.ui.adapter_shown != description:  # once per command (the demo runs several)
-            self.ui.adapter_shown = description
+    def on_device(self, description: str) -> None:
+        if self.ui.device_shown != description:  # once per command (the demo runs several)
+            self.ui.device_shown = description
             self.on_note(f"adapter: {description}")
 
     def on_warning(self, message: str) -> None:
@@ -273,7 +273,7 @@ class UI:
         self.json_mode = json_mode
         self.progress_interval = progress_interval
         self.last_print = time.monotonic()
-        self.adapter_shown: str | None = None
+        self.device_shown: str | None = None
         self.quiet = quiet
         self.verbose = verbose
         self.stdout = stdout if stdout is not None else sys.stdout

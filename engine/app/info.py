@@ -36,6 +36,7 @@ def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
     from memengine.engine.app.setup import open_checkpoint
     from memengine.engine.io.resolve import resolve_checkpoint
 
+    o.check_inputs()
     if lora.is_adapter(o.ckpt):
         d = lora.describe(o.ckpt)
         return InfoReport(data=d, lora=d)
