@@ -96,12 +96,11 @@ def init(
     """Create a new, randomly initialised checkpoint (initialised the way transformers does)."""
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
-        parse_size(max_shard_size)
-        do_init(ui, config, output, seed, force, max_shard_size)
+        do_init(ui, config, output, seed, force, parse_size(max_shard_size))
 
 
 def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
-            max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     from memengine.engine import models
     from memengine.engine.io.checkpoint import save_checkpoint
 
@@ -129,54 +128,33 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
 
 # =========================================================================== info
 def _info(o: InfoOptions, ui: UI) -> None:
-    from memengine.engine import lora, models
+    from memengine.engine import models
     from memengine.engine.app import plan as mplan
-    from memengine.engine.app.setup import open_checkpoint, resolve
+    from memengine.engine.app.info import info_report
 
-    if lora.is_adapter(o.ckpt):
-        d = lora.describe(o.ckpt)
+    rep = info_report(o, ui.warn, verbose=ui.verbose)
+    d = rep.data
+    if rep.lora is not None:
         ui.kv(f"LoRA adapter {o.ckpt}", [(k.replace("_", " "), ", ".join(v) if isinstance(v, list) else v)
-                                         for k, v in d.items()])
+                                         for k, v in rep.lora.items()])
         ui.emit(d)
         return
-    ref = resolve(o.ckpt, o.revision, o.model_type, weights=False)   # an uncached id: headers from the Hub
-    c = open_checkpoint(ref, ui.warn, read_tensors=False)   # the headers: no weight is read
-    cfg = c.config
-    n_params = c.n_params
-    dtypes: dict[str, int] = {}
-    for name in c.shapes:
-        dt = str(c.dtypes.get(name, "F32")) if getattr(c, "dtypes", None) else "F32"
-        dtypes[dt] = dtypes.get(dt, 0) + 1
-    weight_files = c.extra.get("weight_files", [])
-    files = weight_files if ref.path.is_file() else sorted(p for p in ref.path.iterdir() if p.is_file())
-    nbytes = int(sum(p.stat().st_size for p in files))
-    if ref.headers:   # the weights stayed on the Hub: their tensor data, by the headers
-        nbytes += sum(h.file_size for h in ref.headers)
-    plan = None
-    try:
-        from memengine.engine.runtime import get_runtime
-
-        rt = get_runtime(o.device or None, verbose=ui.verbose)
-        adapter, caps = rt.describe(), rt.capabilities()
-        plan = mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt))
-    except MemengineError as e:
-        adapter, caps = f"none ({e})", None
-    tok = getattr(c, "tokenizer_path", None)
+    cfg, caps, plan = rep.config, d["gpu"], d["plan"]
     ui.kv(f"checkpoint {o.ckpt}", [
         ("model type", cfg.model_type),
-        ("weights", weight_files[0].name if len(weight_files) == 1 else
-         f"{len(weight_files)} shards ({c.extra['model_file'].name})"),
-        *([("local path", str(ref.path))] if ref.repo_id else []),
+        ("weights", rep.weight_files[0] if len(rep.weight_files) == 1 else
+         f"{len(rep.weight_files)} shards ({rep.model_file})"),
+        *([("local path", rep.local_path)] if rep.local_path is not None else []),
         *models.of(cfg).describe(cfg),
-        ("tensors", len(c.shapes)),
-        ("parameters", f"{n_params:,}"),
-        ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(dtypes.items()))),
-        ("size on disk", f"{nbytes:,} bytes" if not ref.headers else
-         f"{nbytes:,} bytes (the weights' tensor data on the Hub; not downloaded)"),
-        ("tokenizer", str(tok) if tok else "byte-level (built-in)"),
-        ("optimizer state", "yes" if c.extra.get("optimizer_path") else
-         "not looked for (not downloaded)" if ref.headers else "no"),
-        ("adapter", adapter),
+        ("tensors", len(d["tensors"])),
+        ("parameters", f"{d['parameters']:,}"),
+        ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(d["dtypes"].items()))),
+        ("size on disk", f"{d['bytes']:,} bytes" if not rep.remote else
+         f"{d['bytes']:,} bytes (the weights' tensor data on the Hub; not downloaded)"),
+        ("tokenizer", d["tokenizer"] or "byte-level (built-in)"),
+        ("optimizer state", "yes" if rep.optimizer_state else
+         "not looked for (not downloaded)" if rep.remote else "no"),
+        ("adapter", d["adapter"]),
         ("GPU features", "n/a" if caps is None else
          f"{', '.join(caps['features']) or 'none'}; largest binding "
          f"{caps['max_storage_binding_bytes'] / 2**20:,.0f} MiB"),
@@ -191,23 +169,7 @@ def _info(o: InfoOptions, ui: UI) -> None:
         for kind in mplan.KINDS:
             if not plan[kind]["ok"]:
                 ui.note(f"{kind}: {plan[kind]['problem']}; {plan[kind]['advice']}")
-    ui.emit({
-        "path": str(o.ckpt),
-        "local_path": str(ref.path),
-        "model_type": cfg.model_type,
-        "weight_files": [p.name for p in weight_files],
-        "config": cfg.to_hf_dict(),
-        "parameters": n_params,
-        "tensors": {n: {"shape": list(shape), "dtype": str(c.dtypes.get(n, "F32")) if c.dtypes else "F32"}
-                    for n, shape in c.shapes.items()},
-        "dtypes": dtypes,
-        "bytes": nbytes,
-        "weights_downloaded": not ref.headers,
-        "tokenizer": str(tok) if tok else None,
-        "adapter": adapter,
-        "gpu": caps,
-        "plan": plan,
-    })
+    ui.emit(d)
 
 
 run_command(app, InfoOptions, _info, name="info", help="""Show a checkpoint's config, parameter count, dtypes and size, the GPU adapter, and the memory plan (or a LoRA adapter's rank, alpha, targets and base).
@@ -347,9 +309,8 @@ def merge(
     with guard(ui):
         from memengine.engine.lora import merge as merge_adapter
 
-        parse_size(max_shard_size)
         rep = merge_adapter(adapter, output, base=base, revision=revision, model_type=model_type,
-                            max_shard_size=max_shard_size, force=force, warn=ui.warn)
+                            max_shard_size=parse_size(max_shard_size), force=force, warn=ui.warn)
         ui.kv(f"merge {adapter} -> {output}", [("base", rep.base), ("rank", rep.r), ("scaling", rep.scaling),
                                                ("merged tensors", len(rep.merged)), ("dtype", rep.dtype)])
         ui.emit({"event": "summary", "output": str(output), "base": rep.base, "r": rep.r, "scaling": rep.scaling,
@@ -384,19 +345,20 @@ def quantize(
         from memengine.engine.io.codec import quantize_target
 
         d = quantize_target(dtype)
-        parse_size(max_shard_size)
-        from memengine.engine.app.setup import resolve
+        limit = parse_size(max_shard_size)
+        from memengine.engine.io.resolve import resolve_checkpoint
 
-        do_quantize(ui, resolve(ckpt, revision, model_type), output, d, saturate, dry_run, force,
-                    max_shard_size=max_shard_size)
+        do_quantize(ui, resolve_checkpoint(ckpt, revision, model_type), output, d, saturate, dry_run, force,
+                    max_shard_size=limit)
 
 
 def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate: bool, dry_run: bool,
-                force: bool, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> dict:
+                force: bool, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> dict:
     from memengine.engine.app.quantize import quantize_checkpoint
-    from memengine.engine.app.setup import open_checkpoint, resolve
+    from memengine.engine.app.setup import open_checkpoint
+    from memengine.engine.io.resolve import resolve_checkpoint
 
-    ref = resolve(ckpt_path)
+    ref = resolve_checkpoint(ckpt_path)
     src = ref.spec
     if output is None and not dry_run:
         raise MemengineError("--output is required (or use --dry-run)")
@@ -501,12 +463,12 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
 
         ui.step(f"2/6  train on {len(text):,} characters of the bundled text")
         _train(TrainOptions(ckpt=base, data=[str(sample)], output=trained, epochs=epochs, lr=lr,
-                            batch_size=batch_size, seq_len=seq_len, device=device, force=True).validate(), ui)
+                            batch_size=batch_size, seq_len=seq_len, device=device, force=True), ui)
 
         ui.step("3/6  adapt (WSLA: x_proj only) on a new sentence")
         ui.note(f"  \"{DEMO_SENTENCE.split('. ')[0]}.\"")
         code = _adapt(AdaptOptions(ckpt=trained, data=[str(note)], output=adapted, lr=lr, batch_size=1,
-                                   seq_len=seq_len, device=device, force=True).validate(), ui)
+                                   seq_len=seq_len, device=device, force=True), ui)
         if code:
             ui.warn("the demo's adaptation rolled back (the trained model is kept); continuing")
 
@@ -533,7 +495,7 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         rows = []
         for label, path in ((trained.name, trained), (adapted.name, adapted))[:2 if code == 0 else 1]:
             res = gen.run(GenerateOptions(ckpt=path, prompt=DEMO_PROMPT, max_new_tokens=80, temperature=0,
-                                          stop=["\n"], device=device).validate(), ui, stream=False)
+                                          stop=["\n"], device=device), ui, stream=False)
             rows.append((label, DEMO_PROMPT + res.text, f"{res.tokens_per_s:,.0f}"))
         ui.table(f"continuations of \"{DEMO_PROMPT}\"", ["model", "text", "tokens/s"], rows,
                  right=[False, False, True])

@@ -5,7 +5,7 @@ its flags, help texts, defaults and panels come from the dataclass fields, plus 
 flags every command shares (--json, --quiet, --verbose, and --config unless the class says
 otherwise).  The flags given
 explicitly (command line or environment) are told apart from defaults so that a --config
-file and a resumed run can fill in the rest (`options.resolve`).  Validation is the
+file and a resumed run can fill in the rest (`options.resolve_options`).  Validation is the
 dataclass's; Typer only parses.
 """
 
@@ -85,7 +85,7 @@ def run_command(app: typer.Typer, cls, body: Callable, *, name: str, help: str, 
         code = None
         with guard(ui):
             explicit = {n: kw[n] for n in names if _given(ctx, n)}
-            opts = eo.resolve(cls, explicit, kw.get("config"))
+            opts = eo.resolve_options(cls, explicit, kw.get("config"))
             code = body(opts, ui)
         if code:
             raise typer.Exit(code)

@@ -139,9 +139,9 @@ class RunView(Listener):
         self._beat()
         self.ui.note(message)
 
-    def on_adapter(self, description: str) -> None:
-        if self.ui.adapter_shown != description:  # once per command (the demo runs several)
-            self.ui.adapter_shown = description
+    def on_device(self, description: str) -> None:
+        if self.ui.device_shown != description:  # once per command (the demo runs several)
+            self.ui.device_shown = description
             self.on_note(f"adapter: {description}")
 
     def on_warning(self, message: str) -> None:
@@ -273,7 +273,7 @@ class UI:
         self.json_mode = json_mode
         self.progress_interval = progress_interval
         self.last_print = time.monotonic()
-        self.adapter_shown: str | None = None
+        self.device_shown: str | None = None
         self.quiet = quiet
         self.verbose = verbose
         self.stdout = stdout if stdout is not None else sys.stdout
@@ -313,10 +313,6 @@ class UI:
             self.console.print()
             self.console.print(Text(msg, style="bold cyan" if self.tty else ""))
 
-    def debug(self, msg: str) -> None:
-        if self.verbose and not self.quiet:
-            self.console.print(Text(msg, style="dim" if self.tty else ""))
-
     def warn(self, msg: str) -> None:
         if not self.quiet:
             self.console.print(Text("warning: " + msg, style="yellow" if self.tty else ""))
@@ -354,21 +350,6 @@ class UI:
 
     def run_view(self) -> RunView:
         return RunView(self)
-
-    def status(self, msg: str):
-        """A spinner on a terminal (for slow single steps such as evaluation)."""
-        import contextlib
-
-        if self.quiet:
-            return contextlib.nullcontext()
-        if self.tty:
-            return self.console.status(msg)
-        self.console.print(msg, highlight=False)
-        return contextlib.nullcontext()
-
-    def eval_progress(self, title: str):
-        """A transient progress bar for an evaluation pass; returns a callback holder."""
-        return _EvalProgress(self, title)
 
 
 class _EvalProgress:

@@ -50,8 +50,8 @@ class Listener:
     def on_note(self, message: str) -> None:
         pass
 
-    def on_adapter(self, description: str) -> None:
-        """The GPU adapter a run uses."""
+    def on_device(self, description: str) -> None:
+        """The GPU adapter (wgpu adapter) a run uses."""
 
     def on_warning(self, message: str) -> None:
         pass

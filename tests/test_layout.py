@@ -4,14 +4,20 @@ count too: they hide a circle rather than remove it):
 - the engine imports neither rich nor typer;
 - engine modules import each other without circles;
 - only engine/backend/ imports wgpu (or wgpudawn);
-- an architecture folder under engine/models/ imports no other architecture.
+- an architecture folder under engine/models/ imports no other architecture;
+- options are frozen once resolved (a write into one raises);
+- options are validated once, as they are made: nothing in engine/ or cli/ calls
+  `.validate()` on them again.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "engine"
@@ -146,3 +152,57 @@ def test_only_an_architecture_folder_imports_its_modules():
     # the memory plan reads the model's own tables, not the kernels of one architecture
     assert not {d for d in graph["app.plan"] if d in ("kernels.scan", "kernels.conv1d")}, graph["app.plan"]
     assert "models" in graph["app.plan"] and "models.lm" in graph["app.plan"]
+
+
+def _option_classes():
+    from memengine.engine.app import options as eo
+
+    return [eo.InfoOptions, eo.EvalOptions, eo.TrainOptions, eo.AdaptOptions, eo.SamplingOptions,
+            eo.GenerateOptions]
+
+
+@pytest.mark.parametrize("cls", _option_classes(), ids=lambda c: c.__name__)
+def test_options_are_frozen_once_resolved(cls):
+    from memengine.engine.app.options import resolve_options
+
+    name = "seq_len" if "seq_len" in {f.name for f in cls.option_fields()} else "top_k"
+    made = cls()
+    resolved = resolve_options(cls, {name: 8})
+    for o in (made, resolved):
+        for f in cls.option_fields():
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(o, f.name, getattr(o, f.name))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            o.config_file = Path("x")
+    # a changed copy is made, and checked, as any options are
+    assert getattr(dataclasses.replace(resolved, **{name: 3}), name) == 3
+
+
+def _names_options(node) -> bool:
+    """An expression that holds options: o, opts, options, self.o, <X>Options(...)."""
+    if isinstance(node, ast.Name):
+        return node.id in ("o", "opts", "options")
+    if isinstance(node, ast.Attribute):
+        return node.attr in ("o", "opts", "options")
+    if isinstance(node, ast.Call):
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+        return name.endswith("Options")
+    return False
+
+
+def _validate_calls(path: Path) -> list:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("validate", "_check_values") and _names_options(n.func.value)]
+
+
+def test_options_are_validated_once():
+    """Options check themselves as they are made (`__post_init__`); no caller checks them
+    again (a run checks only that its inputs are given: `check_inputs`)."""
+    options = ENGINE / "app" / "options.py"
+    for p in sorted(ENGINE.rglob("*.py")) + sorted((ROOT / "cli").rglob("*.py")):
+        if p != options:
+            assert not _validate_calls(p), f"{p.relative_to(ROOT)}:{_validate_calls(p)} validates options again"
+    src = options.read_text(encoding="utf-8")
+    assert "def __post_init__" in src and "self._check_values()" in src

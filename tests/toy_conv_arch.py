@@ -176,8 +176,8 @@ class ToyConv(Architecture):
             return 4 * conv1d.partial_rows(B, L) * D * (K + 1) + 4 * D * K + 8 * D
         return 4 * D if kind != "eval" else 0
 
-    def plan_units(self, cfg, B, L, grad):
-        return [(f"one sequence of the conv at --seq-len {L}", 4 * L * 2 * cfg.inner_size, True, "tensor")]
+    def plan_units(self, cfg, B, L, grad, sequence="at --seq-len {}"):
+        return [(f"one sequence of the conv {sequence.format(L)}", 4 * L * 2 * cfg.inner_size, True, "tensor")]
 
 
 def numpy_logits(cfg: ToyConfig, w: dict, ids: np.ndarray) -> np.ndarray:

@@ -22,7 +22,6 @@ with each id); it never prints.
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,8 +143,7 @@ class Decoder:
         try:
             m.record_forward(rec, ws, after_layer=handover)
         except BindingError as e:  # one sequence must fit a binding (conv1d, scan); their advice is train's
-            why = str(e).replace("; a smaller --seq-len helps", "")
-            raise MemengineError(f"the prompt ({L} tokens) is too long for this adapter: {why}") from None
+            raise MemengineError(f"the prompt ({L} tokens) is too long for this adapter: {e.plain}") from None
         matvec(rec, self.logits, m.head(), ws.hf.view((E,), (L - 1) * E), rows=V, K=E)
         if sampling is not None:
             sample(rec, self.io, self.logits, V=V, **sampling)
@@ -298,18 +296,19 @@ def prompt_ids(tokenizer, text: str, vocab_size: int) -> np.ndarray:
 def check_prompt_fits(rt, cfg, n_tokens: int) -> None:
     """The memory plan of the prompt's pass (an evaluation of one sequence, engine/plan.py),
     before anything is uploaded: one MemengineError line when it cannot work, saying how
-    long a prompt can be (the plan's own advice names eval's flags)."""
+    long a prompt can be (the plan names the sequence by its tokens; its advice, which
+    names eval's flags, is not used)."""
     from memengine.engine.app.plan import Limits, estimate
 
     lim = Limits.of(rt)
 
-    def plan(n):
-        return estimate(cfg, 1, n, "eval", lim, eval_passes=())
+    def plan(n):  # a sequence named by its tokens (the plan's default names eval's --seq-len)
+        return estimate(cfg, 1, n, "eval", lim, eval_passes=(), sequence="of {} tokens")
 
     p = plan(n_tokens)
     if p.ok:
         return
-    what = re.sub(r"at --seq-len (\d+)", r"of \1 tokens", p.problems[0][0])  # the plan speaks of eval's flags
+    what = p.problems[0][0]
     if any(not grows for _, grows in p.problems):
         raise MemengineError(f"{what}; no prompt length can help on this adapter")
     lo, hi = 0, n_tokens - 1                     # the longest prompt that fits
@@ -330,7 +329,6 @@ def generate(model, prompt_ids, opts: SamplingOptions, *, decode, eos_id=None,
     every new id, after its text went to `on_text`: a KeyboardInterrupt raised there (or
     while the GPU works) ends the text there, "interrupted", with the tokens so far.  A
     `decoder` made for this model may be passed to reuse its buffers."""
-    opts.validate()
     ids = np.asarray(prompt_ids).reshape(-1)
     own = decoder is None
     dec = decoder if decoder is not None else Decoder(model)

@@ -3,7 +3,13 @@ that says an option's default, help text, whether a --config file may set it, an
 values it accepts.  The command line builds its flags from these fields (cli/params.py),
 so nothing here is repeated there.
 
-Precedence when a command resolves its options (`resolve`): a flag given on the command
+An options object is checked once, when it is made (`__post_init__`: each field's check,
+then the checks between fields), and is frozen from then on: nothing writes into it (a
+changed copy is `dataclasses.replace`).  What a run needs given (CKPT, --data, --output,
+--prompt) is checked when the run starts (`check_inputs`), so that a library user may
+build partial options for the parts (the trainer, `generate`).
+
+Precedence when a command resolves its options (`resolve_options`): a flag given on the command
 line (or its environment variable) > the --config file > the resumed run's options
 (--resume) > the default here.
 """
@@ -11,6 +17,7 @@ line (or its environment variable) > the --config file > the resumed run's optio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -116,14 +123,19 @@ def _finite(v) -> bool:
 
 
 # ----------------------------------------------------------------------- base
-@dataclass
+@dataclass(frozen=True)
 class Options:
     """Shared behaviour: validation, conversion of --config values, a JSON record."""
 
     KIND: ClassVar[str] = ""
     CONFIG_FILE: ClassVar[bool] = True  # the command takes --config
-    config_file: ClassVar[Optional[Path]] = None  # the --config file read (set by `resolve`), an input
     NOT_OPTIONS: ClassVar[tuple] = ()  # inherited fields this kind does not take (no flag, no --config key)
+
+    # the --config file the options were read from (`resolve_options`), an input of the run; not an option
+    config_file: Optional[Path] = field(default=None, kw_only=True, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_values()
 
     @classmethod
     def option_fields(cls) -> list:
@@ -141,8 +153,9 @@ class Options:
     def bad(self, name: str, why: str) -> MemengineError:
         return MemengineError(f"{given(type(self), name, getattr(self, name))}: {why}")
 
-    def validate(self) -> "Options":
-        """Every field's own check, then the checks between fields; one line naming the flag."""
+    def _check_values(self) -> None:
+        """Every field's own check, then the checks between fields; one line naming the flag
+        (at construction: the only place options are validated)."""
         for f in self.option_fields():
             v = getattr(self, f.name)
             if not _finite(v):
@@ -151,10 +164,18 @@ class Options:
             if check is not None and v is not None and not check[0](v):
                 raise self.bad(f.name, check[1])
         self.check_together()
-        return self
 
     def check_together(self) -> None:
-        pass
+        """Checks between fields (their values)."""
+
+    def check_inputs(self) -> None:
+        """What a run of this kind needs given (CKPT, --data, ...): checked when the run starts."""
+
+    def validate(self) -> "Options":
+        """For a library user about to hand the options to a run: the values were checked when
+        they were made; this checks that what the run needs is given.  Returns self."""
+        self.check_inputs()
+        return self
 
     def to_dict(self, public: bool = False) -> dict:
         """The options as JSON values; `public`: local paths as outputs may hold them (as
@@ -172,6 +193,9 @@ class Options:
 
 
 # ----------------------------------------------------------------------- shared fields
+MISSING_CKPT = "missing argument CKPT (a checkpoint directory or .safetensors file)"
+MISSING_DATA = "--data is required (a file, several files, or - for stdin)"
+
 CKPT_HELP = ("Checkpoint: a directory (config.json + model.safetensors or transformers' shards), a .safetensors "
              "file, a model.safetensors.index.json, or a Hugging Face model id (from the local cache, else "
              "downloaded; HF_HUB_OFFLINE=1 forbids downloads); or a PEFT LoRA adapter directory "
@@ -239,7 +263,7 @@ def _tokenizer() -> Any:
 
 
 # ----------------------------------------------------------------------- info
-@dataclass
+@dataclass(frozen=True)
 class InfoOptions(Options):
     """`memengine info`: what a checkpoint holds, the adapter, and the memory plan of eval,
     train and adapt at --batch-size x --seq-len (engine/plan.py)."""
@@ -254,13 +278,13 @@ class InfoOptions(Options):
     model_type: Optional[str] = _model_type()
     device: Optional[str] = _device()
 
-    def check_together(self) -> None:
+    def check_inputs(self) -> None:
         if self.ckpt is None:
-            raise MemengineError("missing argument CKPT (a checkpoint directory or .safetensors file)")
+            raise MemengineError(MISSING_CKPT)
 
 
 # ----------------------------------------------------------------------- eval
-@dataclass
+@dataclass(frozen=True)
 class EvalOptions(Options):
     KIND: ClassVar[str] = "eval"
 
@@ -277,15 +301,15 @@ class EvalOptions(Options):
     device: Optional[str] = _device()
     tokenizer: Optional[str] = _tokenizer()
 
-    def check_together(self) -> None:
+    def check_inputs(self) -> None:
         if self.ckpt is None:
-            raise MemengineError("missing argument CKPT (a checkpoint directory or .safetensors file)")
+            raise MemengineError(MISSING_CKPT)
         if not self.data:
-            raise MemengineError("--data is required (a file, several files, or - for stdin)")
+            raise MemengineError(MISSING_DATA)
 
 
 # ----------------------------------------------------------------------- train
-@dataclass
+@dataclass(frozen=True)
 class TrainOptions(Options):
     """Full fine-tuning (`memengine train`)."""
 
@@ -403,17 +427,24 @@ class TrainOptions(Options):
             return self.epochs
         return None if self.max_steps is not None else self.DEFAULT_EPOCHS
 
-    def check_together(self) -> None:
-        parse_size(self.max_shard_size)
+    def check_inputs(self) -> None:
         if self.ckpt is None and self.resume is None:
-            raise MemengineError("missing argument CKPT (a checkpoint directory or .safetensors file)")
-        if self.ckpt is not None and self.resume is not None:
-            raise MemengineError(f"CKPT {self.ckpt} and --resume {self.resume}: --resume continues from its "
-                                 "own checkpoint; leave out CKPT")
+            raise MemengineError(MISSING_CKPT)
         if self.output is None and self.resume is None:
             raise MemengineError("--output is required (the directory to write the model to)")
         if not self.data:
-            raise MemengineError("--data is required (a file, several files, or - for stdin)")
+            raise MemengineError(MISSING_DATA)
+
+    @functools.cached_property
+    def max_shard_bytes(self) -> int:
+        """--max-shard-size in bytes: parsed once, by the check below (cached; not a field)."""
+        return parse_size(self.max_shard_size)
+
+    def check_together(self) -> None:
+        _ = self.max_shard_bytes  # a bad --max-shard-size fails here (the bytes are kept)
+        if self.ckpt is not None and self.resume is not None:
+            raise MemengineError(f"CKPT {self.ckpt} and --resume {self.resume}: --resume continues from its "
+                                 "own checkpoint; leave out CKPT")
         if self.val_data and self.val_fraction > 0:
             raise self.bad("val_fraction", "give --val-data or --val-fraction, not both")
         if self.min_lr and self.lr_schedule == "constant":
@@ -434,7 +465,7 @@ class TrainOptions(Options):
                     raise self.bad(name, "needs --lora-rank (or --lora-from)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AdaptOptions(TrainOptions):
     """WSLA (`memengine adapt`): each layer's x_proj only, trust region, rollback."""
 
@@ -454,7 +485,7 @@ class AdaptOptions(TrainOptions):
 
 
 # ----------------------------------------------------------------------- generate
-@dataclass
+@dataclass(frozen=True)
 class SamplingOptions(Options):
     """How a prompt is continued: the library's `generate` (engine/generate.py) takes these;
     `memengine generate` adds its inputs (GenerateOptions)."""
@@ -480,7 +511,7 @@ class SamplingOptions(Options):
         return self.temperature == 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateOptions(SamplingOptions):
     """`memengine generate`: a checkpoint, a prompt, and how to continue it."""
 
@@ -497,9 +528,9 @@ class GenerateOptions(SamplingOptions):
     base: Optional[str] = _base()
     tokenizer: Optional[str] = _tokenizer()
 
-    def check_together(self) -> None:
+    def check_inputs(self) -> None:
         if self.ckpt is None:
-            raise MemengineError("missing argument CKPT (a checkpoint directory or .safetensors file)")
+            raise MemengineError(MISSING_CKPT)
         if self.prompt is None:
             raise MemengineError("--prompt is required (the text to continue, or - for stdin)")
 
@@ -581,8 +612,9 @@ def restored_values(cls, recorded: dict) -> dict:
     return out
 
 
-def resolve(cls, explicit: dict, config_file: Optional[Path] = None):
-    """Options from flags given explicitly, a --config file, a resumed run, and defaults."""
+def resolve_options(cls, explicit: dict, config_file: Optional[Path] = None):
+    """Options from flags given explicitly, a --config file, a resumed run, and defaults;
+    checked (once: as they are made) and frozen."""
     config = config_values(cls, load_option_file(config_file), f"--config {config_file}") if config_file else {}
     values = {**config, **explicit}
     resumed = {}
@@ -590,7 +622,4 @@ def resolve(cls, explicit: dict, config_file: Optional[Path] = None):
         from memengine.engine.train.snapshots import recorded_options
 
         resumed = restored_values(cls, recorded_options(Path(values["resume"]), cls.KIND))
-    opts = cls(**{**resumed, **values}).validate()
-    if config_file is not None:
-        opts.config_file = Path(config_file)
-    return opts
+    return cls(**{**resumed, **values}, config_file=None if config_file is None else Path(config_file))

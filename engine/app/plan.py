@@ -98,7 +98,10 @@ def _numel(shape) -> int:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
+    """The memory plan of one run (what it allocates, the units that must fit one binding,
+    the problems); not the listener's `Plan` of a training run's steps."""
+
     kind: str
     batch_size: int
     seq_len: int
@@ -171,8 +174,13 @@ def default_eval_passes(kind: str) -> tuple:
     return () if kind == "train" else (1,)
 
 
+# how a plan's problems name a sequence's length: the flag of eval, train and adapt
+SEQUENCE = "at --seq-len {}"
+
+
 def estimate(cfg, batch_size: int, seq_len: int, kind: str, lim: Limits,
-             eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> Plan:
+             eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None,
+             sequence: str = SEQUENCE) -> MemoryPlan:
     """The plan of one run (see the module docstring); problems are filled in.
 
     `eval_passes`: the number of batches of each distinct evaluation the run makes (eval:
@@ -180,23 +188,25 @@ def estimate(cfg, batch_size: int, seq_len: int, kind: str, lim: Limits,
     the per-window sums (12 bytes a window); None: `default_eval_passes`.  `trace_steps`:
     the steps a trainer's loss/norm trace holds (engine/loop.reads_apart).  `adapter`:
     (tensor sizes, widths of its per-row buffers) of a LoRA adapter applied (lora.plan_sizes);
-    kind "lora" trains it: no gradient store for the base, moments for the adapter only."""
+    kind "lora" trains it: no gradient store for the base, moments for the adapter only.
+    `sequence`: how the problems name one sequence's length ("{}": the length), by default
+    the flag that sets it."""
     if kind not in KINDS + ("lora",):
         raise ValueError(f"kind must be one of {KINDS + ('lora',)}")
     B, L = int(batch_size), int(seq_len)
     passes = default_eval_passes(kind) if eval_passes is None else tuple(int(n) for n in eval_passes)
-    plan = Plan(kind, B, L, eval_passes=passes, trace_steps=int(trace_steps))
+    plan = MemoryPlan(kind, B, L, eval_passes=passes, trace_steps=int(trace_steps))
     a_sizes, a_rows = adapter or ((), ())
     shapes = models.of(cfg).shapes(cfg)
     _weights(plan, cfg, shapes, lim, a_sizes)
     _activations(plan, cfg, lim, a_rows)
     plan.parts["scratch"] = _scratch(plan, cfg, shapes, lim, a_sizes)
-    _units(plan, cfg)
+    _units(plan, cfg, sequence)
     _check(plan, lim)
     return plan
 
 
-def _weights(plan: Plan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -> None:
+def _weights(plan: MemoryPlan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -> None:
     """The parameter (and gradient) stores and the moments."""
     for name, shape in shapes.items():
         plan.buffers.append((f"tensor {name}", 4 * _numel(shape), False))
@@ -220,7 +230,7 @@ def _weights(plan: Plan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -> None
         plan.parts["moments"] = sum(2 * _buf(4 * _numel(shapes[n])) for n in trained)
 
 
-def _activations(plan: Plan, cfg, lim: Limits, a_rows: tuple) -> None:
+def _activations(plan: MemoryPlan, cfg, lim: Limits, a_rows: tuple) -> None:
     """The workspace (adapt also evaluates before training: a light workspace as well)."""
     B, L, kind = plan.batch_size, plan.seq_len, plan.kind
     acts = logits = 0
@@ -237,7 +247,7 @@ def _activations(plan: Plan, cfg, lim: Limits, a_rows: tuple) -> None:
     plan.parts["logits chunk"] = logits
 
 
-def _scratch(plan: Plan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -> int:
+def _scratch(plan: MemoryPlan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -> int:
     """The kernels' scratch: the layers' own (the architecture's table), then the shell's."""
     B, L, kind = plan.batch_size, plan.seq_len, plan.kind
     M, E, V = B * L, cfg.hidden_size, cfg.vocab_size
@@ -265,19 +275,19 @@ def _scratch(plan: Plan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -> int:
     return scratch
 
 
-def _units(plan: Plan, cfg) -> None:
+def _units(plan: MemoryPlan, cfg, sequence: str) -> None:
     """The units of work that must each fit one binding: the shell's and the layers'."""
     B, L = plan.batch_size, plan.seq_len
     E, V = cfg.hidden_size, cfg.vocab_size
     grad = plan.kind != "eval"
     plan.units.append((f"one row of the embedding table ({E} values)", 4 * E, False, "tensor"))
     plan.units.append((f"one row of logits ({V} values)", 4 * V, False, "tensor"))
-    plan.units += models.of(cfg).plan_units(cfg, B, L, grad)
+    plan.units += models.of(cfg).plan_units(cfg, B, L, grad, sequence)
     if grad:
         plan.units.append((f"the embedding's scatter plan for batch {B} x {L}", 4 * (2 + 3 * B * L), True, "tensor"))
 
 
-def _check(plan: Plan, lim: Limits) -> None:
+def _check(plan: MemoryPlan, lim: Limits) -> None:
     slack = lim.storage_align - 4
     shape = f"batch {plan.batch_size} x {plan.seq_len}"
     for what, nbytes, grows, limit_kind in plan.units:
@@ -301,7 +311,7 @@ def _check(plan: Plan, lim: Limits) -> None:
                                   True))
 
 
-def advice(cfg, plan: Plan, lim: Limits) -> str:
+def advice(cfg, plan: MemoryPlan, lim: Limits) -> str:
     """The flag that would make `plan` pass, or a sentence saying that none can."""
     B, L = plan.batch_size, plan.seq_len
     none = "no --batch-size or --seq-len can help on this adapter"
@@ -322,7 +332,7 @@ def advice(cfg, plan: Plan, lim: Limits) -> str:
 
 
 def check_run(rt, cfg, batch_size: int, seq_len: int, kind: str,
-              eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> Plan:
+              eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> MemoryPlan:
     """Plan a run on `rt`'s adapter before anything is uploaded; MemengineError (exit 2) with
     one line naming the figure and the flag that would help when it cannot work."""
     lim = Limits.of(rt)

@@ -18,13 +18,14 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def segment(adapter: str, resumed_from: str | None, first_step: int) -> dict:
-    """One invocation of a run (appended to the trainer state's segments when it starts)."""
-    return {"started": now(), "finished": None, "memengine_version": version(), "adapter": adapter,
+def segment(device: str, resumed_from: str | None, first_step: int) -> dict:
+    """One invocation of a run (appended to the trainer state's segments when it starts);
+    `device`: the GPU adapter it runs on (the record's "adapter")."""
+    return {"started": now(), "finished": None, "memengine_version": version(), "adapter": device,
             "resumed_from": resumed_from, "first_step": first_step, "last_step": None}
 
 
-def run_record(kind: str, options: dict, *, input_path: str | None, adapter: str, segments: list,
+def run_record(kind: str, options: dict, *, input_path: str | None, device: str, segments: list,
                history: list, result: dict, extra: dict | None = None) -> dict:
     return {
         "memengine_version": version(),
@@ -32,7 +33,7 @@ def run_record(kind: str, options: dict, *, input_path: str | None, adapter: str
         "input": input_path,
         "data": options.get("data"),
         "options": options,
-        "adapter": adapter,
+        "adapter": device,   # the GPU adapter
         "created": now(),
         "result": result,
         **(extra or {}),

@@ -21,11 +21,11 @@ from typing import Optional
 from memengine.engine import interrupts, lora
 from memengine.engine.app import records
 from memengine.engine.app.options import AdaptOptions, EvalOptions, GenerateOptions, TrainOptions
-from memengine.engine.app.setup import open_model, open_runtime, open_tokenizer, resolve, tokenizer_file
+from memengine.engine.app.setup import open_model, open_runtime, open_tokenizer, tokenizer_file
 from memengine.engine.errors import Interrupted, MemengineError, NonFiniteError
 from memengine.engine.io import staging
 from memengine.engine.io.data import make_batches, make_windows, read_sources, token_stream
-from memengine.engine.io.resolve import public_path
+from memengine.engine.io.resolve import public_path, resolve_checkpoint
 from memengine.engine.listener import Listener
 from memengine.engine.train import adapt as wsla
 from memengine.engine.train import optim_state, snapshots
@@ -41,7 +41,7 @@ STATE_VERSION = 1
 class EvalReport:
     checkpoint: str
     result: EvalResult
-    adapter: str
+    device: str                     # the GPU adapter it ran on
     compare: Optional[str] = None
     other: Optional[EvalResult] = None
     elapsed_s: float = 0.0
@@ -62,7 +62,7 @@ def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, 
     stream = token_stream(docs, source, tok, c.config.vocab_size)
     batches = make_batches(make_windows(stream.ids, o.seq_len), o.batch_size, o.seq_len)
     rt = open_runtime(o.device, verbose)
-    listener.on_adapter(rt.describe())
+    listener.on_device(rt.describe())
     ad = opened.adapter
     model = open_model(rt, c, "eval", o.batch_size, o.seq_len, eval_passes=(len(batches),),
                        adapter=None if ad is None else lora.plan_sizes(c.config, ad.spec, ad.tensors, train=False),
@@ -80,16 +80,16 @@ def run_eval(o: EvalOptions, listener: Listener | None = None, *, verbose: bool 
     """Loss, perplexity, bits per token and top-1/top-5 accuracy of a checkpoint on some
     text; with `compare`, of a second checkpoint on the same text too."""
     listener = listener or Listener()
-    o.validate()
+    o.check_inputs()
     t0 = time.perf_counter()
     # before reading the data (stdin is read once); an adapter's base is found when it is opened
-    a = o.ckpt if lora.is_adapter(o.ckpt) else resolve(o.ckpt, o.revision, o.model_type)
+    a = o.ckpt if lora.is_adapter(o.ckpt) else resolve_checkpoint(o.ckpt, o.revision, o.model_type)
     b = None
     if o.compare is not None:
-        b = o.compare if lora.is_adapter(o.compare) else resolve(o.compare, None, o.model_type)
+        b = o.compare if lora.is_adapter(o.compare) else resolve_checkpoint(o.compare, None, o.model_type)
     docs, source = read_sources(o.data)
-    res, adapter = _evaluate_checkpoint(a, docs, source, o, listener, verbose, str(o.ckpt), o.base)
-    rep = EvalReport(str(o.ckpt), res, adapter)
+    res, device = _evaluate_checkpoint(a, docs, source, o, listener, verbose, str(o.ckpt), o.base)
+    rep = EvalReport(str(o.ckpt), res, device)
     if b is not None:
         other, _ = _evaluate_checkpoint(b, docs, source, o, listener, verbose, str(o.compare))
         if other.tokens != res.tokens:
@@ -116,15 +116,15 @@ def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbos
     from memengine.engine.models.lm import LanguageModel
 
     listener = listener or Listener()
-    o.validate()
-    ref = o.ckpt if lora.is_adapter(o.ckpt) else resolve(o.ckpt, o.revision, o.model_type)
+    o.check_inputs()
+    ref = o.ckpt if lora.is_adapter(o.ckpt) else resolve_checkpoint(o.ckpt, o.revision, o.model_type)
     text = read_prompt(o.prompt)
     opened = lora.open_source(ref, base=o.base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning)
     c, ad = opened.ckpt, opened.adapter
     tok = open_tokenizer(c, lora.adapter_tokenizer(ad, o.tokenizer))
     ids = prompt_ids(tok, text, c.config.vocab_size)
     rt = open_runtime(o.device, verbose)
-    listener.on_adapter(rt.describe())
+    listener.on_device(rt.describe())
     check_prompt_fits(rt, c.config, ids.size)
     # an adapter is applied on the GPU, not merged (prompt pass and every decoding step)
     model = LanguageModel.from_checkpoint(rt, c, lora=None if ad is None else lora.LoraAdapter(rt, c.config, ad.spec,
@@ -147,7 +147,7 @@ class RunResult:
     kind: str
     output: Optional[Path]          # None when nothing was written (adapt rolled back)
     state: LoopState
-    adapter: str
+    device: str                     # the GPU adapter it ran on
     elapsed_s: float
     adapt: Optional[wsla.AdaptResult] = None
     best: Optional[dict] = None
@@ -171,7 +171,7 @@ class RunResult:
             "steps": self.state.step,
             "tokens": int(sum(e["tokens"] for e in ep)),
             "elapsed_s": self.elapsed_s,
-            "adapter": self.adapter,
+            "adapter": self.device,
         })
         if last_eval is not None:
             out["val_loss"] = last_eval["val_loss"]
@@ -186,8 +186,20 @@ class _Run:
     """The set-up and the outputs of one train/adapt invocation."""
 
     def __init__(self, o: TrainOptions, listener: Listener, verbose: bool):
-        self.o = o.validate()
-        self.listener = lis = listener
+        o.check_inputs()
+        self.o = o
+        self.listener = listener
+        opened = self._open_source()
+        self._check_output(opened)
+        self._choose_lora(opened)
+        opt_state, opt_file = self._optimizer_state()
+        self._read_data()
+        self._open_model(verbose)
+        self._build_loop(opt_state, opt_file)
+
+    def _open_source(self):
+        """The run's checkpoint: CKPT, or the step directory --resume names."""
+        o = self.o
         self.snap = snapshots.locate(o.resume) if o.resume is not None else None
         snap = self.snap
         if snap is not None and snap.kind != o.KIND:
@@ -195,8 +207,13 @@ class _Run:
                                  f"memengine {snap.kind} --resume")
         self.out = Path(o.output) if o.output is not None else snap.run_dir
         self.in_place = snap is not None and self.out.resolve() == snap.run_dir.resolve()
-        opened = lora.open_source(snap.dir if snap is not None else o.ckpt, revision=None if snap else o.revision,
-                                  model_type=None if snap else o.model_type, base=o.base, warn=lis.on_warning)
+        return lora.open_source(snap.dir if snap is not None else o.ckpt, revision=None if snap else o.revision,
+                                model_type=None if snap else o.model_type, base=o.base,
+                                warn=self.listener.on_warning)
+
+    def _check_output(self, opened) -> None:
+        """OUT may be written (and is none of the inputs); a resumed run is the same run."""
+        o, snap, lis = self.o, self.snap, self.listener
         ref = opened.ref
         inputs = self._inputs(ref.path) + [("the adapter", Path(p)) for p in
                                            (opened.adapter and opened.adapter.path, o.lora_from) if p]
@@ -215,29 +232,40 @@ class _Run:
         if snap is not None:
             self._check_same_run(snap.state.get("options") or {})
 
-        self.ckpt, self.ref = opened.ckpt, ref
+    def _choose_lora(self, opened) -> None:
+        """The adapter the run trains or applies (engine/lora `for_run`), if any."""
+        o = self.o
+        self.ckpt, self.ref = opened.ckpt, opened.ref
         # the base an adapter names: kept when it came as CKPT (or is resumed) and --base is not given
         kept = opened.adapter.spec.base if opened.adapter is not None and o.base is None else None
-        self.lora = lora.for_run(o, opened.adapter, self.ckpt.config, kept or ref.public_name)
-        lr = self.lora
-        # the moments beside what the run starts from: the resumed step, CKPT, or the adapter a
-        # LoRA run continues (none for a fresh adapter, nor for one applied frozen: its moments
-        # are not x_proj's); checked against the shapes before any upload
+        self.run_lora = lora.for_run(o, opened.adapter, self.ckpt.config, kept or opened.ref.public_name)
+
+    def _optimizer_state(self) -> tuple:
+        """(moments, their file) beside what the run starts from: the resumed step, CKPT, or
+        the adapter a LoRA run continues (none for a fresh adapter, nor for one applied
+        frozen: its moments are not x_proj's); checked against the shapes before any upload."""
+        snap, run_lora = self.snap, self.run_lora
         if snap is not None:
             opt_dir = snap.dir
-        elif lr is None:
+        elif run_lora is None:
             opt_dir = self.ckpt.directory
         else:
-            opt_dir = lr.source.path if lr.train and lr.source is not None else None
+            opt_dir = run_lora.source.path if run_lora.train and run_lora.source is not None else None
         from memengine.engine import models
 
-        shapes = ({n: tuple(a.shape) for n, a in lr.tensors.items()} if lr is not None and lr.train
+        shapes = ({n: tuple(a.shape) for n, a in run_lora.tensors.items()} if run_lora is not None and run_lora.train
                   else models.of(self.ckpt.config).shapes(self.ckpt.config))
         opt_file = opt_dir / optim_state.OPTIMIZER_FILE if opt_dir is not None else None
         opt_state = optim_state.load(opt_file, shapes) if opt_file is not None else None
         if snap is not None and opt_state is None:
             raise MemengineError(f"--resume {snap.dir}: no {optim_state.OPTIMIZER_FILE}; cannot continue exactly")
-        self.tok = open_tokenizer(self.ckpt, lora.adapter_tokenizer(self.lora and self.lora.source, o.tokenizer))
+        return opt_state, opt_file
+
+    def _read_data(self) -> None:
+        """The tokenizer, --data (and --val-data or the --val-fraction split) as windows."""
+        o, snap = self.o, self.snap
+        self.tok = open_tokenizer(self.ckpt, lora.adapter_tokenizer(self.run_lora and self.run_lora.source,
+                                                                    o.tokenizer))
         vocab = self.ckpt.config.vocab_size
         docs, desc = read_sources(o.data)
         self.stream = token_stream(docs, desc, self.tok, vocab)
@@ -262,25 +290,33 @@ class _Run:
         if snap is not None:
             self._check_same_data(snap.state.get("data") or {})
 
+    def _open_model(self, verbose: bool) -> None:
+        """The runtime, and the model on it once the memory plan passes (with its adapter)."""
+        o, run_lora = self.o, self.run_lora
         self.rt = open_runtime(o.device, verbose)
-        self.adapter = self.rt.describe()
-        lis.on_adapter(self.adapter)
+        self.device = self.rt.describe()
+        self.listener.on_device(self.device)
         val = (len(self.val_batches),) if self.val_batches else ()
         evals = (math.ceil(len(self.all_windows) / o.batch_size),) + val if o.WSLA else val
-        self.model = open_model(self.rt, self.ckpt, "lora" if lr and lr.train else o.KIND, o.batch_size, o.seq_len,
-                                eval_passes=evals, trace_steps=reads_apart(o, len(self.windows)),
-                                adapter=None if lr is None else lora.plan_sizes(self.ckpt.config, lr.spec, lr.tensors,
-                                                                                train=lr.train),
-                                make_lora=None if lr is None else (
-                                    lambda rt: lora.LoraAdapter(rt, self.ckpt.config, lr.spec, lr.tensors, seed=o.seed,
-                                                                train=lr.train)),
+        self.model = open_model(self.rt, self.ckpt, "lora" if run_lora and run_lora.train else o.KIND, o.batch_size,
+                                o.seq_len, eval_passes=evals, trace_steps=reads_apart(o, len(self.windows)),
+                                adapter=None if run_lora is None else lora.plan_sizes(self.ckpt.config, run_lora.spec,
+                                                                                      run_lora.tensors,
+                                                                                      train=run_lora.train),
+                                make_lora=None if run_lora is None else (
+                                    lambda rt: lora.LoraAdapter(rt, self.ckpt.config, run_lora.spec, run_lora.tensors,
+                                                                seed=o.seed, train=run_lora.train)),
                                 precision=o.precision)
+
+    def _build_loop(self, opt_state, opt_file) -> None:
+        """The trainer (AdamW with the moments read), the loop's state, and the loop."""
+        o, snap, lis, run_lora = self.o, self.snap, self.listener, self.run_lora
         if snap is None and opt_state is not None:
             n = sum(1 for k in opt_state if k.endswith(".exp_avg"))
             lis.on_note(f"resuming optimizer state from {opt_file} ({n} moments)")
         self.state = LoopState.from_dict(snap.state.get("loop") or {}) if snap is not None else LoopState()
         self.segments = list(snap.state.get("segments") or []) if snap is not None else []
-        self.segments.append(records.segment(self.adapter, None if snap is None else public_path(snap.dir),
+        self.segments.append(records.segment(self.device, None if snap is None else public_path(snap.dir),
                                              self.state.step))
         if snap is not None:
             lis.on_note(f"resuming {snap.dir} at step {snap.step}")
@@ -297,16 +333,25 @@ class _Run:
         lp = self.loop
         what = (f"adapting {len(self.trainer.names)} x_proj tensor(s)" if o.WSLA
                 else f"training {len(self.trainer.names)} tensors")
-        if lr is not None and lr.train:
+        if run_lora is not None and run_lora.train:
             n = sum(t.numel for t in self.trainer.params.values())
-            what = (f"training a LoRA adapter (r {lr.spec.r}, alpha {lr.spec.alpha:g}, {', '.join(lr.spec.targets)}: "
+            spec = run_lora.spec
+            what = (f"training a LoRA adapter (r {spec.r}, alpha {spec.alpha:g}, {', '.join(spec.targets)}: "
                     f"{len(self.trainer.names)} tensors, {n:,} parameters; the base is frozen)")
-        elif lr is not None:
-            what += f" with the adapter {lr.source.path} applied"
+        elif run_lora is not None:
+            what += f" with the adapter {run_lora.source.path} applied"
         val = f", {sum(b.n_windows for b in lp.val_batches)} held out" if lp.val_batches else ""
         lis.on_note(f"{what} on {self.stream.ids.size:,} tokens ({len(self.windows)} windows{val}; "
                     f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
                     + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else ""))
+
+    def recorded_options(self) -> dict:
+        """The options as the run record and trainer_state.json keep them: a LoRA run's
+        effective --lora-* values (what a resume continues with) in place of those given."""
+        options = self.o.to_dict(public=True)
+        if self.run_lora is not None:
+            options.update(self.run_lora.options())
+        return options
 
     def _inputs(self, source: Path) -> list:
         """(what, path) of every file the run reads: OUT may not be, contain or lie in one."""
@@ -316,7 +361,7 @@ class _Run:
         items += [("the --val-data file", d) for d in o.val_data]
         if o.tokenizer not in (None, "bytes"):
             items.append(("the --tokenizer file", o.tokenizer))
-        if getattr(o, "config_file", None) is not None:
+        if o.config_file is not None:
             items.append(("the --config file", o.config_file))
         return items
 
@@ -345,7 +390,7 @@ class _Run:
     def trainer_state(self) -> dict:
         segs = [dict(s) for s in self.segments]
         segs[-1]["last_step"] = self.state.step
-        options = self.o.to_dict(public=True)
+        options = self.recorded_options()
         for key in snapshots.RUN_RELATIVE:  # found again by --resume, wherever it is run from
             options[key] = [snapshots.relative_to_run(d, self.out) for d in getattr(self.o, key)]
         return {"format": snapshots.STATE_FORMAT, "version": STATE_VERSION, "kind": self.o.KIND,
@@ -360,26 +405,26 @@ class _Run:
         import numpy as np
         from memengine.engine.io.checkpoint import save_checkpoint, side_files
 
-        lr = self.lora
-        tensors = self.model.lora.state_dict() if lr and lr.train else self.model.state_dict()
+        run_lora = self.run_lora
+        tensors = self.model.lora.state_dict() if run_lora and run_lora.train else self.model.state_dict()
         for name, a in tensors.items():
             if not np.all(np.isfinite(a)):
                 raise NonFiniteError(f"tensor {name} holds NaN/Inf after training")
         tok = tokenizer_file(self.tok)
-        if lr and lr.train:
-            lora.write_run_adapter(directory, lr, tensors, tok)
+        if run_lora and run_lora.train:
+            lora.write_run_adapter(directory, run_lora, tensors, tok)
             optim_state.save(directory, self.trainer.optimizer_state())
             state = self.trainer_state()
             state["extra"] = {**state["extra"], "lora": {
                 "base_relative": None if self.ref.repo_id else snapshots.relative_to_run(str(self.ref.path), final)}}
             staging.write_json(directory / snapshots.STATE_FILE, state)
             return
-        if lr is not None:
-            tensors = lora.merged_tensors(tensors, lr.source)
+        if run_lora is not None:
+            tensors = lora.merged_tensors(tensors, run_lora.source)
         save_checkpoint(directory, self.ckpt.config, tensors, dtype="F32", tokenizer_path=tok,
                         extra_files=side_files(self.ckpt.directory, tok.parent if tok else None),
                         metadata={"producer": f"memengine {records.version()}", "step": str(self.state.step)},
-                        max_shard_size=self.o.max_shard_size)
+                        max_shard_size=self.o.max_shard_bytes)
         optim_state.save(directory, self.trainer.optimizer_state())
         staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
 
@@ -414,8 +459,8 @@ class _Run:
                 self.write_checkpoint(tmp, self.out)
             segs = [dict(s) for s in self.segments]
             segs[-1].update(finished=records.now(), last_step=st.step)
-            rec = records.run_record(self.o.KIND, self.o.to_dict(public=True), input_path=self.input,
-                                     adapter=self.adapter,
+            rec = records.run_record(self.o.KIND, self.recorded_options(), input_path=self.input,
+                                     device=self.device,
                                      segments=segs, history=st.history, result=result,
                                      extra={"best": st.best} if self.o.keep_best else None)
             staging.write_json(tmp / staging.RECORD_FILE, rec)
@@ -458,7 +503,7 @@ def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: boo
         t0 = time.perf_counter()
         r.train()
         elapsed = time.perf_counter() - t0
-        res = RunResult("train", r.out, r.state, r.adapter, elapsed, best=r.state.best if o.keep_best else None)
+        res = RunResult("train", r.out, r.state, r.device, elapsed, best=r.state.best if o.keep_best else None)
         summary = res.summary()
         r.publish({k: v for k, v in summary.items() if k != "event"})
     return res
@@ -518,7 +563,7 @@ def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
         grad_norm=float(sum(norms) / len(norms)) if norms else float("nan"), rolled_back=rolled_back,
         reason=reason, changed_tensors=changed, max_abs_delta=max_abs, loss_before=before["loss"],
         loss_after=after.loss if after is not None else float("nan"))
-    res = RunResult("adapt", None if rolled_back else r.out, r.state, r.adapter, elapsed, adapt=result,
+    res = RunResult("adapt", None if rolled_back else r.out, r.state, r.device, elapsed, adapt=result,
                     best=r.state.best if o.keep_best else None, exit_code=3 if rolled_back else 0,
                     checkpoints=(r.out / snapshots.CHECKPOINTS_DIR) if rolled_back and r.last_checkpoint() else None)
     if not rolled_back:

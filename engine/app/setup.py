@@ -1,18 +1,11 @@
-"""Opening what a run works on: the checkpoint (a path or a model id), its tokenizer, the
-GPU runtime, and the model on it once the memory plan says the run fits."""
+"""Opening what a run works on: the checkpoint (resolved by engine/io/resolve.py's
+`resolve_checkpoint`: a path or a model id), its tokenizer, the GPU runtime, and the model
+on it once the memory plan says the run fits."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable, Optional
-
-
-def resolve(spec, revision: Optional[str] = None, model_type: Optional[str] = None, weights: bool = True):
-    """CKPT -> CheckpointRef (a local path as it is, else a model id through the HF cache;
-    `weights=False`: an uncached model id's weight headers from the Hub instead of its weights)."""
-    from memengine.engine.io.resolve import resolve_checkpoint
-
-    return resolve_checkpoint(spec, revision, model_type, weights=weights)
 
 
 def open_checkpoint(ref, warn: Optional[Callable[[str], None]] = None, read_tensors: bool = True):

@@ -45,12 +45,6 @@ _KINDS = ("tmp", "old", "del")
 
 
 # ----------------------------------------------------------------------------- low level
-def _umask() -> int:
-    m = os.umask(0)
-    os.umask(m)
-    return m
-
-
 def fsync_dir(path: Path) -> None:
     """fsync a directory (its entries: created, renamed, removed files)."""
     with contextlib.suppress(OSError):

@@ -37,7 +37,8 @@ def partial_rows(B: int, L: int) -> int:
 def _sequences(rt, B: int, L: int, Di: int, K: int) -> list:
     """Ranges of whole sequences (batch rows) whose [rows, Di] and xz [rows, 2Di] windows fit."""
     return split(rt, B, lambda nb: (8 * nb * L * Di, 4 * Di * (K + 1)),
-                 unit=f"one sequence of the conv1d input ({L} x {2 * Di} values; a smaller --seq-len helps)")
+                 unit="one sequence of the conv1d input", detail=f"{L} x {2 * Di} values",
+                 advice="a smaller --seq-len helps")
 
 
 def _groups(B: int, L: int, Di: int, wg: int) -> int:

@@ -117,7 +117,8 @@ def _sequences(rt, B, L, Di, N, R, backward: bool) -> list:
     db = channels_per_workgroup(scan_lanes(rt), N)
     return split(rt, B, lambda nb: sequence_windows(nb, L, Di, N, R),
                  scratch=lambda nb: sequence_scratch(nb, L, Di, N, R, db, backward),
-                 unit=f"one sequence of the selective scan (seq_len {L}; a smaller --seq-len helps)")
+                 unit="one sequence of the selective scan", detail=f"seq_len {L}",
+                 advice="a smaller --seq-len helps")
 
 
 def _seq(t, b0, nb, per_seq):

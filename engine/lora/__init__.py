@@ -344,7 +344,8 @@ def open_source(spec, *, revision=None, model_type=None, base=None,
                 warn: Optional[Callable[[str], None]] = None) -> Opened:
     """CKPT as a run reads it: a checkpoint, or an adapter directory (its base, from --base
     or the adapter's config, loaded and checked against it)."""
-    from memengine.engine.app.setup import open_checkpoint, resolve
+    from memengine.engine.app.setup import open_checkpoint
+    from memengine.engine.io.resolve import resolve_checkpoint
 
     if base is not None and not is_adapter(spec):
         raise MemengineError(f"--base {base}: {spec} is not a LoRA adapter directory (no {ADAPTER_CONFIG}); "
@@ -352,11 +353,12 @@ def open_source(spec, *, revision=None, model_type=None, base=None,
     if is_adapter(spec):
         spec = str(spec)
         ad = read_adapter(spec)
-        ref = resolve(base_spec(Path(spec), ad.spec, base), revision if base else ad.spec.revision, model_type)
+        ref = resolve_checkpoint(base_spec(Path(spec), ad.spec, base), revision if base else ad.spec.revision,
+                                 model_type)
         ckpt = open_checkpoint(ref, warn)
         check_against(ad, ckpt.config, str(Path(spec) / ADAPTER_WEIGHTS))
         return Opened(ckpt, ref, ad)
-    ref = resolve(spec, revision, model_type)
+    ref = resolve_checkpoint(spec, revision, model_type)
     return Opened(open_checkpoint(ref, warn), ref)
 
 
@@ -378,11 +380,20 @@ class RunLora:
     train: bool
     source: Optional[Adapter] = None    # the adapter the run started from
 
+    def options(self) -> dict:
+        """The effective --lora-* values of a LoRA run (what its record and a resume carry:
+        the rank, alpha and targets of an adapter it continues, the defaults filled in)."""
+        if not self.train:
+            return {}
+        s = self.spec
+        return {"lora_rank": s.r, "lora_alpha": s.alpha, "lora_dropout": s.dropout,
+                "lora_targets": ",".join(s.targets)}
+
 
 def for_run(o, adapter: Optional[Adapter], cfg, base_name: str) -> Optional[RunLora]:
     """What adapter a run uses: `adapter` is CKPT's (or the resumed step's) when it was one.
-    A LoRA run writes its effective rank, alpha, dropout and targets back into `o` (so the
-    run record and a resume carry them)."""
+    A LoRA run's effective rank, alpha, dropout and targets are the result's `options()`
+    (the run record and a resume carry them); `o` is left as it is."""
     lora_from = None
     if getattr(o, "lora_from", None) is not None:
         if adapter is not None:
@@ -414,8 +425,6 @@ def for_run(o, adapter: Optional[Adapter], cfg, base_name: str) -> Optional[RunL
                         dropout=float(o.lora_dropout or 0.0), targets=parse_targets(o.lora_targets or default_targets(models.of(cfg)), models.of(cfg)))
         tensors = init_tensors(cfg, spec, o.seed)
     spec.base = base_name
-    o.lora_rank, o.lora_alpha, o.lora_dropout = spec.r, spec.alpha, spec.dropout
-    o.lora_targets = ",".join(spec.targets)
     return RunLora(spec, tensors, True, src)
 
 

@@ -173,9 +173,10 @@ class Architecture:
         """Bytes of the layers' kernel scratch for a `kind` run (eval, train, adapt, lora)."""
         return 0
 
-    def plan_units(self, cfg, B: int, L: int, grad: bool) -> list:
+    def plan_units(self, cfg, B: int, L: int, grad: bool, sequence: str = "at --seq-len {}") -> list:
         """(what, bytes, grows with B x L, "tensor" | "adapter") of the layers' units of work
-        that must each fit one storage binding (the model's limit, or the adapter's own)."""
+        that must each fit one storage binding (the model's limit, or the adapter's own);
+        `sequence` names a sequence's length (`sequence.format(L)`) as the caller's user knows it."""
         return []
 
     # -- shared arithmetic

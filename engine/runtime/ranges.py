@@ -9,7 +9,19 @@ from memengine.engine.hostmem import fmt_bytes
 
 
 class BindingError(MemengineError):
-    """A single unit of work (a row, a sequence) does not fit one storage binding."""
+    """A single unit of work (a row, a sequence) does not fit one storage binding.  `plain`:
+    the message without the advice it carries (`split`'s `advice`), for a caller whose
+    user has no such flag (a prompt has no --seq-len)."""
+
+    def __init__(self, message: str, plain: str | None = None):
+        super().__init__(message)
+        self.plain = message if plain is None else plain
+
+
+def _unit_text(unit: str, detail: str | None, advice: str | None) -> str:
+    """'<unit> (<detail>; <advice>)', the parts given."""
+    parts = [p for p in (detail, advice) if p]
+    return f"{unit} ({'; '.join(parts)})" if parts else unit
 
 
 def largest(ok, hi: int, lo: int = 0) -> int:
@@ -25,7 +37,7 @@ def largest(ok, hi: int, lo: int = 0) -> int:
 
 
 def split(rt, total: int, windows, *, step: int = 1, unit: str = "unit",
-          scratch=None) -> list[tuple[int, int]]:
+          scratch=None, detail: str | None = None, advice: str | None = None) -> list[tuple[int, int]]:
     """Cut `total` units of a call into consecutive (start, count) ranges whose bindings fit.
 
     `windows(n)` gives the byte sizes of the tensor windows a call over n units binds
@@ -35,7 +47,7 @@ def split(rt, total: int, windows, *, step: int = 1, unit: str = "unit",
     When the whole call fits this is ``[(0, total)]``, so the caller records exactly what it
     would without splitting.  Counts are multiples of `step` (the last one excepted) where a
     step fits, else any count.  When one unit alone does not fit, BindingError names it
-    (`unit`) and the sizes.
+    (`unit`, with `detail` and what would help, `advice`, in parentheses) and the sizes.
     """
     total = int(total)
     slack = rt.storage_align - 4
@@ -58,7 +70,8 @@ def split(rt, total: int, windows, *, step: int = 1, unit: str = "unit",
         return [(0, total)]
     bad = over(1)
     if bad is not None:
-        raise BindingError(binding_refusal(unit, bad[0], bad[1], slack))
+        raise BindingError(binding_refusal(_unit_text(unit, detail, advice), bad[0], bad[1], slack),
+                           binding_refusal(_unit_text(unit, detail, None), bad[0], bad[1], slack))
     g = step if step > 1 and over(step) is None else 1
     # in units of g: 1 fits; (total - 1) // g * g < total
     n = largest(lambda m: over(m * g) is None, (total - 1) // g, lo=1) * g

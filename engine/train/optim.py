@@ -27,6 +27,9 @@ import numpy as np
 from memengine.engine.kernels.reduce import count_partials, finish_window, partials_scratch, record_partials
 from memengine.engine.runtime import Tensor, Uniform, cdiv, grid, pack, span, split
 
+# torch.amp.GradScaler's growth_interval: finite steps in a row before the loss scale doubles
+GROWTH_INTERVAL = 2000
+
 _ADAM_FMT = "<I8fI2f"  # u32 count, f32 lr b1 b2 eps wd b1^t b2^t max_delta, u32 gpu_t, 2 f32 pad
 _ADAM_BYTES = 48
 assert struct.calcsize(_ADAM_FMT) == _ADAM_BYTES
@@ -80,7 +83,8 @@ class LossScaler:
     its trace (no readback per step).
     """
 
-    def __init__(self, rt, init_scale: float = 2.0 ** 16, growth_interval: int = 2000, scale: Tensor | None = None):
+    def __init__(self, rt, init_scale: float = 2.0 ** 16, growth_interval: int = GROWTH_INTERVAL,
+                 scale: Tensor | None = None):
         """`scale`: the [1] tensor to keep S in (a model's loss scale), else one of its own."""
         self.rt = rt
         self.growth_interval = int(growth_interval)
@@ -119,8 +123,9 @@ class AdamW:
     `moments[name] = (exp_avg, exp_avg_sq)`, created as zeros the first time `name` is
     stepped, reused whenever the same name comes back (whatever the order or subset of the
     parameter dict).  `step_count` is the global t; bias correction uses b1^t, b2^t with t
-    counted after the increment.  `lr`, `betas`, `eps`, `weight_decay`, `max_delta` may be
-    changed between steps.
+    counted after the increment.  `lr` is the default learning rate of a step; a schedule
+    passes each step's own to `record_step` (as torch's LR schedulers set the group's lr
+    before `step()`, without reaching into the optimizer from outside).
 
     Per-step uniforms: one 48-byte block per parameter name (a fixed slot), all in ONE uniform
     buffer created once (re-created larger only when a new name appears beyond its
@@ -226,7 +231,8 @@ class AdamW:
 
     # ------------------------------------------------------------------ step
     def record_step(self, rec, params: dict[str, Tensor], grads: dict[str, Tensor],
-                    clip_factor: Tensor | None = None, skip: Tensor | None = None, whole=()) -> None:
+                    clip_factor: Tensor | None = None, skip: Tensor | None = None, whole=(),
+                    lr: float | None = None) -> None:
         """Record one AdamW step for every parameter in `params` (grads by the same names).
         `whole`: (parameter store, gradient store) pairs (model.FlatStore, one layout) whose
         every view is in `params`: they step as their segments (the padding between views
@@ -234,7 +240,8 @@ class AdamW:
         `clip_factor`: a [1] f32 tensor multiplied into every gradient (None: 1).  `skip`:
         a tensor whose element 0, when non-zero at run time, leaves every parameter and
         moment unchanged (LossScaler.amp; None: never); the bias correction then uses
-        t = skip[3], the steps applied (counted on the GPU), not `step_count`."""
+        t = skip[3], the steps applied (counted on the GPU), not `step_count`.  `lr`: this
+        step's learning rate (None: the one AdamW was made with)."""
         rt = self.rt
         if rec.encoder is self._last_encoder:
             raise RuntimeError("AdamW.record_step called twice on one recorder without submit(); "
@@ -276,6 +283,7 @@ class AdamW:
 
         self.step_count += 1
         t = self.step_count
+        step_lr = self.lr if lr is None else float(lr)
         # The kernel sees b1, b2 as f32; bias-correct with powers of those same f32 values
         # (computed in double), so v / (1 - b2^t) stays unbiased for the betas actually used.
         b1, b2 = (float(np.float32(b)) for b in self.betas)
@@ -285,7 +293,7 @@ class AdamW:
         for key, parts in keyed:
             for i, (_, n) in enumerate(parts):
                 struct.pack_into(_ADAM_FMT, data, self._slots[key if i == 0 else (key, i)] * self._stride,
-                                 n, self.lr, b1, b2, self.eps, self.weight_decay,
+                                 n, step_lr, b1, b2, self.eps, self.weight_decay,
                                  b1 ** t, b2 ** t, self.max_delta, 0 if skip is None else 1, 0.0, 0.0)
         rt.write_buffer(self._ubuf, 0, bytes(data))
 

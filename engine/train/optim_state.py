@@ -19,11 +19,6 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 FORMAT = "memengine-adamw"
 
 
-def path_beside(checkpoint: Path) -> Path:
-    p = Path(checkpoint)
-    return (p if p.is_dir() else p.parent) / OPTIMIZER_FILE
-
-
 def load(path: Path, model) -> dict | None:
     """The state in `path` (None when there is no file), checked against the model's tensor
     shapes (`model`: name -> shape, or a model with `.shapes`): names, pairs, shapes and

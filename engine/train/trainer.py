@@ -4,7 +4,8 @@ here (that is engine/loop.py) and no rich: nothing prints.
 A step is K micro-batches (--grad-accum), each one command submission: upload the
 batch, forward, loss, backward, gradients added up (cleared by the first).  The last
 one also records the global-norm clip factor and one AdamW dispatch per trainable
-parameter, with this step's learning rate written into AdamW's persistent uniform block.
+parameter, with this step's learning rate (the schedule's, an argument of the step) written
+into AdamW's persistent uniform block.
 Each step's mean loss and pre-clip gradient norm go into a small GPU trace that the loop
 reads back every few steps (`read_trace`), never per step.  A `StepFence` keeps at most
 a few submissions queued, so progress follows the GPU and Ctrl-C stops promptly.
@@ -80,8 +81,7 @@ class Trainer:
         self.scaler = None
         if model.mixed:
             # the scale lives in the model's tensor, which its cross-entropy multiplies in
-            self.scaler = LossScaler(rt, growth_interval=getattr(options, "loss_scale_growth", 2000),
-                                     scale=model.loss_scale)
+            self.scaler = LossScaler(rt, scale=model.loss_scale)
             # a resumed mixed run continues its loss scale; AdamW's t is counted on the GPU
             self.scaler.load(scaler_state, self.opt.step_count)
         self.capacity = max(1, int(trace_capacity))
@@ -115,7 +115,6 @@ class Trainer:
         ws = model.workspace(B, L)
         n_total = sum(int(b.n_targets) for b in micro)
         j = self.pending
-        self.opt.lr = float(lr)
         tokens = 0
         for i, b in enumerate(micro):
             self.fence.wait()  # keeps at most fence.depth submissions queued (no readback)
@@ -135,7 +134,7 @@ class Trainer:
                     skip = self.scaler.amp
                     rec.copy(skip.view((1,)), self.trace.view((1,), 2 * self.capacity + j), slot=True)
                 self.opt.record_step(rec, self.params, self.grads, self.clipper.factor, skip,
-                                     whole=self._whole)
+                                     whole=self._whole, lr=lr)
             self.fence.mark(rec)
             rec.submit()
             tokens += int(b.n_tokens)

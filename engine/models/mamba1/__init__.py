@@ -158,11 +158,11 @@ class Mamba1(Architecture):
             total += _buf(4 * Di)
         return total
 
-    def plan_units(self, cfg, B: int, L: int, grad: bool) -> list:
+    def plan_units(self, cfg, B: int, L: int, grad: bool, sequence: str = "at --seq-len {}") -> list:
         Di, N, R = cfg.intermediate_size, cfg.state_size, cfg.dt_rank
-        return [(f"one sequence of the conv1d and selective scan at --seq-len {L} ({L} x {2 * Di} values)",
+        return [(f"one sequence of the conv1d and selective scan {sequence.format(L)} ({L} x {2 * Di} values)",
                  max(scan.sequence_windows(1, L, Di, N, R)), True, "tensor"),
-                (f"the selective scan's scratch for one sequence at --seq-len {L}",
+                (f"the selective scan's scratch for one sequence {sequence.format(L)}",
                  max(scan.sequence_scratch(1, L, Di, N, R, backward=grad)), True, "adapter")]
 
     def describe(self, cfg) -> list:

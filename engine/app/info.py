@@ -1,0 +1,87 @@
+"""`memengine info`: what a checkpoint holds (config, tensors, dtypes, size), the GPU adapter
+and its features, and the memory plan of eval, train and adapt at --batch-size x --seq-len
+(engine/app/plan.py); or what a LoRA adapter is (rank, alpha, targets, base).  Nothing is
+printed here: `info_report` returns what the command line renders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from memengine.engine.app.options import InfoOptions
+from memengine.engine.errors import MemengineError
+
+
+@dataclass
+class InfoReport:
+    """`data` is the JSON object `info --json` prints; the other fields are what the human
+    table shows beside it.  For a LoRA adapter only `lora` (and `data`, the same) is set."""
+
+    data: dict
+    lora: Optional[dict] = None
+    config: Any = None              # the checkpoint's model config
+    weight_files: tuple = ()        # names of the weight files
+    model_file: Optional[str] = None  # the file a shard set is opened by (its index)
+    local_path: Optional[str] = None  # where a model id is cached (None for a path)
+    remote: bool = False            # the weights stayed on the Hub (their headers were read)
+    optimizer_state: bool = False
+
+
+def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
+                verbose: bool = False) -> InfoReport:
+    """What `memengine info` shows for `o.ckpt` (no weight is read: the headers only)."""
+    from memengine.engine import lora
+    from memengine.engine.app import plan as mplan
+    from memengine.engine.app.setup import open_checkpoint
+    from memengine.engine.io.resolve import resolve_checkpoint
+
+    o.check_inputs()
+    if lora.is_adapter(o.ckpt):
+        d = lora.describe(o.ckpt)
+        return InfoReport(data=d, lora=d)
+    ref = resolve_checkpoint(o.ckpt, o.revision, o.model_type, weights=False)   # an uncached id: headers from the Hub
+    c = open_checkpoint(ref, warn, read_tensors=False)   # the headers: no weight is read
+    cfg = c.config
+    n_params = c.n_params
+    dtypes: dict[str, int] = {}
+    for name in c.shapes:
+        dt = str(c.dtypes.get(name, "F32")) if getattr(c, "dtypes", None) else "F32"
+        dtypes[dt] = dtypes.get(dt, 0) + 1
+    weight_files = c.extra.get("weight_files", [])
+    files = weight_files if ref.path.is_file() else sorted(p for p in ref.path.iterdir() if p.is_file())
+    nbytes = int(sum(p.stat().st_size for p in files))
+    if ref.headers:   # the weights stayed on the Hub: their tensor data, by the headers
+        nbytes += sum(h.file_size for h in ref.headers)
+    plan = None
+    try:
+        from memengine.engine.runtime import get_runtime
+
+        rt = get_runtime(o.device or None, verbose=verbose)
+        device, caps = rt.describe(), rt.capabilities()
+        plan = mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt))
+    except MemengineError as e:
+        device, caps = f"none ({e})", None
+    tok = getattr(c, "tokenizer_path", None)
+    data = {
+        "path": str(o.ckpt),
+        "local_path": str(ref.path),
+        "model_type": cfg.model_type,
+        "weight_files": [p.name for p in weight_files],
+        "config": cfg.to_hf_dict(),
+        "parameters": n_params,
+        "tensors": {n: {"shape": list(shape), "dtype": str(c.dtypes.get(n, "F32")) if c.dtypes else "F32"}
+                    for n, shape in c.shapes.items()},
+        "dtypes": dtypes,
+        "bytes": nbytes,
+        "weights_downloaded": not ref.headers,
+        "tokenizer": str(tok) if tok else None,
+        "adapter": device,   # the GPU adapter
+        "gpu": caps,
+        "plan": plan,
+    }
+    model_file = c.extra.get("model_file")
+    return InfoReport(data=data, config=cfg, weight_files=tuple(p.name for p in weight_files),
+                      model_file=None if model_file is None else model_file.name,
+                      local_path=str(ref.path) if ref.repo_id else None, remote=bool(ref.headers),
+                      optimizer_state=bool(c.extra.get("optimizer_path")))
