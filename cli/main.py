@@ -463,7 +463,7 @@ def export(
 ):
     """Write a GGUF file that llama.cpp runs (architecture 'mamba', the names and keys of llama.cpp's converter).
 
-    A tokenizer.json beside the checkpoint becomes llama.cpp's gpt2 (byte-level BPE) vocabulary; the built-in byte-level tokenizer is written as vocabulary 'none' (llama.cpp then takes token ids). Models llama.cpp cannot run (expand other than 2, in/out projection biases, conv_kernel 1) are refused before anything is written.
+    A tokenizer.json beside the checkpoint becomes llama.cpp's gpt2 (byte-level BPE) vocabulary; the built-in byte-level tokenizer is written as vocabulary 'none' (llama.cpp then takes token ids). Models llama.cpp cannot run (expand other than 2, in/out projection biases) are refused before anything is written.
     """
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):

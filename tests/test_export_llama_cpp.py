@@ -101,6 +101,15 @@ def test_llama_cpp_logits_equal_transformers(tmp_path, model_type, t, bound):
     assert err < bound
 
 
+@pytest.mark.parametrize("overrides", [dict(conv_kernel=1), dict(conv_kernel=2, use_conv_bias=False),
+                                       dict(tie_word_embeddings=False, time_step_rank=7)],
+                         ids=["conv_kernel1", "no_conv_bias", "untied"])
+def test_edge_shapes_run_in_llama_cpp(tmp_path, overrides):
+    ck = make_model(tmp_path / "m", **overrides)
+    g = export(ck, tmp_path / "m.gguf", "f32")
+    assert rel(llama_logits(g, IDS), hf_logits(ck, IDS)) < 1e-3
+
+
 def test_falcon_mamba_default_eps_is_close(tmp_path):
     # llama.cpp has no key for mixer_rms_eps (1e-6 by default): it normalises with 1e-5
     ck = make_model(tmp_path / "m", model_type="falcon_mamba")
@@ -191,3 +200,15 @@ def test_quantized_perplexity_against_memengine_eval(trained):
     assert abs(ratios["f32"] - 1) < 1e-3
     assert abs(ratios["q8_0"] - 1) < 0.02
     assert abs(ratios["q4_0"] - 1) < 0.05  # measured: 1.0226 (q8_0: 0.9994)
+
+
+def test_llama_cpp_itself_refuses_what_export_refuses(tmp_path):
+    """The expand refusal is llama.cpp's: the same model written past the check does not load."""
+    from memengine.engine.io import gguf as gg
+    from memengine.engine.io.checkpoint import load_checkpoint
+
+    ck = make_model(tmp_path / "m", expand=3)
+    c = load_checkpoint(ck)
+    gg.write_gguf(tmp_path / "m.gguf", c.config, c.tensors, "f32")
+    with pytest.raises(ValueError):
+        llama(tmp_path / "m.gguf")

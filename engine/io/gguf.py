@@ -100,9 +100,6 @@ def check_runnable(cfg: MambaConfig) -> list[str]:
     if cfg.use_bias:
         raise MemengineError(f"{where}: use_bias=true (biases on in_proj and out_proj), which llama.cpp's Mamba-1 "
                              "has no tensors for")
-    if cfg.conv_kernel < 2:
-        raise MemengineError(f"{where}: conv_kernel {cfg.conv_kernel}; llama.cpp keeps conv_kernel - 1 columns of "
-                             "convolution state per layer and needs at least 2")
     notes = []
     if not cfg.use_conv_bias:
         notes.append("use_conv_bias=false: written with a zero ssm_conv1d.bias (llama.cpp requires the tensor; "
