@@ -187,18 +187,21 @@ def test_output_checks(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "m.gguf"]
 
 
-def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("exc,code", [(MemengineError("disk full (simulated)"), 2), (KeyboardInterrupt(), 130)],
+                         ids=["error", "interrupt"])
+def test_a_failed_or_interrupted_write_leaves_nothing(tmp_path, monkeypatch, exc, code):
     ck = make_model(tmp_path / "m")
     out = tmp_path / "m.gguf"
     out.write_bytes(b"old")
 
     def boom(self, *a, **k):
-        raise MemengineError("disk full (simulated)")
+        self.fout[0].write(b"half a file")
+        raise exc
 
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", boom)
     r = export(ck, "-o", out, "--force")
-    assert r.exit_code == 2
-    assert_one_line_error(r.stderr, "simulated")
+    assert r.exit_code == code
+    assert_one_line_error(r.stderr, "simulated" if code == 2 else None)
     assert out.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "m.gguf"]
 

@@ -239,20 +239,31 @@ def _write_vocab(gguf, w, cfg: MambaConfig, tokenizer_path: Optional[Path], pre:
 
 @contextlib.contextmanager
 def _temp_beside(out: Path) -> Iterator[Path]:
-    """A hidden temporary file beside OUT, renamed over OUT on success (fsynced first), removed
-    on any failure or interrupt: OUT is never half written."""
+    """A file in a hidden staging directory beside OUT, moved over OUT on success (fsynced
+    first); the directory goes on any failure, a Ctrl-C, or a second signal's emergency exit
+    (interrupts.staging_dir): OUT is never half written."""
+    import shutil
+
+    from memengine.engine import interrupts
     from memengine.engine.io.staging import fsync_dir
 
-    tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
+    tmp_dir = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        os.mkdir(tmp_dir, 0o777)
+    except OSError as e:
+        raise MemengineError(f"--output {out}: cannot write in {out.parent} ({e.strerror or e})") from None
+    with interrupts.staging_dir(tmp_dir):
+        try:
+            tmp = tmp_dir / out.name
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            with interrupts.critical():
+                os.replace(tmp, out)
+                fsync_dir(out.parent)
+                interrupts.completed(out)
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def write_gguf(out: Path, cfg: MambaConfig, tensors: dict, type_: str, *, tokenizer_path: Optional[Path] = None,
