@@ -38,7 +38,7 @@ case ",$extra," in
     # the libraries only (no llama.cpp tests or examples), for any x86-64 with AVX2
     export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}"
     export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc 2>/dev/null || echo 2)}"
-    echo "llama-cpp-python compiles llama.cpp from source on its first install (about 13 minutes on 2 cores)" >&2
+    echo "llama-cpp-python compiles llama.cpp on its first install (15-20 minutes on 2 cores; pip keeps the wheel)" >&2
     ;;
 esac
 echo "installing memengine${extra:+ with its $extra extra} into $venv ..." >&2
