@@ -469,8 +469,13 @@ def export(
     with guard(ui):
         from memengine.engine.app.export import export_gguf
 
+        last = [time.monotonic()]
+
         def tensor(k: int, n: int, name: str) -> None:
             ui.debug(f"  [{k}/{n}] {name}")
+            if not verbose and time.monotonic() - last[0] > 2.0:  # a large model: a line every few seconds
+                ui.note(f"  {k}/{n} tensors converted")
+                last[0] = time.monotonic()
 
         r = export_gguf(ckpt, output, type_, revision=revision, model_type=model_type, base=base, force=force,
                         warn=ui.warn, step=ui.note, on_tensor=tensor)

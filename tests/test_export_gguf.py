@@ -295,3 +295,14 @@ def test_an_adapter_is_merged_into_its_base(tmp_path):
     r = export(ad, "-o", ad / "x.gguf")
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, "never writes into an input")
+
+
+def test_without_the_gguf_package_one_line_says_how_to_get_it(tmp_path, monkeypatch):
+    import sys
+
+    ck = make_model(tmp_path / "m")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
+    r = export(ck, "-o", tmp_path / "m.gguf")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "memengine[gguf]")
+    assert not (tmp_path / "m.gguf").exists()

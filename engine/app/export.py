@@ -86,7 +86,8 @@ def export_gguf(ckpt: str, output, type_: str = "f16", *, revision: Optional[str
     from memengine.engine import lora
     from memengine.engine.app.setup import open_tokenizer, tokenizer_file
 
-    t = gg.normalize_type(type_)      # also: the gguf package is there
+    gg.gguf_module()                  # the gguf package is there, before any work
+    t = gg.normalize_type(type_)
     out = Path(output)
     adapter_dir = Path(str(ckpt)) if lora.is_adapter(ckpt) else None
     if adapter_dir is not None:
