@@ -33,7 +33,7 @@ app = typer.Typer(
     name="memengine",
     cls=CommandGroup,
     help="Fine-tune (train) and narrowly adapt (adapt, WSLA) Mamba-1 models with WGSL compute "
-         "shaders on any WebGPU adapter; convert checkpoints to fp16/bf16 (quantize).",
+         "shaders on any WebGPU adapter; convert checkpoints to fp16/bf16 (quantize) or to GGUF for llama.cpp (export).",
     epilog="Run 'memengine demo' for a two-minute tour on built-in defaults. "
            "Exit status: 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back.",
     no_args_is_help=True,
