@@ -3,11 +3,12 @@
 # system Python is never modified).
 #   make demo   tiny model, bundled text: init, train, adapt, quantize, eval, generate
 #   make test   the whole test suite (the oracle is transformers' MambaForCausalLM)
-#   make test-slow  the tests marked slow (minutes on a software adapter: real model sizes)
+#   make test-slow  the tests marked slow (minutes on a software adapter: real model sizes, and
+#                   llama.cpp running exported GGUF files)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-slow setup setup-test bench
+.PHONY: demo test test-slow setup setup-test setup-slow bench
 
 # stamps: reinstall only when the project's metadata changes
 $(VENV)/.installed: pyproject.toml .ci/venv.sh
@@ -20,8 +21,16 @@ $(VENV)/.installed-test: pyproject.toml .ci/venv.sh
 	@bash .ci/venv.sh $(VENV) test
 	@touch $@ $(VENV)/.installed
 
+# test-slow also installs llama.cpp (llama-cpp-python, compiled on its first install), the
+# oracle of the GGUF export tests
+$(VENV)/.installed-slow: pyproject.toml .ci/venv.sh
+	@bash .ci/gpu-driver.sh
+	@bash .ci/venv.sh $(VENV) test,llama
+	@touch $@ $(VENV)/.installed-test $(VENV)/.installed
+
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
+setup-slow: $(VENV)/.installed-slow
 
 demo: setup
 	$(VENV)/bin/memengine demo
@@ -29,7 +38,7 @@ demo: setup
 test: setup-test
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
-test-slow: setup-test
+test-slow: setup-slow
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow
 
 bench: setup-test

@@ -1,6 +1,6 @@
 """The `memengine` command line (Typer).
 
-Commands: init, info, eval, train, adapt, merge, quantize, generate, demo.  Human output goes to stderr
+Commands: init, info, eval, train, adapt, merge, quantize, export, generate, demo.  Human output goes to stderr
 through `cli.ui.UI`; `--json` puts JSON lines (and nothing else) on stdout.  Exit status:
 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back, 130 interrupted.
 
@@ -33,7 +33,7 @@ app = typer.Typer(
     name="memengine",
     cls=CommandGroup,
     help="Fine-tune (train) and narrowly adapt (adapt, WSLA) Mamba-1 models with WGSL compute "
-         "shaders on any WebGPU adapter; convert checkpoints to fp16/bf16 (quantize).",
+         "shaders on any WebGPU adapter; convert checkpoints to fp16/bf16 (quantize) or to GGUF for llama.cpp (export).",
     epilog="Run 'memengine demo' for a two-minute tour on built-in defaults. "
            "Exit status: 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back.",
     no_args_is_help=True,
@@ -389,6 +389,53 @@ def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate:
                "tensors": [{**asdict(t), "shape": list(t.shape)} for t in report.tensors]}
     ui.emit(summary)
     return summary
+
+
+# =========================================================================== export
+@app.command(epilog=_examples(
+    "memengine export tiny-trained -o tiny.gguf                 # f16, as llama.cpp's converter writes by default",
+    "memengine export tiny-trained -o tiny-q8.gguf --type q8_0",
+    "memengine export note-adapter -o noted.gguf --type f32    # a LoRA adapter: merged into its base first",
+    "memengine export model -o model.gguf --force --json | jq .bytes",
+))
+def export(
+    ckpt: CkptArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="The .gguf file to write (replaced only with --force).")],
+    type_: Annotated[str, typer.Option("--type", "-t", help="Weight type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1 or q4_0. "
+                                                            "1-D tensors, norms, conv1d, A and D stay f32, as llama.cpp's converter keeps them.")] = "f16",
+    revision: RevisionOpt = None,
+    model_type: ModelTypeOpt = None,
+    base: BaseOpt = None,
+    json_out: JsonOpt = False,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+):
+    """Write a GGUF file that llama.cpp runs (architecture 'mamba', the names and keys of llama.cpp's converter).
+
+    A tokenizer.json beside the checkpoint becomes llama.cpp's gpt2 (byte-level BPE) vocabulary; the built-in byte-level tokenizer is written as vocabulary 'none' (llama.cpp then takes token ids). Models llama.cpp cannot run (expand other than 2, in/out projection biases) are refused before anything is written.
+    """
+    ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
+    with guard(ui):
+        from memengine.engine.app.export import export_gguf
+
+        last = [time.monotonic()]
+
+        def tensor(k: int, n: int, name: str) -> None:
+            ui.debug(f"  [{k}/{n}] {name}")
+            if not verbose and time.monotonic() - last[0] > 2.0:  # a large model: a line every few seconds
+                ui.note(f"  {k}/{n} tensors converted")
+                last[0] = time.monotonic()
+
+        r = export_gguf(ckpt, output, type_, revision=revision, model_type=model_type, base=base, force=force,
+                        warn=ui.warn, step=ui.note, on_tensor=tensor)
+        counts: dict = {}
+        for t in r.tensors:
+            counts[t.type] = counts.get(t.type, 0) + 1
+        ui.note(f"wrote {r.output}: {len(r.tensors)} tensors ("
+                + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + f"), {r.bytes:,} bytes, "
+                f"{r.n_params:,} parameters; vocabulary {r.vocab}")
+        ui.emit(r.to_dict())
 
 
 # =========================================================================== generate

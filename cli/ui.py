@@ -313,6 +313,11 @@ class UI:
             self.console.print()
             self.console.print(Text(msg, style="bold cyan" if self.tty else ""))
 
+    def debug(self, msg: str) -> None:
+        """A detail shown with --verbose only (export's tensor by tensor)."""
+        if self.verbose and not self.quiet:
+            self.console.print(Text(msg, style="dim" if self.tty else ""))
+
     def warn(self, msg: str) -> None:
         if not self.quiet:
             self.console.print(Text("warning: " + msg, style="yellow" if self.tty else ""))

@@ -179,6 +179,13 @@ class Architecture:
         `sequence` names a sequence's length (`sequence.format(L)`) as the caller's user knows it."""
         return []
 
+    # -- export
+    def gguf(self):
+        """The architecture's GGUF mapping for llama.cpp (a module or object with `ARCH`,
+        `check_runnable(cfg)`, `gguf_tensors(cfg, tensors)`, `add_metadata(writer, cfg)`,
+        `stays_f32(name, array)`, `describe(cfg)`; engine/io/gguf.py writes the file)."""
+        raise MemengineError(f"export: llama.cpp has no mapping of the {self.name or 'this'} architecture here")
+
     # -- shared arithmetic
     def n_params(self, cfg) -> int:
         return sum(math.prod(s) for _, s in self.iter_shapes(cfg))

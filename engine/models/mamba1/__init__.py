@@ -165,6 +165,11 @@ class Mamba1(Architecture):
                 (f"the selective scan's scratch for one sequence {sequence.format(L)}",
                  max(scan.sequence_scratch(1, L, Di, N, R, backward=grad)), True, "adapter")]
 
+    def gguf(self):
+        from memengine.engine.models.mamba1 import gguf
+
+        return gguf
+
     def describe(self, cfg) -> list:
         return [("layers", cfg.num_hidden_layers), ("hidden size (E)", cfg.hidden_size),
                 ("inner size (Di)", cfg.intermediate_size), ("state size (N)", cfg.state_size),
