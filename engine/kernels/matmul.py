@@ -165,81 +165,98 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     # views at any offset: bind from the aligned offset below and shift the indices
     rt = rec.rt
     mode = rt.kernels.matmul
-    shader, entry = "matmul", "matmul_fast"
-    if A16 is not None and B16 is not None and mode != "reference":
-        A16, ea16 = bound(rt, A16)
-        B16, eb16 = bound(rt, B16)
-        C16, ec16 = bound(rt, C)
-        lda16 = (K if not trans_a else M) if lda is None else lda
-        ldb16 = (N if not trans_b else K) if ldb is None else ldb
-        if _fast_ok(mode, M, N, K, trans_a, trans_b, lda16, ldb16, N if ldc is None else ldc,
-                    a_col + ea16, b_col + eb16, c_col + ec16, (C16, bias)):
-            A, B, ea, eb = A16, B16, ea16, eb16
-            shader, entry = "matmul_f16", "matmul_f16"
-    if shader == "matmul":
-        A, ea = bound(rt, A)
-        B, eb = bound(rt, B)
+    shader, A, B, a_col, b_col = _operands(rt, mode, C, A, B, A16, B16, M, N, K, trans_a, trans_b, lda, ldb, ldc,
+                                           a_col, b_col, c_col, bias)
     C, ec = bound(rt, C)
-    a_col, b_col, c_col = a_col + ea, b_col + eb, c_col + ec
+    c_col += ec
     bias_off = 0
     if bias is not None:
         bias, bias_off = bound(rt, bias)
     if not trans_a:
         lda = K if lda is None else lda
-        a_rs, a_cs, a_off = lda, 1, a_col
+        a_rs, a_cs = lda, 1
     else:
         lda = M if lda is None else lda
-        a_rs, a_cs, a_off = 1, lda, a_col
+        a_rs, a_cs = 1, lda
     if not trans_b:
         ldb = N if ldb is None else ldb
-        b_rs, b_cs, b_off = ldb, 1, b_col
+        b_rs, b_cs = ldb, 1
     else:
         ldb = K if ldb is None else ldb
-        b_rs, b_cs, b_off = 1, ldb, b_col
+        b_rs, b_cs = 1, ldb
     ldc = N if ldc is None else ldc
     if shader == "matmul_f16" or _fast_ok(mode, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col,
                                           (A, B, C, bias)):
-        fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
-        if shader == "matmul" and mode != "tiles" and cpu_lanes(rt):
-            u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
-            rec.dispatch("matmul", "matmul_lanes",
-                         {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
-                         (cdiv(N, 32), cdiv(M, 32), 1),
-                         {"TA": int(trans_a), "TB": int(trans_b), "ACC": int(acc), "BIAS": int(bias is not None)})
-            return
-        if shader == "matmul_f16":   # fixed 128x128 tiles, BK 16 (no pipeline constants)
-            bm = bn = 128
-            consts = None
-            slices = _split_k(rt, M, N, K, cdiv(N, bm) * cdiv(M, bm))
-            ks = cdiv(cdiv(K, slices), 16) * 16 if slices > 1 else K
-            slices = cdiv(K, ks)
-        else:
-            cfg = fast_config(rt, M, N, K)
-            consts = {k: int(v) for k, v in cfg.items()}
-            consts.update(TA=int(trans_a), TB=int(trans_b))   # the layouts as constants
-            consts.setdefault("OFFSETS", int(trans_a))   # the tile loads' form (shaders/matmul.wgsl)
-            bm, bn = cfg["BM"], cfg["BN"]
-            slices, ks = splitk_slices(rec.rt, M, N, K)
-        if slices > 1:
-            part = rec.rt.scratch("matmul_splitk", (slices * M * N,))
-            u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
-            rec.dispatch(shader, entry, {0: part, 1: A, 2: B, 3: B, 4: u},
-                         (cdiv(N, bn), cdiv(M, bm), slices), consts)
-            u = rec.rt.uniform(pack("12I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, bias_off, 0))
-            rec.dispatch("matmul", "matmul_splitk_reduce",
-                         {0: C, 1: part, 3: bias if bias is not None else part, 4: u}, cdiv(M * N // 4, 256))
-            return
-        u = rec.rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
-        rec.dispatch(shader, entry,
-                     {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
-                     (cdiv(N, bn), cdiv(M, bm), 1), consts)
+        _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, acc,
+                      (a_col, lda, b_col, ldb, c_col, ldc, bias_off))
         return
+    # the plain 64x64 kernel: any shape, strides as given
     flags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if a_cs == 1 else 0) | (8 if b_cs == 1 else 0)
-    u = rec.rt.uniform(pack("16I", M, N, K, flags, a_off, a_rs, a_cs, b_off,
+    u = rec.rt.uniform(pack("16I", M, N, K, flags, a_col, a_rs, a_cs, b_col,
                             b_rs, b_cs, c_col, ldc, bias_off, 0, 0, 0))
     rec.dispatch("matmul", "matmul_forward",
                  {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
                  (cdiv(N, 64), cdiv(M, 64), 1))
+
+
+def _operands(rt, mode, C, A, B, A16, B16, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col, bias):
+    """(shader, A, B, a_col, b_col) bound for the product: the f16 copies and matmul_f16
+    when both are given and the shape suits the fast kernel, else the f32 operands."""
+    if A16 is not None and B16 is not None and mode != "reference":
+        A16b, ea16 = bound(rt, A16)
+        B16b, eb16 = bound(rt, B16)
+        C16, ec16 = bound(rt, C)
+        lda16 = (K if not trans_a else M) if lda is None else lda
+        ldb16 = (N if not trans_b else K) if ldb is None else ldb
+        if _fast_ok(mode, M, N, K, trans_a, trans_b, lda16, ldb16, N if ldc is None else ldc,
+                    a_col + ea16, b_col + eb16, c_col + ec16, (C16, bias)):
+            return "matmul_f16", A16b, B16b, a_col + ea16, b_col + eb16
+    A, ea = bound(rt, A)
+    B, eb = bound(rt, B)
+    return "matmul", A, B, a_col + ea, b_col + eb
+
+
+def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, acc, layout) -> None:
+    """The tiled kernels: matmul_lanes (CPU adapters), else matmul_fast / matmul_f16, split
+    over K where that pays (partial products reduced into C).  `layout`: (a_col, lda, b_col,
+    ldb, c_col, ldc, bias_off) as bound."""
+    rt = rec.rt
+    a_col, lda, b_col, ldb, c_col, ldc, bias_off = layout
+    fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
+    if shader == "matmul" and mode != "tiles" and cpu_lanes(rt):
+        u = rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
+        rec.dispatch("matmul", "matmul_lanes",
+                     {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
+                     (cdiv(N, 32), cdiv(M, 32), 1),
+                     {"TA": int(trans_a), "TB": int(trans_b), "ACC": int(acc), "BIAS": int(bias is not None)})
+        return
+    entry = "matmul_f16" if shader == "matmul_f16" else "matmul_fast"
+    if shader == "matmul_f16":   # fixed 128x128 tiles, BK 16 (no pipeline constants)
+        bm = bn = 128
+        consts = None
+        slices = _split_k(rt, M, N, K, cdiv(N, bm) * cdiv(M, bm))
+        ks = cdiv(cdiv(K, slices), 16) * 16 if slices > 1 else K
+        slices = cdiv(K, ks)
+    else:
+        cfg = fast_config(rt, M, N, K)
+        consts = {k: int(v) for k, v in cfg.items()}
+        consts.update(TA=int(trans_a), TB=int(trans_b))   # the layouts as constants
+        consts.setdefault("OFFSETS", int(trans_a))   # the tile loads' form (shaders/matmul.wgsl)
+        bm, bn = cfg["BM"], cfg["BN"]
+        slices, ks = splitk_slices(rt, M, N, K)
+    if slices > 1:
+        part = rt.scratch("matmul_splitk", (slices * M * N,))
+        u = rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
+        rec.dispatch(shader, entry, {0: part, 1: A, 2: B, 3: B, 4: u},
+                     (cdiv(N, bn), cdiv(M, bm), slices), consts)
+        u = rt.uniform(pack("12I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, bias_off, 0))
+        rec.dispatch("matmul", "matmul_splitk_reduce",
+                     {0: C, 1: part, 3: bias if bias is not None else part, 4: u}, cdiv(M * N // 4, 256))
+        return
+    u = rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
+    rec.dispatch(shader, entry,
+                 {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
+                 (cdiv(N, bn), cdiv(M, bm), 1), consts)
 
 
 def _windows(m, n, k, trans_a, trans_b, lda, ldb, ldc, has_bias) -> dict:

@@ -249,53 +249,13 @@ class AdamW:
         missing = [n for n in params if n not in grads]
         if missing:
             raise KeyError(f"AdamW: no gradient for {missing}")
-        al = rt.storage_align
-        fused = []   # (slot key, p, g, m, v) of whole segments
-        for P, G in whole:
-            if not set(P.views) <= set(params) or P.where != G.where:
-                raise ValueError("AdamW: a whole store must train every view and share the gradients' layout")
-            for seg, (ps, gs) in enumerate(zip(P.segments, G.segments)):
-                m, v = self._flat_moments(P, seg)
-                fused.append((("__segment__", id(ps.buffer)), ps, gs, m, v))
+        fused = self._whole_segments(whole, params)
         in_fused = {n for P, _ in whole for n in P.views}
         params = {n: p for n, p in params.items() if n not in in_fused}
-        ranges = {}
-        for _, ps, _, _, _ in fused:
-            ranges[id(ps.buffer)] = [(0, ps.numel)] if rt.unsplit else self._ranges(ps)
-        for key, ps, _, _, _ in fused:
-            for i in range(len(ranges[id(ps.buffer)])):
-                self._slot(key if i == 0 else (key, i))
-        for name, p in params.items():
-            g = grads[name]
-            if p.numel != g.numel:
-                raise ValueError(f"AdamW: {name!r}: parameter has {p.numel} elements, gradient {g.numel}")
-            if p.dtype != "f32" or g.dtype != "f32":
-                raise ValueError(f"AdamW: {name!r}: f32 tensors expected")
-            for what, t in (("parameter", p), ("gradient", g)):
-                if t.offset % al:
-                    raise ValueError(f"AdamW: {name!r}: {what} view offset {t.offset} is not a multiple "
-                                     f"of the storage-offset alignment {al}")
-            self._moment(name, p)
-            ranges[name] = [(0, p.numel)] if rt.unsplit else self._ranges(p)
-            for i in range(len(ranges[name])):
-                self._slot(name if i == 0 else (name, i))
+        ranges = self._plan_ranges(params, grads, fused)
         self._ensure_uniform_capacity()
-
         self.step_count += 1
-        t = self.step_count
-        step_lr = self.lr if lr is None else float(lr)
-        # The kernel sees b1, b2 as f32; bias-correct with powers of those same f32 values
-        # (computed in double), so v / (1 - b2^t) stays unbiased for the betas actually used.
-        b1, b2 = (float(np.float32(b)) for b in self.betas)
-        data = bytearray(len(self._slots) * self._stride)
-        keyed = [(name, ranges[name]) for name in params]
-        keyed += [(key, ranges[id(ps.buffer)]) for key, ps, *_ in fused]
-        for key, parts in keyed:
-            for i, (_, n) in enumerate(parts):
-                struct.pack_into(_ADAM_FMT, data, self._slots[key if i == 0 else (key, i)] * self._stride,
-                                 n, step_lr, b1, b2, self.eps, self.weight_decay,
-                                 b1 ** t, b2 ** t, self.max_delta, 0 if skip is None else 1, 0.0, 0.0)
-        rt.write_buffer(self._ubuf, 0, bytes(data))
+        self._write_uniforms(params, fused, ranges, self.lr if lr is None else float(lr), skip)
 
         clip = clip_factor if clip_factor is not None else self._ones_tensor()
         if skip is None:
@@ -320,6 +280,60 @@ class AdamW:
                 if n % 4:
                     rec.dispatch("adamw", "adamw_tail", binds, 1)
         self._last_encoder = rec.encoder
+
+    def _whole_segments(self, whole, params: dict) -> list:
+        """(slot key, p, g, m, v) of every segment of the stores that train whole."""
+        fused = []
+        for P, G in whole:
+            if not set(P.views) <= set(params) or P.where != G.where:
+                raise ValueError("AdamW: a whole store must train every view and share the gradients' layout")
+            for seg, (ps, gs) in enumerate(zip(P.segments, G.segments)):
+                m, v = self._flat_moments(P, seg)
+                fused.append((("__segment__", id(ps.buffer)), ps, gs, m, v))
+        return fused
+
+    def _plan_ranges(self, params: dict, grads: dict, fused: list) -> dict:
+        """The element ranges each tensor (or whole segment) steps in, each with its uniform
+        slot; the per-name tensors checked and their moments made."""
+        rt = self.rt
+        al = rt.storage_align
+        ranges = {}
+        for _, ps, _, _, _ in fused:
+            ranges[id(ps.buffer)] = [(0, ps.numel)] if rt.unsplit else self._ranges(ps)
+        for key, ps, _, _, _ in fused:
+            for i in range(len(ranges[id(ps.buffer)])):
+                self._slot(key if i == 0 else (key, i))
+        for name, p in params.items():
+            g = grads[name]
+            if p.numel != g.numel:
+                raise ValueError(f"AdamW: {name!r}: parameter has {p.numel} elements, gradient {g.numel}")
+            if p.dtype != "f32" or g.dtype != "f32":
+                raise ValueError(f"AdamW: {name!r}: f32 tensors expected")
+            for what, t in (("parameter", p), ("gradient", g)):
+                if t.offset % al:
+                    raise ValueError(f"AdamW: {name!r}: {what} view offset {t.offset} is not a multiple "
+                                     f"of the storage-offset alignment {al}")
+            self._moment(name, p)
+            ranges[name] = [(0, p.numel)] if rt.unsplit else self._ranges(p)
+            for i in range(len(ranges[name])):
+                self._slot(name if i == 0 else (name, i))
+        return ranges
+
+    def _write_uniforms(self, params: dict, fused: list, ranges: dict, step_lr: float, skip) -> None:
+        """This step's uniforms (one per range: its size, lr, betas and their powers, ...)."""
+        t = self.step_count
+        # The kernel sees b1, b2 as f32; bias-correct with powers of those same f32 values
+        # (computed in double), so v / (1 - b2^t) stays unbiased for the betas actually used.
+        b1, b2 = (float(np.float32(b)) for b in self.betas)
+        data = bytearray(len(self._slots) * self._stride)
+        keyed = [(name, ranges[name]) for name in params]
+        keyed += [(key, ranges[id(ps.buffer)]) for key, ps, *_ in fused]
+        for key, parts in keyed:
+            for i, (_, n) in enumerate(parts):
+                struct.pack_into(_ADAM_FMT, data, self._slots[key if i == 0 else (key, i)] * self._stride,
+                                 n, step_lr, b1, b2, self.eps, self.weight_decay,
+                                 b1 ** t, b2 ** t, self.max_delta, 0 if skip is None else 1, 0.0, 0.0)
+        self.rt.write_buffer(self._ubuf, 0, bytes(data))
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, np.ndarray]:
