@@ -442,9 +442,6 @@ class TrainOptions(Options):
 
     def check_together(self) -> None:
         _ = self.max_shard_bytes  # a bad --max-shard-size fails here (the bytes are kept)
-        if self.ckpt is not None and self.resume is not None:
-            raise MemengineError(f"CKPT {self.ckpt} and --resume {self.resume}: --resume continues from its "
-                                 "own checkpoint; leave out CKPT")
         if self.val_data and self.val_fraction > 0:
             raise self.bad("val_fraction", "give --val-data or --val-fraction, not both")
         if self.min_lr and self.lr_schedule == "constant":

@@ -207,9 +207,23 @@ class _Run:
                                  f"memengine {snap.kind} --resume")
         self.out = Path(o.output) if o.output is not None else snap.run_dir
         self.in_place = snap is not None and self.out.resolve() == snap.run_dir.resolve()
+        if snap is not None and o.ckpt is not None:
+            self._check_resumed_ckpt(str(snap.state.get("input")))
         return lora.open_source(snap.dir if snap is not None else o.ckpt, revision=None if snap else o.revision,
                                 model_type=None if snap else o.model_type, base=o.base,
                                 warn=self.listener.on_warning)
+
+    def _check_resumed_ckpt(self, started_from: str) -> None:
+        """CKPT beside --resume (the command that was run, plus --resume) is accepted when it is
+        the checkpoint the resumed run started from, and refused naming both otherwise."""
+        given = str(self.o.ckpt)
+        same = started_from in (given, public_path(given))
+        if not same and Path(given).exists() and Path(started_from).exists():
+            same = Path(given).resolve() == Path(started_from).resolve()
+        if not same:
+            raise MemengineError(f"CKPT {given} and --resume {self.o.resume}: the resumed run started from "
+                                 f"{started_from}; leave out CKPT (--resume continues from its own checkpoint) "
+                                 "or give that one")
 
     def _check_output(self, opened) -> None:
         """OUT may be written (and is none of the inputs); a resumed run is the same run."""
@@ -217,7 +231,11 @@ class _Run:
         ref = opened.ref
         inputs = self._inputs(ref.path) + [("the adapter", Path(p)) for p in
                                            (opened.adapter and opened.adapter.path, o.lora_from) if p]
-        staging.check_output(self.out, o.force, inputs=inputs, owned=self.in_place, on_note=lis.on_note)
+        hint = None
+        if not self.in_place and snapshots.resumable(self.out):
+            hint = (f"it holds a run that --resume {self.out} continues; --force replaces it" if snap is None
+                    else "use --force to replace it")
+        staging.check_output(self.out, o.force, inputs=inputs, owned=self.in_place, on_note=lis.on_note, hint=hint)
         if self.in_place:
             for note in staging.clean_leftovers(self.out / snapshots.CHECKPOINTS_DIR):
                 lis.on_note(note)

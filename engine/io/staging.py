@@ -286,12 +286,13 @@ def _writable_parent(out: Path) -> Path:
 
 
 def check_output(out: Path, force: bool, inputs: Iterable = (), owned: bool = False,
-                 on_note: Optional[Callable[[str], None]] = None) -> Path:
+                 on_note: Optional[Callable[[str], None]] = None, hint: Optional[str] = None) -> Path:
     """Refuse OUT that would overwrite or lose something (see the module doc).
 
     `inputs`: (what, path) pairs (or bare paths) the run reads: OUT may not be one, contain
     one or lie inside one.  `owned`: OUT is the resumed run's own directory (continuing in
-    place), which may be non-empty.  `on_note` hears what `recover` did."""
+    place), which may be non-empty.  `on_note` hears what `recover` did.  `hint`: what to
+    say in place of "use --force" when OUT is not empty (a resumable run's `--resume`)."""
     out = Path(out)
     if str(out) in ("", "-", "."):
         raise MemengineError("--output must be a directory path")
@@ -318,7 +319,7 @@ def check_output(out: Path, force: bool, inputs: Iterable = (), owned: bool = Fa
                 raise MemengineError(f"{flag}: lies inside {what} {p} (it would write into an input); write to "
                                      "another directory")
     if not owned and out.is_dir() and any(out.iterdir()) and not force:
-        raise MemengineError(f"{flag}: directory exists and is not empty (use --force to replace it)")
+        raise MemengineError(f"{flag}: directory exists and is not empty ({hint or 'use --force to replace it'})")
     return out
 
 

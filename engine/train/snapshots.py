@@ -102,6 +102,13 @@ def locate(path: Path) -> Snapshot:
     return Snapshot(d, step, st, p)
 
 
+def resumable(run_dir: Path) -> bool:
+    """True when `run_dir` holds a run --resume can continue (a step checkpoint or a
+    finished OUT's trainer state)."""
+    p = Path(run_dir)
+    return p.is_dir() and ((p / STATE_FILE).is_file() or bool(list_steps(p)))
+
+
 def relative_to_run(path: str, run_dir: Path) -> str:
     """A data path as a trainer state holds it: relative to the run directory (no absolute
     local path in an output, and --resume finds it from any working directory)."""
