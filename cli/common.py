@@ -4,8 +4,8 @@ Conventions (SPEC section 8):
 
 * human output on stderr (through `cli.ui.UI`), machine output (`--json`) on stdout only;
 * exit 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back, 130 Ctrl-C;
-* a user error is one line ``error: ...`` and never a traceback (``MEMENGINE_DEBUG=1``
-  prints it).
+* a user error is one line ``error: ...`` and never a traceback; an internal error's line
+  says that ``MEMENGINE_DEBUG=1`` prints its traceback.
 
 Outputs are written by the engine (engine/staging.py); signals are routed by
 engine/interrupts.py, installed here for the duration of a command.
@@ -63,6 +63,8 @@ class CommandGroup(TyperGroup):
         except ClickException as e:
             if not standalone_mode:
                 raise
+            if type(e).__name__ == "NoArgsIsHelpError":  # `memengine` alone: the help was shown
+                sys.exit(0)
             sys.stderr.write(f"error: {usage_message(e)}\n")
             sys.exit(2 if isinstance(e, _click.exceptions.UsageError) else (e.exit_code or 2))
         except (KeyboardInterrupt, typer.Abort):
@@ -126,16 +128,15 @@ def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, ui.stdout.fileno())
         raise typer.Exit(EXIT_BROKEN_PIPE)
-    except MemengineError as e:
+    except MemengineError as e:  # the user's input or environment: the line says it all
         if debug_enabled():
             traceback.print_exc(file=sys.stderr)
-        ui.error(str(e) or type(e).__name__, None if debug_enabled() else DEBUG_HINT)
+        ui.error(str(e) or type(e).__name__)
         raise typer.Exit(int(getattr(e, "exit_code", 2)))
     except UnicodeDecodeError as e:
         if debug_enabled():
             traceback.print_exc(file=sys.stderr)
-        ui.error(f"input is not valid UTF-8 text ({e.reason} at byte {e.start})",
-                 None if debug_enabled() else DEBUG_HINT)
+        ui.error(f"input is not valid UTF-8 text ({e.reason} at byte {e.start})")
         raise typer.Exit(2)
     except OSError as e:
         if debug_enabled():

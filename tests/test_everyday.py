@@ -52,3 +52,45 @@ def test_running_the_command_again_names_resume(tiny_ckpt_ro, text, tmp_path):
     r = run("train", tiny_ckpt_ro, "--data", text, "-o", out, *TRAIN, "--max-steps", "4")
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, f"--resume {out}")
+
+
+# ----------------------------------------------------------------------------- small things
+def test_memengine_alone_prints_the_help_and_no_error():
+    from test_cli import run_proc
+
+    r = run_proc()
+    assert r.returncode == 0
+    assert "Usage: memengine" in r.stdout and "error:" not in r.stderr
+
+
+def test_a_user_error_is_one_line_without_the_traceback_hint(tmp_path):
+    r = run("eval", tmp_path / "nothing-here", "--data", tmp_path / "d.txt")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "not found")
+    assert "MEMENGINE_DEBUG" not in r.stderr
+
+
+def test_info_on_a_device_that_is_not_there_exits_2_as_eval_does(tiny_ckpt_ro, text):
+    r = run("info", tiny_ckpt_ro, "--device", "no-such-device")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "no-such-device")
+    r = run("eval", tiny_ckpt_ro, "--data", text, "--device", "no-such-device")
+    assert r.exit_code == 2
+
+
+def test_verbose_shows_no_xdg_runtime_dir_lines(tiny_ckpt_ro, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "MEMENGINE_DEBUG")}
+    r = subprocess.run([sys.executable, "-m", "memengine.cli.main", "info", str(tiny_ckpt_ro), "-v"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "XDG_RUNTIME_DIR" not in r.stderr
+
+
+def test_the_demo_says_where_its_checkpoints_went():
+    r = run("demo", "--epochs", "1", "--chars", "512")
+    assert r.exit_code == 0, r.stderr
+    assert "--workdir DIR keeps them" in r.stderr

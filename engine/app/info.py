@@ -61,6 +61,8 @@ def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
         device, caps = rt.describe(), rt.capabilities()
         plan = mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt))
     except MemengineError as e:
+        if o.device not in (None, "", "auto"):  # a device asked for by name that is not there: as eval says
+            raise
         device, caps = f"none ({e})", None
     tok = getattr(c, "tokenizer_path", None)
     data = {

@@ -79,10 +79,9 @@ class Backend:
 
     # ---------------------------------------------------------------- adapters
     def quiet(self, verbose: bool) -> None:
-        """Keep driver chatter off stderr unless the user asked for it."""
-        if verbose:
-            return
-        # Mesa prints "XDG_RUNTIME_DIR is invalid or not set" when it is unset/invalid.
+        """Keep driver chatter off stderr unless the user asked for it.  Mesa's "XDG_RUNTIME_DIR
+        is invalid or not set", which reads like an error and is none, goes in either case:
+        a private runtime directory is made when the variable names none."""
         xdg = os.environ.get("XDG_RUNTIME_DIR")
         if not xdg or not os.path.isdir(xdg):
             d = os.path.join(tempfile.gettempdir(), f"memengine-runtime-{os.getuid()}")
