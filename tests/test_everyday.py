@@ -94,3 +94,14 @@ def test_the_demo_says_where_its_checkpoints_went():
     r = run("demo", "--epochs", "1", "--chars", "512")
     assert r.exit_code == 0, r.stderr
     assert "--workdir DIR keeps them" in r.stderr
+
+
+def test_a_resumed_run_keeps_the_first_segments_finished_time(tiny_ckpt_ro, text, tmp_path):
+    out = tmp_path / "out"
+    assert run("train", tiny_ckpt_ro, "--data", text, "-o", out, *TRAIN, "--max-steps", "2").exit_code == 0
+    first = json.loads((out / "memengine.json").read_text())["segments"][0]["finished"]
+    assert first is not None
+    r = run("train", "--resume", out, "--max-steps", "4")
+    assert r.exit_code == 0, r.stderr
+    segs = json.loads((out / "memengine.json").read_text())["segments"]
+    assert len(segs) == 2 and segs[0]["finished"] == first and segs[1]["finished"] is not None

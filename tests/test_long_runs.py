@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,10 +125,13 @@ def test_continue_in_place_and_for_more_epochs(tiny_ckpt_ro, text, tmp_path):
     steps = [e["step"] for e in rec["history"] if e["event"] == "epoch"]
     assert steps == sorted(steps) and steps[-1] == events(r.stdout, "summary")[0]["steps"]
     assert len(rec["segments"]) == 2 and rec["options"]["epochs"] == 3
-    # nothing to do: the run is already at its end; a CKPT with --resume is refused
+    # nothing to do: the run is already at its end; a CKPT with --resume that is not the one
+    # the run started from is refused (the one it started from is accepted: test_everyday.py)
     r = run("train", "--resume", out, "--epochs", "3")
     assert r.exit_code == 0, r.stderr
-    r = run("train", tiny_ckpt_ro, "--resume", out)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_ckpt_ro, other)
+    r = run("train", other, "--resume", out)
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, "--resume")
 

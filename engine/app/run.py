@@ -213,6 +213,23 @@ class _Run:
                                 model_type=None if snap else o.model_type, base=o.base,
                                 warn=self.listener.on_warning)
 
+    def _finished_times(self, run_dir: Path) -> None:
+        """A step checkpoint's state was written before its invocation ended: the end times
+        of the invocations that finished come from the run's record (memengine.json)."""
+        from memengine.engine.io.inputs import read_json
+
+        rec_file = Path(run_dir) / staging.RECORD_FILE
+        if not rec_file.is_file():
+            return
+        try:
+            done = {s.get("started"): s.get("finished") for s in read_json(rec_file, "run record").get("segments", [])
+                    if isinstance(s, dict)}
+        except (MemengineError, AttributeError):
+            return  # an unreadable record: the times stay unknown
+        for seg in self.segments:
+            if seg.get("finished") is None and done.get(seg.get("started")) is not None:
+                seg["finished"] = done[seg["started"]]
+
     def _check_resumed_ckpt(self, started_from: str) -> None:
         """CKPT beside --resume (the command that was run, plus --resume) is accepted when it is
         the checkpoint the resumed run started from, and refused naming both otherwise."""
@@ -333,7 +350,9 @@ class _Run:
             n = sum(1 for k in opt_state if k.endswith(".exp_avg"))
             lis.on_note(f"resuming optimizer state from {opt_file} ({n} moments)")
         self.state = LoopState.from_dict(snap.state.get("loop") or {}) if snap is not None else LoopState()
-        self.segments = list(snap.state.get("segments") or []) if snap is not None else []
+        self.segments = [dict(s) for s in snap.state.get("segments") or []] if snap is not None else []
+        if snap is not None:
+            self._finished_times(snap.run_dir)
         self.segments.append(records.segment(self.device, None if snap is None else public_path(snap.dir),
                                              self.state.step))
         if snap is not None:
@@ -467,6 +486,9 @@ class _Run:
         best_dir = None
         if self.o.keep_best and st.best is not None:
             best_dir = snapshots.step_dir(self.out, st.best["step"])
+        # this invocation's segment ends now: OUT's trainer state carries it, so a later --resume
+        # keeps the time in the history
+        self.segments[-1]["finished"] = records.now()
         ctx = staging.publish_files(self.out) if self.claimed else staging.staged_output(self.out, self.o.force)
         with ctx as tmp:
             if best_dir is not None and best_dir.is_dir():
@@ -476,7 +498,7 @@ class _Run:
             else:
                 self.write_checkpoint(tmp, self.out)
             segs = [dict(s) for s in self.segments]
-            segs[-1].update(finished=records.now(), last_step=st.step)
+            segs[-1].update(last_step=st.step)
             rec = records.run_record(self.o.KIND, self.recorded_options(), input_path=self.input,
                                      device=self.device,
                                      segments=segs, history=st.history, result=result,
