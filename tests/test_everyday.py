@@ -105,3 +105,18 @@ def test_a_resumed_run_keeps_the_first_segments_finished_time(tiny_ckpt_ro, text
     assert r.exit_code == 0, r.stderr
     segs = json.loads((out / "memengine.json").read_text())["segments"]
     assert len(segs) == 2 and segs[0]["finished"] == first and segs[1]["finished"] is not None
+
+
+def test_generate_says_when_byte_level_text_leaves_ids_out(tmp_path):
+    """A model whose vocabulary is larger than the byte tokenizer's 256 ids may generate ids
+    that have no text: said once, not dropped in silence."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"vocab_size": 4000, "hidden_size": 16, "state_size": 4, "num_hidden_layers": 1}))
+    assert run("init", cfg, "-o", tmp_path / "m", "--seed", "0").exit_code == 0
+    r = run("generate", tmp_path / "m", "-p", "ab", "-n", "30", "-t", "1.5", "--seed", "1", "--json")
+    assert r.exit_code == 0, r.stderr
+    tokens = json.loads(r.stdout.splitlines()[-1])["tokens"]
+    n = sum(t >= 256 for t in tokens)
+    assert n > 0   # 94% of this vocabulary is beyond the bytes
+    warns = [ln for ln in r.stderr.splitlines() if "beyond the byte-level" in ln]
+    assert len(warns) == 1 and f"{n} of the 30" in warns[0]

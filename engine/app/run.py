@@ -138,6 +138,12 @@ def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbos
         if res is None:
             raise
         res.stop = STOP_INTERRUPTED  # the signal came after the last token
+    beyond = sum(1 for t in res.tokens if t >= 256) if getattr(tok, "name", "") == "bytes" else 0
+    if beyond:
+        listener.on_warning(f"{beyond} of the {len(res.tokens)} generated token ids are beyond the byte-level "
+                            f"tokenizer's 256 (the model's vocabulary is {c.config.vocab_size:,}): they have no "
+                            "text and are left out of it (the ids are in --json's \"tokens\"); give --tokenizer "
+                            "the model's tokenizer.json")
     return res
 
 
