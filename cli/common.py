@@ -14,6 +14,7 @@ engine/interrupts.py, installed here for the duration of a command.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import traceback
@@ -53,6 +54,16 @@ class CommandGroup(TyperGroup):
     """The `memengine` group: usage errors (an unknown flag, a missing argument, a value of
     the wrong type) are one `error:` line and exit 2 like every other error, not Typer's
     panel; an interrupt outside a command's guard (while parsing) is one line too."""
+
+    def get_command(self, ctx, name):
+        """Every command takes --version too (it prints the version and exits)."""
+        cmd = super().get_command(ctx, name)
+        mine = next((p for p in self.params if "--version" in getattr(p, "opts", ())), None)
+        if cmd is not None and mine is not None and not any("--version" in getattr(p, "opts", ()) for p in cmd.params):
+            opt = copy.copy(mine)     # the group's own option (prints the version and exits),
+            opt.expose_value = False  # not passed on to the command
+            cmd.params.append(opt)
+        return cmd
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         _REPORTED["interrupt"] = False

@@ -120,3 +120,11 @@ def test_generate_says_when_byte_level_text_leaves_ids_out(tmp_path):
     assert n > 0   # 94% of this vocabulary is beyond the bytes
     warns = [ln for ln in r.stderr.splitlines() if "beyond the byte-level" in ln]
     assert len(warns) == 1 and f"{n} of the 30" in warns[0]
+
+
+@pytest.mark.parametrize("cmd", ["init", "info", "eval", "train", "adapt", "merge", "quantize", "generate", "export",
+                                 "demo"])
+def test_every_command_takes_version(cmd):
+    r = run(cmd, "--version")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.startswith("memengine ")
