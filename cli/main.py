@@ -126,6 +126,37 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
     return output
 
 
+# =========================================================================== devices
+@app.command("devices", help="""List the GPU adapters memengine can run on, with the limits and features runs depend on.
+
+The adapter marked auto is the one --device auto takes; --device NAME takes the first whose name contains NAME.""",
+             epilog=_examples("memengine devices", "memengine devices --json | jq -r '.devices[].name'"))
+def devices_cmd(
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+):
+    from memengine.engine.app.devices import list_devices
+
+    ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
+    with guard(ui):
+        found = list_devices(verbose=verbose)
+        rows = []
+        for d in found:
+            if "error" in d:
+                ui.warn(f"backend {d['backend']}: {d['error']}")
+                continue
+            lim = d["limits"]
+            rows.append((("* " if d["auto"] else "  ") + d["name"], d["type"], d["api"],
+                         f"{lim.get('max-storage-buffer-binding-size', 0) / 2**20:,.0f} MiB",
+                         f"{lim.get('max-buffer-size', 0) / 2**20:,.0f} MiB",
+                         ", ".join(f for f in d["features"] if f in ("shader-f16", "subgroup", "subgroups",
+                                                                      "timestamp-query")) or "-"))
+        ui.table("GPU adapters (* = what --device auto takes)", ["adapter", "type", "api", "binding", "buffer",
+                                                                 "features"], rows)
+        ui.emit({"devices": found})
+
+
 # =========================================================================== info
 def _info(o: InfoOptions, ui: UI) -> None:
     from memengine.engine import models

@@ -128,3 +128,16 @@ def test_every_command_takes_version(cmd):
     r = run(cmd, "--version")
     assert r.exit_code == 0, r.stderr
     assert r.stdout.startswith("memengine ")
+
+
+def test_devices_lists_the_adapters_and_the_one_auto_takes():
+    r = run("devices", "--json")
+    assert r.exit_code == 0, r.stderr
+    found = json.loads(r.stdout)["devices"]
+    assert found and sum(d["auto"] for d in found) == 1
+    assert all(d["limits"]["max-storage-buffer-binding-size"] > 0 for d in found)
+    from memengine.engine.runtime import get_runtime
+
+    rt = get_runtime()
+    auto = next(d for d in found if d["auto"])
+    assert auto["name"] == rt.adapter_name
