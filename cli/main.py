@@ -257,6 +257,8 @@ def _train(o: TrainOptions, ui: UI) -> None:
 
     with ui.run_view() as view:
         res = run_train(o, view, verbose=ui.verbose)
+    if o.dry_run:
+        return _show_dry_run(ui, res)
     s = res.summary()
     ui.note(f"wrote {res.output} (final loss {s['final_loss']:.4f}, {s['steps']} steps, {res.elapsed_s:.1f}s)")
     ui.emit(s)
@@ -278,12 +280,36 @@ Resumes the optimizer moments from optimizer.safetensors beside CKPT when presen
 ))
 
 
+def _show_dry_run(ui: UI, d: dict) -> int:
+    from memengine.engine.app.plan import fmt_bytes
+
+    st, ck, mem = d["steps"], d["checkpoints"], d["memory"]
+    ui.kv(f"dry run: {d['kind']} {d['input']} -> {d['output']} (nothing is trained or written)", [
+        ("resumes", "no" if d["resume"] is None else f"{d['resume']['from']} at step {d['resume']['step']}"),
+        ("data", f"{d['data']['tokens']:,} tokens, {d['data']['documents']:,} document(s), sha256 "
+                 f"{d['data']['sha256'][:12]}"),
+        ("windows", f"{d['windows']['train']:,} for training, {d['windows']['held_out']:,} held out"),
+        ("steps", f"{st['total']:,} in all ({st['per_epoch']:,} an epoch), from step {st['from']:,}"),
+        ("checkpoints", "none (no --save-every)" if not ck["every"] else
+         f"every {ck['every']:,} steps" + (f", the last {ck['keep_last']} kept" if ck["keep_last"] else "")
+         + (", the best kept" if ck["keep_best"] else "")),
+        ("device", d["device"]),
+        ("memory", f"{fmt_bytes(mem['total_bytes'])} ("
+                   + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem["bytes"].items() if v) + "); fits"),
+        ("options", " ".join(f"{k}={v}" for k, v in sorted(d["options"].items()) if v not in (None, [], False))),
+    ])
+    ui.emit(d)
+    return 0
+
+
 # =========================================================================== adapt
 def _adapt(o: AdaptOptions, ui: UI) -> int:
     from memengine.engine.app.run import run_adapt
 
     with ui.run_view() as view:
         res = run_adapt(o, view, verbose=ui.verbose)
+    if o.dry_run:
+        return _show_dry_run(ui, res)
     a = res.adapt
     summary = res.summary()
     ui.kv("adapt summary", [

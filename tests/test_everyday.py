@@ -141,3 +141,25 @@ def test_devices_lists_the_adapters_and_the_one_auto_takes():
     rt = get_runtime()
     auto = next(d for d in found if d["auto"])
     assert auto["name"] == rt.adapter_name
+
+
+def test_dry_run_shows_the_plan_and_writes_nothing(tiny_ckpt_ro, text, tmp_path):
+    out = tmp_path / "out"
+    r = run("train", tiny_ckpt_ro, "--data", text, "-o", out, *TRAIN, "--max-steps", "3", "--dry-run", "--json")
+    assert r.exit_code == 0, r.stderr
+    (d,) = [json.loads(ln) for ln in r.stdout.splitlines()]
+    assert d["event"] == "dry_run" and not out.exists()
+    assert d["steps"]["total"] == 3 and d["checkpoints"]["every"] == 2 and d["memory"]["ok"]
+    # the steps and the plan are the real run's
+    r = run("train", tiny_ckpt_ro, "--data", text, "-o", out, *TRAIN, "--max-steps", "3", "--json")
+    assert r.exit_code == 0, r.stderr
+    summary = [e for e in map(json.loads, r.stdout.splitlines()) if e.get("event") == "summary"][0]
+    assert summary["steps"] == 3
+    # a run that cannot fit is refused by the dry run as by the run itself
+    r = run("train", tiny_ckpt_ro, "--data", text, "-o", tmp_path / "o2", *TRAIN, "--dry-run",
+            env={"MEMENGINE_MAX_MEMORY_BYTES": "64K"})
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "needs")
+    r = run("adapt", tiny_ckpt_ro, "--data", text, "-o", tmp_path / "o3", "--seq-len", "32", "--dry-run")
+    assert r.exit_code == 0, r.stderr
+    assert not (tmp_path / "o3").exists()

@@ -410,6 +410,9 @@ class TrainOptions(Options):
     tokenizer: Optional[str] = _tokenizer()
     force: bool = opt(False, flags=("--force", "-f"), panel=OUTPUT, config=False, restore=False,
                       help="Replace OUT if it exists and is not empty.")
+    dry_run: bool = opt(False, panel=OUTPUT, config=False, restore=False,
+                        help="Check everything and show what the run would do (the options, the data, the steps, "
+                             "the checkpoints, the memory plan), then exit: nothing is trained or written.")
 
     @classmethod
     def help_values(cls) -> dict:

@@ -200,8 +200,40 @@ class _Run:
         self._choose_lora(opened)
         opt_state, opt_file = self._optimizer_state()
         self._read_data()
+        if o.dry_run:
+            self.dry = self._dry_run(verbose)
+            return
+        self.dry = None
         self._open_model(verbose)
         self._build_loop(opt_state, opt_file)
+
+    def _dry_run(self, verbose: bool) -> dict:
+        """What the run would do, checked as far as it can be without training: the options,
+        the data, the steps, the checkpoints and the memory plan on this device (a plan
+        that does not fit is the same one-line refusal as a real run's)."""
+        from memengine.engine.app.plan import check_run
+        from memengine.engine.train.loop import total_steps
+
+        o, run_lora = self.o, self.run_lora
+        rt = open_runtime(o.device, verbose)
+        self.device = rt.describe()
+        self.listener.on_device(self.device)
+        val = (len(self.val_batches),) if self.val_batches else ()
+        evals = (math.ceil(len(self.all_windows) / o.batch_size),) + val if o.WSLA else val
+        plan = check_run(rt, self.ckpt.config, o.batch_size, o.seq_len, "lora" if run_lora and run_lora.train else o.KIND,
+                         evals, reads_apart(o, len(self.windows)),
+                         adapter=None if run_lora is None else lora.plan_sizes(self.ckpt.config, run_lora.spec,
+                                                                               run_lora.tensors, train=run_lora.train))
+        per_epoch = math.ceil(len(self.windows) / (o.batch_size * o.grad_accum))
+        start = int((self.snap.state.get("step") if self.snap is not None else 0) or 0)
+        return {"event": "dry_run", "kind": o.KIND, "input": self.input, "output": public_path(self.out),
+                "resume": None if self.snap is None else {"from": public_path(self.snap.dir), "step": start},
+                "options": self.recorded_options(), "data": self.data_info,
+                "windows": {"train": len(self.windows), "held_out": sum(b.n_windows for b in self.val_batches)
+                            if self.val_batches else 0},
+                "steps": {"per_epoch": per_epoch, "total": total_steps(o, per_epoch), "from": start},
+                "checkpoints": {"every": o.save_every, "keep_last": o.keep_last, "keep_best": o.keep_best},
+                "device": self.device, "memory": plan.to_dict()}
 
     def _open_source(self):
         """The run's checkpoint: CKPT, or the step directory --resume names."""
@@ -542,9 +574,12 @@ class _Run:
             raise NonFiniteError(f"{e}; {self.left()}") from None
 
 
-def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: bool = False) -> RunResult:
-    """Fine-tune every parameter as `o` says and write OUT (see the module doc)."""
+def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: bool = False):
+    """Fine-tune every parameter as `o` says and write OUT (see the module doc).  With
+    --dry-run, the dict of what the run would do instead (nothing trained or written)."""
     r = _Run(o, listener or Listener(), verbose)
+    if r.dry is not None:
+        return r.dry
     with r.interruptible():
         t0 = time.perf_counter()
         r.train()
@@ -560,6 +595,8 @@ def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: boo
     rollback (exit status 3, nothing written) on regression."""
     lis = listener or Listener()
     r = _Run(o, lis, verbose)
+    if r.dry is not None:
+        return r.dry
     with r.interruptible():
         return _adapt(r, o, lis)
 
