@@ -2,7 +2,8 @@
 
 Conventions (SPEC section 8):
 
-* human output on stderr (through `cli.ui.UI`), machine output (`--json`) on stdout only;
+* a command's result (info's report, eval's figures, quantize's table) on stdout, progress
+  and notes on stderr (through `cli.ui.UI`); with `--json`, stdout holds the JSON lines only;
 * exit 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back, 130 Ctrl-C;
 * a user error is one line ``error: ...`` and never a traceback; an internal error's line
   says that ``MEMENGINE_DEBUG=1`` prints its traceback.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -153,7 +154,7 @@ def devices_cmd(
                          ", ".join(f for f in d["features"] if f in ("shader-f16", "subgroup", "subgroups",
                                                                       "timestamp-query")) or "-"))
         ui.table("GPU adapters (* = what --device auto takes)", ["adapter", "type", "api", "binding", "buffer",
-                                                                 "features"], rows)
+                                                                 "features"], rows, result=True)
         ui.emit({"devices": found})
 
 
@@ -167,7 +168,7 @@ def _info(o: InfoOptions, ui: UI) -> None:
     d = rep.data
     if rep.lora is not None:
         ui.kv(f"LoRA adapter {o.ckpt}", [(k.replace("_", " "), ", ".join(v) if isinstance(v, list) else v)
-                                         for k, v in rep.lora.items()])
+                                         for k, v in rep.lora.items()], result=True)
         ui.emit(d)
         return
     cfg, caps, plan = rep.config, d["gpu"], d["plan"]
@@ -189,13 +190,13 @@ def _info(o: InfoOptions, ui: UI) -> None:
         ("GPU features", "n/a" if caps is None else
          f"{', '.join(caps['features']) or 'none'}; largest binding "
          f"{caps['max_storage_binding_bytes'] / 2**20:,.0f} MiB"),
-    ])
+    ], result=True)
     if plan is not None:
         lim = plan["limits"]
         ui.table(f"memory plan for batch {o.batch_size} x {o.seq_len} (largest buffer "
                  f"{mplan.fmt_bytes(lim['max_buffer_bytes'])}, binding {mplan.fmt_bytes(lim['max_binding_bytes'])}"
                  f", memory {'unknown' if lim['memory_bytes'] is None else mplan.fmt_bytes(lim['memory_bytes'])})",
-                 ["", *mplan.KINDS], mplan.report_rows(plan), right=[False, True, True, True])
+                 ["", *mplan.KINDS], mplan.report_rows(plan), right=[False, True, True, True], result=True)
         ui.note(f"memory budget: {lim['memory_source']}")
         for kind in mplan.KINDS:
             if not plan[kind]["ok"]:
@@ -231,11 +232,13 @@ def _eval(o: EvalOptions, ui: UI) -> None:
         rep = run_eval(o, view, verbose=ui.verbose)
     on = describe_sources(o.data)
     if rep.other is None:
-        ui.kv(f"eval {o.ckpt} on {on}", _eval_rows(rep.result) + [("elapsed", f"{rep.elapsed_s:.1f}s")])
+        ui.kv(f"eval {o.ckpt} on {on}", _eval_rows(rep.result) + [("elapsed", f"{rep.elapsed_s:.1f}s")],
+              result=True)
     else:
         a, b = _eval_rows(rep.result), _eval_rows(rep.other)
         ui.table(f"eval on {on}: A = {o.ckpt}, B = {o.compare}", ["", "A", "B", "B - A"],
-                 [(k, va, vb, vb - va) for (k, va), (_, vb) in zip(a, b)], right=[False, True, True, True])
+                 [(k, va, vb, vb - va) for (k, va), (_, vb) in zip(a, b)], right=[False, True, True, True],
+                 result=True)
     ui.emit(rep.to_dict())
 
 
@@ -435,7 +438,7 @@ def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate:
     tot_before, tot_after, worst = report.bytes_before, report.bytes_after, report.max_abs_error
     ui.table(f"quantize {src} -> {'(dry run)' if dry_run else output} ({dtype})",
              ["tensor", "from", "to", "bytes before", "bytes after", "bits/weight", "max abs error", "saturated"],
-             table, right=[False, False, False, True, True, True, True, False])
+             table, right=[False, False, False, True, True, True, True, False], result=True)
     ratio = (tot_after / tot_before) if tot_before else float("nan")
     ui.note(f"total {tot_before:,} -> {tot_after:,} bytes ({ratio:.2%}); largest abs error {worst:.3g}"
             + ("; dry run, nothing written" if dry_run else f"; wrote {output}"))
@@ -527,7 +530,7 @@ def demo(
 
     Initialises a tiny model, trains it on bundled public-domain text, adapts it to a new sentence (perplexity before and after), quantizes it to fp16, evaluates the fp16 model, and generates a line from the trained and the adapted model side by side.
     """
-    ui = UI(json_mode=False, quiet=quiet, verbose=verbose)
+    ui = UI(json_mode=False, quiet=quiet, verbose=verbose, stdout=sys.stderr)   # a tour: all of it on stderr
     with guard(ui):
         do_demo(ui, workdir, shape, epochs, chars, seq_len, batch_size, lr, device, force, verbose)
 

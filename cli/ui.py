@@ -288,6 +288,16 @@ class UI:
         self.console = Console(file=err, force_terminal=tty, no_color=no_color,
                                highlight=tty, soft_wrap=not tty,
                                width=None if tty else 200)
+        # a command's result (info's report, eval's figures, quantize's table) goes to stdout,
+        # so `memengine info m | grep parameters` finds it; with --json stdout is JSON only
+        out_tty = False
+        try:
+            out_tty = bool(self.stdout.isatty())
+        except Exception:
+            out_tty = False
+        self.result_console = self.console if json_mode else Console(
+            file=self.stdout, force_terminal=out_tty, no_color=bool(os.environ.get("NO_COLOR")) or not out_tty,
+            highlight=out_tty, soft_wrap=not out_tty, width=None if out_tty else 200)
 
     # -- machine output
     def emit(self, obj: dict) -> None:
@@ -329,8 +339,8 @@ class UI:
             line += f" {hint}"
         self.console.print(Text(line, style="bold red" if self.tty else ""), soft_wrap=True)
 
-    def kv(self, title: str, rows: Iterable[tuple[str, Any]]) -> None:
-        """A two-column key/value table."""
+    def kv(self, title: str, rows: Iterable[tuple[str, Any]], result: bool = False) -> None:
+        """A two-column key/value table (`result`: the command's result, on stdout)."""
         if self.quiet:
             return
         t = Table(title=title, title_justify="left", show_header=False, show_edge=False, box=None,
@@ -339,10 +349,11 @@ class UI:
         t.add_column("value")
         for k, v in rows:
             t.add_row(str(k), _fmt(v))
-        self.console.print(t)
+        (self.result_console if result else self.console).print(t)
 
     def table(self, title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
-              right: Sequence[bool] | None = None) -> None:
+              right: Sequence[bool] | None = None, result: bool = False) -> None:
+        """A table (`result`: the command's result, on stdout)."""
         if self.quiet:
             return
         t = Table(title=title, title_justify="left", show_edge=False,
@@ -351,7 +362,7 @@ class UI:
             t.add_column(str(c), justify="right" if (right and right[i]) else "left")
         for r in rows:
             t.add_row(*[_fmt(v) for v in r])
-        self.console.print(t)
+        (self.result_console if result else self.console).print(t)
 
     def run_view(self) -> RunView:
         return RunView(self)

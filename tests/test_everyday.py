@@ -163,3 +163,14 @@ def test_dry_run_shows_the_plan_and_writes_nothing(tiny_ckpt_ro, text, tmp_path)
     r = run("adapt", tiny_ckpt_ro, "--data", text, "-o", tmp_path / "o3", "--seq-len", "32", "--dry-run")
     assert r.exit_code == 0, r.stderr
     assert not (tmp_path / "o3").exists()
+
+
+def test_results_go_to_stdout_and_progress_to_stderr(tiny_ckpt_ro, text, tmp_path):
+    r = run("info", tiny_ckpt_ro)
+    assert r.exit_code == 0 and "parameters" in r.stdout and "parameters" not in r.stderr
+    r = run("eval", tiny_ckpt_ro, "--data", text, "--seq-len", "32")
+    assert r.exit_code == 0 and "perplexity" in r.stdout
+    r = run("quantize", tiny_ckpt_ro, "-o", tmp_path / "q")
+    assert r.exit_code == 0 and "max abs error" in r.stdout and "wrote" in r.stderr
+    r = run("info", tiny_ckpt_ro, "--json")   # --json: stdout is the JSON alone
+    assert r.exit_code == 0 and json.loads(r.stdout)["parameters"] > 0

@@ -130,7 +130,7 @@ def test_info_prints_the_plan(rt, tiny_ckpt_ro):
         assert d[kind]["ok"] and d[kind]["bytes"] == plan.estimate(cfg, 3, 64, kind, plan.Limits.of(rt)).parts
     assert d["eval"]["bytes"]["gradients"] == 0 and d["train"]["bytes"]["moments"] > d["adapt"]["bytes"]["moments"]
     r = run_proc("info", tiny_ckpt_ro, "--seq-len", "64")
-    assert r.returncode == 0 and "memory plan for batch 1 x 64" in r.stderr and "activations" in r.stderr
+    assert r.returncode == 0 and "memory plan for batch 1 x 64" in r.stdout and "activations" in r.stdout
 
 
 def test_runs_refused_before_upload_with_the_flag_that_helps(rt, tiny_ckpt_ro, sample_text, tmp_path):
