@@ -174,3 +174,14 @@ def test_results_go_to_stdout_and_progress_to_stderr(tiny_ckpt_ro, text, tmp_pat
     assert r.exit_code == 0 and "max abs error" in r.stdout and "wrote" in r.stderr
     r = run("info", tiny_ckpt_ro, "--json")   # --json: stdout is the JSON alone
     assert r.exit_code == 0 and json.loads(r.stdout)["parameters"] > 0
+
+
+def test_the_example_training_config_runs(tiny_ckpt_ro, text, tmp_path):
+    from pathlib import Path
+
+    cfg = Path(__file__).resolve().parent.parent / "configs" / "training" / "lora-cosine.yaml"
+    r = run("train", tiny_ckpt_ro, "--data", text, "-o", tmp_path / "out", "--config", cfg, "--seq-len", "32",
+            "--max-steps", "3", "--json")
+    assert r.exit_code == 0, r.stderr
+    summary = [e for e in map(json.loads, r.stdout.splitlines()) if e.get("event") == "summary"][0]
+    assert summary["steps"] == 3 and (tmp_path / "out" / "adapter_config.json").is_file()
