@@ -554,6 +554,8 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         root = Path(cleanup)
     else:
         root = Path(workdir)
+        if root.exists() and not root.is_dir():
+            raise MemengineError(f"--workdir {root}: exists and is not a directory")
         if root.exists() and root.is_dir() and any(root.iterdir()) and not force:
             raise MemengineError(f"--workdir {root}: directory exists and is not empty (use --force to reuse it)")
         root.mkdir(parents=True, exist_ok=True)

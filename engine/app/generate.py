@@ -21,7 +21,6 @@ with each id); it never prints.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from memengine.engine.app.options import SamplingOptions
 from memengine.engine.errors import MemengineError
-from memengine.engine.io.inputs import decode_utf8
+from memengine.engine.io.inputs import decode_utf8, read_json
 from memengine.engine.kernels.decode import matvec, sample
 from memengine.engine.kernels.embedding import embedding_forward
 from memengine.engine.kernels.rmsnorm import rmsnorm_forward
@@ -75,7 +74,7 @@ def eos_token_ids(tokenizer, config, checkpoint_dir=None) -> frozenset:
         gc = Path(checkpoint_dir) / "generation_config.json"
         if gc.is_file():
             try:
-                eos = json.loads(gc.read_text(encoding="utf-8")).get("eos_token_id", eos)
+                eos = read_json(gc, "generation config").get("eos_token_id", eos)
             except (OSError, ValueError, AttributeError):
                 pass  # an unreadable side file: the config's id stands
     ids = eos if isinstance(eos, (list, tuple)) else [eos]

@@ -29,6 +29,10 @@ from memengine.engine.io.inputs import read_config_data
 from memengine.engine.io.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 from memengine.engine import models
 
+# the largest LoRA alpha taken: alpha / r scales an adapter's update, and far beyond any
+# trained adapter's a float32 product overflows (1e30: a NaN loss, 1e308: an OverflowError)
+MAX_LORA_ALPHA = 1e6
+
 # help panels of --help
 DATA = "Data"
 TRAINING = "Training"
@@ -356,7 +360,7 @@ class TrainOptions(Options):
                             help="Steps of linear warmup from 0 to --lr.")
     min_lr: float = opt(0.0, panel=SCHEDULE, check=not_negative(),
                         help="Floor of the linear or cosine decay (transformers' cosine-with-min-lr form).")
-    seed: int = opt(0, panel=DATA,
+    seed: int = opt(0, panel=DATA, check=(lambda v: 0 <= v < 2 ** 32, "must be in [0, 2^32)"),
                     help="Seed of the per-epoch window shuffle and of the --val-fraction split.")
     shuffle: bool = opt(True, flags=("--shuffle/--no-shuffle",), panel=DATA,
                         help="Shuffle the windows every epoch (from --seed); --no-shuffle keeps file order.")
@@ -389,7 +393,8 @@ class TrainOptions(Options):
     lora_rank: Optional[int] = opt(None, panel=LORA, check=at_least(1), show_default=False, metavar="R",
                                    help="Train a LoRA adapter of rank R instead of the weights (the base stays "
                                         "frozen): OUT is a PEFT adapter directory.")
-    lora_alpha: Optional[float] = opt(None, panel=LORA, check=(lambda v: v > 0, "must be positive"),
+    lora_alpha: Optional[float] = opt(None, panel=LORA, check=(lambda v: 0 < v <= MAX_LORA_ALPHA,
+                                                               f"must be in (0, {MAX_LORA_ALPHA:g}]"),
                                       show_default=False, metavar="A",
                                       help="LoRA scaling numerator: the update is A/R x B A (default: R, a scale "
                                            "of 1).")
@@ -539,14 +544,22 @@ class GenerateOptions(SamplingOptions):
 def load_option_file(path: Path) -> dict:
     """Read a YAML/JSON mapping of option names (dashes or underscores)."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise MemengineError(f"--config {p}: file not found")
+    if not p.is_file():
+        raise MemengineError(f"--config {p}: not a regular file (a config is a YAML or JSON file)")
     data = read_config_data(p, "--config file", f"--config {p}", yaml=p.suffix.lower() != ".json")
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise MemengineError(f"--config {p}: expected a mapping of option names to values")
-    return {str(k).strip().lstrip("-").replace("-", "_"): v for k, v in data.items()}
+    out: dict = {}
+    for k, v in data.items():
+        key = str(k).strip().lstrip("-").replace("-", "_")
+        if key in out:
+            raise MemengineError(f"--config {p}: option '{key}' is set twice (as '{k}' and another spelling)")
+        out[key] = v
+    return out
 
 
 def _convert(hint, val, where: str):

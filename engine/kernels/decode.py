@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import struct
 
+from memengine.engine.errors import MemengineError
 from memengine.engine.kernels.scan import CHUNK, scan_state_shape
 from memengine.engine.runtime import Recorder, Tensor, bound, cdiv, pack, split
 from memengine.engine.runtime import rows as row_view
@@ -47,8 +48,10 @@ def matvec_lanes(rt) -> int:
     barrier costs and few lanes measured fastest (4: 2.1 GB/s at 3072x768, vs 1.3 with 32);
     on a GPU a warp per row keeps loads coalesced and the loop short for few-row products.
     MEMENGINE_MATVEC_LANES overrides it (benchmarks)."""
-    env = os.environ.get("MEMENGINE_MATVEC_LANES")
+    env = os.environ.get("MEMENGINE_MATVEC_LANES", "").strip()
     if env:
+        if env not in ("1", "2", "4", "8", "16", "32", "64", "128", "256"):
+            raise MemengineError(f"MEMENGINE_MATVEC_LANES={env!r}: expected a power of two from 1 to 256")
         return int(env)
     return 4 if rt.adapter_type.lower() == "cpu" else 32
 

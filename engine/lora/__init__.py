@@ -155,6 +155,8 @@ class LoraSpec:
             raise bad(f"r is {r!r}, expected a positive integer")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
             raise bad(f"lora_alpha is {alpha!r}, expected a number")
+        if not 0 < abs(alpha) <= 1e6:
+            raise bad(f"lora_alpha is {alpha!r}, expected a magnitude in (0, 1e6] (alpha / r scales the update)")
         p = d.get("lora_dropout", 0.0) or 0.0
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
             raise bad(f"lora_dropout is {p!r}, expected a number in [0, 1)")

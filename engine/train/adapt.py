@@ -54,7 +54,8 @@ def regression(ppl_before: float, ppl_after: float, tolerance: float, failure: s
     if not math.isfinite(ppl_after):
         return f"perplexity after adaptation is not finite ({ppl_after})"
     if ppl_after > limit:
-        return (f"perplexity rose from {ppl_before:.4f} to {ppl_after:.4f}, above "
+        moved = "rose" if ppl_after > ppl_before else "fell" if ppl_after < ppl_before else "stayed"
+        return (f"perplexity {moved} from {ppl_before:.4f} to {ppl_after:.4f}, above "
                 f"before x tolerance = {ppl_before:.4f} x {tolerance:g} = {limit:.4f}")
     return ""
 
