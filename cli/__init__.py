@@ -8,7 +8,11 @@ import sys
 
 
 def main() -> None:
-    from memengine.engine import interrupts  # the standard library only: loads at once
+    try:
+        from memengine.engine import interrupts  # the standard library only: loads at once
+    except KeyboardInterrupt:  # a signal before even the handler could be installed
+        sys.stderr.write("error: interrupted while starting; nothing was written\n")
+        sys.exit(130)
 
     interrupts.install()
     try:

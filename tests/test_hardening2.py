@@ -88,3 +88,15 @@ def test_adapt_says_fell_when_the_perplexity_fell_but_missed_the_tolerance():
 
     why = regression(193.0472, 191.9218, 1e-9)
     assert "fell from 193.0472 to 191.9218" in why
+
+
+@pytest.mark.parametrize("cmd", ["info", "eval", "train"])
+def test_a_huge_batch_is_refused_at_once(tiny_ckpt_ro, text, tmp_path, cmd):
+    import time
+
+    t0 = time.perf_counter()
+    extra = {"info": [], "eval": ["--data", text], "train": ["--data", text, "-o", tmp_path / "o"]}[cmd]
+    r = run(cmd, tiny_ckpt_ro, *extra, "--batch-size", str(10**12))
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "--batch-size")
+    assert time.perf_counter() - t0 < 30

@@ -29,6 +29,9 @@ from memengine.engine.io.inputs import read_config_data
 from memengine.engine.io.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 from memengine.engine import models
 
+# tokens one step (or one evaluation batch) may hold: its rows are 32-bit indices
+MAX_ROWS = 2**31 - 1
+
 # the largest LoRA alpha taken: alpha / r scales an adapter's update, and far beyond any
 # trained adapter's a float32 product overflows (1e30: a NaN loss, 1e308: an OverflowError)
 MAX_LORA_ALPHA = 1e6
@@ -167,6 +170,10 @@ class Options:
             check = spec_of(f).check
             if check is not None and v is not None and not check[0](v):
                 raise self.bad(f.name, check[1])
+        batch, seq = getattr(self, "batch_size", None), getattr(self, "seq_len", None)
+        if isinstance(batch, int) and isinstance(seq, int) and batch * seq > MAX_ROWS:
+            raise self.bad("batch_size", f"x --seq-len {seq} must be at most {MAX_ROWS:,} tokens a step (token rows "
+                                         "are 32-bit indices)")
         self.check_together()
 
     def check_together(self) -> None:
