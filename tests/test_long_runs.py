@@ -367,7 +367,7 @@ def test_eval_metrics_and_compare(tiny_ckpt_ro, text, tmp_path):
     assert c["b"]["loss"] == d["loss"] and c["a"]["checkpoint"] == str(tiny_ckpt_ro)
     assert c["difference"]["loss"] == c["b"]["loss"] - c["a"]["loss"] < 0
     r = run("eval", tiny_ckpt_ro, "--compare", out, "--data", text, "--seq-len", "32")
-    assert "B - A" in r.stderr and "top-5 accuracy" in r.stderr
+    assert "B - A" in r.stdout and "top-5 accuracy" in r.stdout   # the result: on stdout
 
 
 def test_keep_last_and_keep_best(tiny_ckpt_ro, text, tmp_path):
