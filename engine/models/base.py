@@ -116,6 +116,7 @@ class Architecture:
     lora_targets: tuple = ()             # the layers a LoRA adapter may adapt, in order
     lora_refused: dict = {}              # layer -> why a LoRA adapter may not adapt it
     wsla_scope: str = ""                 # what `adapt` trains, in words (info, adapt --help)
+    precisions: tuple = ("fp32", "mixed")  # the --precision values its block runs
 
     # -- config
     def config_from_dict(self, d: dict, source: str):
@@ -144,6 +145,11 @@ class Architecture:
 
     def missing_hint(self, cfg, name: str) -> str:
         """Why a tensor the config implies may be missing (a config key to look at), or ''."""
+        return ""
+
+    def shape_refusal(self, cfg, name: str, shape: tuple) -> str:
+        """Why a tensor of this shape (not the config's) is a model variant not supported
+        here, in one line, or '' (then the shape mismatch itself is reported)."""
         return ""
 
     def init_weights(self, cfg, seed: int) -> dict:
