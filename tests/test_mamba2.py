@@ -241,3 +241,158 @@ def test_init_draws_transformers_distributions():
     b = 1 / np.sqrt(cfg.conv_kernel)
     assert np.abs(w[p + "conv1d.weight"]).max() <= b
     np.testing.assert_array_equal(models.of(cfg).init_weights(cfg, 0)[p + "in_proj.weight"], w[p + "in_proj.weight"])
+
+
+# ----------------------------------------------------------------------------- the command line
+TINY = dict(model_type="mamba2", vocab_size=256, hidden_size=16, num_heads=4, head_dim=8, n_groups=2, state_size=6,
+            num_hidden_layers=2, conv_kernel=4, chunk_size=8, tie_word_embeddings=False)
+TEXT = "the quick brown fox jumps over the lazy dog; a stitch in time saves nine. " * 4
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+    from memengine.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def _one_error(res, needle):
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.startswith("error:")]
+    assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert needle in lines[0], lines[0]
+
+
+def _hf_loss(ckpt, data, L):
+    """transformers' mean next-token loss over the windows `eval` cuts from the text."""
+    import json
+
+    from memengine.engine.io.checkpoint import load_checkpoint
+    from memengine.engine.io.data import make_windows, read_documents, tokenize_documents
+    from memengine.engine.io.tokenizer import load_tokenizer
+
+    c = load_checkpoint(ckpt)
+    hf = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**json.loads((ckpt / "config.json").read_text())))
+    hf = hf.double().eval()
+    sd = {k: torch.tensor(np.asarray(v), dtype=torch.float64) for k, v in c.tensors.items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ids = tokenize_documents(read_documents([str(data)]), load_tokenizer(ckpt))
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for x, y in make_windows(ids, L):
+            lg = hf(input_ids=torch.tensor(x[None], dtype=torch.long)).logits[0]
+            total += float(torch.nn.functional.cross_entropy(lg, torch.tensor(y, dtype=torch.long), reduction="sum"))
+            n += len(y)
+    return total / n, n
+
+
+def test_cli_init_train_eval_equals_transformers(tmp_path):
+    import json
+
+    (tmp_path / "c.json").write_text(json.dumps(TINY).replace('"tie_word_embeddings"', '"time_step_limit": [0.0, '
+                                                                                       'Infinity], "tie_word_embeddings"'))
+    data = tmp_path / "d.txt"
+    data.write_text(TEXT)
+    res = _cli("init", tmp_path / "c.json", "-o", tmp_path / "m", "--seed", 3)
+    assert res.exit_code == 0, res.stderr
+    assert "heads" in res.stderr
+    res = _cli("train", tmp_path / "m", "--data", data, "-o", tmp_path / "t", "--seq-len", 16, "--batch-size", 2,
+               "--max-steps", 2, "--json")
+    assert res.exit_code == 0, res.stderr
+    steps = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    assert any(e.get("event") == "summary" and e["steps"] == 2 for e in steps), res.stdout
+    res = _cli("eval", tmp_path / "t", "--data", data, "--seq-len", 16, "--json")
+    assert res.exit_code == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    want, n = _hf_loss(tmp_path / "t", data, 16)
+    print(f"\neval loss {got['loss']:.6f} vs transformers {want:.6f} over {n} tokens")
+    assert got["tokens"] == n and abs(got["loss"] - want) < 1e-5 * want
+
+
+def test_cli_refusals_are_one_line(tmp_path):
+    import json
+
+    (tmp_path / "c.json").write_text(json.dumps(TINY))
+    (tmp_path / "d.txt").write_text(TEXT)
+    assert _cli("init", tmp_path / "c.json", "-o", tmp_path / "m").exit_code == 0
+    _one_error(_cli("generate", tmp_path / "m", "-p", "The ", "-n", 3), "generate is not yet supported for mamba2")
+    _one_error(_cli("train", tmp_path / "m", "--data", tmp_path / "d.txt", "-o", tmp_path / "x", "--seq-len", 8,
+                    "--max-steps", 1, "--precision", "mixed"), "not yet supported for mamba2")
+    _one_error(_cli("train", tmp_path / "m", "--data", tmp_path / "d.txt", "-o", tmp_path / "x", "--seq-len", 8,
+                    "--max-steps", 1, "--lora-rank", 2, "--lora-targets", "out_proj"), "PEFT refuses LoRA on out_proj")
+    (tmp_path / "bad.json").write_text(json.dumps(dict(TINY, num_heads=3)))
+    _one_error(_cli("init", tmp_path / "bad.json", "-o", tmp_path / "b"), "num_heads")
+
+
+def test_a_d_mlp_in_proj_is_refused_in_one_line(tmp_path):
+    import json
+
+    from memengine.engine.io.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = Mamba2Config.from_dict(dict(TINY))
+    w = models.of(cfg).init_weights(cfg, 0)
+    save_checkpoint(tmp_path / "m", cfg, w, dtype="F32")
+    from memengine.engine.io.safetensors_io import write_safetensors
+
+    name = "backbone.layers.0.mixer.in_proj.weight"
+    w[name] = np.zeros((cfg.in_proj_rows + 2 * 24, cfg.hidden_size), np.float32)
+    write_safetensors(tmp_path / "m" / "model.safetensors", w)
+    with pytest.raises(MemengineError, match="d_mlp") as e:
+        load_checkpoint(tmp_path / "m")
+    assert "\n" not in str(e.value)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "mamba2"
+
+
+def test_adapt_trains_exactly_the_bc_dt_rows_and_dt_bias(rt):
+    """WSLA on Mamba-2: in_proj rows 2Di.. (B, C, dt) and dt_bias move; in_proj's z and x rows
+    and every other tensor stay bit-identical (weight decay on)."""
+    from memengine.engine.app.options import AdaptOptions
+    from memengine.engine.io.data import make_windows
+
+    cfg = Mamba2Config.from_dict(dict(TINY))
+    w = models.of(cfg).init_weights(cfg, 2)
+    model = LanguageModel(rt, cfg, w)
+    ids = np.frombuffer(TEXT.encode(), np.uint8).astype(np.int32)
+    o = AdaptOptions(epochs=2, lr=1e-2, batch_size=2, seq_len=16, weight_decay=0.1, shuffle=False)
+    fit(model, make_windows(ids, 16), o)
+    after = model.state_dict()
+    Di = cfg.intermediate_size
+    moved = set()
+    for n, a in w.items():
+        b = after[n].reshape(a.shape)
+        if n.endswith("in_proj.weight"):
+            np.testing.assert_array_equal(b[:2 * Di], a[:2 * Di])
+            assert (b[2 * Di:] != a[2 * Di:]).any(axis=1).all(), n   # every B, C, dt row moved
+            moved.add(n)
+        elif n.endswith("mixer.dt_bias"):
+            assert (b != a).any(), n
+            moved.add(n)
+        else:
+            np.testing.assert_array_equal(b, a, err_msg=n)
+    assert len(moved) == 2 * cfg.num_hidden_layers
+
+
+def test_lora_on_in_proj_matches_merged_weights(rt):
+    """A LoRA adapter on in_proj, applied beside the frozen layer, gives the logits of the
+    merged in_proj: the block calls the adapter hook where PEFT's module sits."""
+    from memengine.engine.lora import LoraAdapter, LoraSpec
+
+    cfg = Mamba2Config.from_dict(dict(TINY))
+    w = models.of(cfg).init_weights(cfg, 5)
+    spec = LoraSpec(r=2, alpha=4.0, targets=("in_proj",))
+    rng = np.random.default_rng(0)
+    ad = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"backbone.layers.{i}.mixer.in_proj."
+        ad[p + "lora_A.weight"] = (0.1 * rng.standard_normal((2, cfg.hidden_size))).astype(np.float32)
+        ad[p + "lora_B.weight"] = (0.1 * rng.standard_normal((cfg.in_proj_rows, 2))).astype(np.float32)
+    ids = rng.integers(0, 256, (2, 9))
+    with_adapter = LanguageModel(rt, cfg, w, lora=LoraAdapter(rt, cfg, spec, ad)).logits(ids)
+    merged = dict(w)
+    for i in range(cfg.num_hidden_layers):
+        p = f"backbone.layers.{i}.mixer.in_proj."
+        n = f"backbone.layers.{i}.mixer.in_proj.weight"
+        merged[n] = (w[n] + 2.0 * ad[p + "lora_B.weight"] @ ad[p + "lora_A.weight"]).astype(np.float32)
+    ref = LanguageModel(rt, cfg, merged).logits(ids)
+    assert rel(with_adapter, ref) < 1e-5
+    assert rel(LanguageModel(rt, cfg, w).logits(ids), ref) > 1e-3

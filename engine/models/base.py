@@ -163,6 +163,11 @@ class Architecture:
         """The tensors `adapt` (WSLA) trains, among `names`."""
         raise NotImplementedError
 
+    def wsla_rows(self, cfg, name: str):
+        """(first row, rows) of tensor `name` that `adapt` trains when only a row range of it
+        does (the others then stay bit-identical), else None (the whole tensor)."""
+        return None
+
     def lora_dims(self, cfg, target: str) -> tuple[int, int]:
         """(in_features, out_features) of a LoRA target layer."""
         raise NotImplementedError

@@ -86,6 +86,12 @@ class Mamba2(Architecture):
     def wsla_names(self, cfg, names: list) -> list:
         return [n for n in names if n.endswith(".mixer.in_proj.weight") or n.endswith(".mixer.dt_bias")]
 
+    def wsla_rows(self, cfg, name: str):
+        if name.endswith(".mixer.in_proj.weight"):   # B, C and dt: rows 2Di .. W
+            Di = cfg.intermediate_size
+            return 2 * Di, cfg.in_proj_rows - 2 * Di
+        return None
+
     def lora_dims(self, cfg, target: str) -> tuple[int, int]:
         return {"in_proj": (cfg.hidden_size, cfg.in_proj_rows)}[target]
 
