@@ -361,3 +361,77 @@ fn gnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         nb_part[u.o7 + m * u.Di + c] = go * v * r;
     }
 }
+
+// ---------------------------------------------------------------- recurrent decoding (batch 1)
+// ssd_conv_prefill: cstate[k, c] = zx[t, Di + c], t = L - (K-1) + k (0 before the prompt)
+// ssd_conv_step:    xbc[c] = silu(bias + sum_k w[c, k] * win[k]), win = cstate rows then zx[Di + c];
+//                   cstate shifted by one row
+// ssd_step:         per (h, p): state[h, p, :] = exp(dt A) state + dt x B; y = state . C + D x
+@group(0) @binding(0) var<storage, read_write> d_out: array<f32>;
+@group(0) @binding(1) var<storage, read_write> d_state: array<f32>;
+@group(0) @binding(2) var<storage, read> d_in: array<f32>;
+@group(0) @binding(3) var<storage, read> d_w: array<f32>;
+@group(0) @binding(4) var<storage, read> d_b: array<f32>;
+@group(0) @binding(5) var<uniform> UD: SP;
+@group(0) @binding(6) var<storage, read> d_dt: array<f32>;
+
+@compute @workgroup_size(256)
+fn ssd_conv_prefill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    let u = UD;
+    let K = u.Q;      // (the conv kernel width in this call)
+    let i = lin(wid, nwg, lid);
+    if (i >= (K - 1u) * u.C) { return; }
+    let k = i / u.C;
+    let c = i % u.C;
+    var v = 0.0;
+    if (u.L + k >= K - 1u) {
+        let t = u.L + k - (K - 1u);
+        v = d_in[u.o2 + t * u.W + u.Di + c];
+    }
+    d_state[u.o1 + i] = v;
+}
+
+@compute @workgroup_size(256)
+fn ssd_conv_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let u = UD;
+    let K = u.Q;
+    let c = lin(wid, nwg, lid);
+    if (c >= u.C) { return; }
+    var s = 0.0;
+    if (u.acc != 0u) { s = d_b[u.o4 + c]; }
+    for (var k = 0u; k + 1u < K; k++) {
+        s += d_w[u.o3 + c * K + k] * d_state[u.o1 + k * u.C + c];
+    }
+    let x = d_in[u.o2 + u.Di + c];
+    s += d_w[u.o3 + c * K + K - 1u] * x;
+    for (var k = 0u; k + 2u < K; k++) {
+        d_state[u.o1 + k * u.C + c] = d_state[u.o1 + (k + 1u) * u.C + c];
+    }
+    if (K > 1u) { d_state[u.o1 + (K - 2u) * u.C + c] = x; }
+    d_out[u.o0 + c] = silu(s);
+}
+
+// d_in = xbc [C], d_w = A_log [H], d_b = D [H], d_dt = dt [H]
+@compute @workgroup_size(256)
+fn ssd_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let u = UD;
+    let i = lin(wid, nwg, lid);
+    if (i >= u.H * u.P) { return; }
+    let h = i / u.P;
+    let g = h / (u.H / u.G);
+    let dt = d_dt[u.o5 + h];
+    let a = exp(dt * -exp(d_w[u.o3 + h]));
+    let x = d_in[u.o2 + i];
+    let cb = u.o2 + u.Di + g * u.N;
+    let cc = u.o2 + u.Di + u.G * u.N + g * u.N;
+    var acc = 0.0;
+    for (var n = 0u; n < u.N; n++) {
+        let s = d_state[u.o1 + i * u.N + n] * a + dt * x * d_in[cb + n];
+        d_state[u.o1 + i * u.N + n] = s;
+        acc += s * d_in[cc + n];
+    }
+    d_out[u.o0 + i] = acc + d_b[u.o4 + h] * x;
+}

@@ -187,3 +187,44 @@ def gnorm_backward(rec: Recorder, dy: Tensor, dzxbcdt: Tensor, dweight: Tensor |
         rec.dispatch("ssd", "gnorm_backward", {**{k: t for k, (t, _) in enumerate(bs)}, 8: u}, cdiv(n * G, WG))
         if dweight is not None:
             reduce(rec, dweight, part, J=Di, R=n, stride=Di, P=1, acc=True)
+
+
+# ------------------------------------------------------------------ recurrent decoding (batch 1)
+def conv_prefill(rec: Recorder, cstate: Tensor, zxbcdt: Tensor, *, L: int, Di: int, C: int, W: int, K: int) -> None:
+    """cstate [K-1, C] = the xBC columns of the prompt's last K-1 rows of zxbcdt [L, W]
+    (zeros before row 0)."""
+    if K <= 1:
+        return
+    rt = rec.rt
+    r0 = max(0, L - (K - 1))
+    (bs, os_), (bx, ox) = bound(rt, cstate), bound(rt, zxbcdt.view(((L - r0) * W,), r0 * W))
+    u = rt.uniform(_uk(K, L=L - r0, C=C, Di=Di, W=W, offs=(0, os_, ox)))
+    rec.dispatch("ssd", "ssd_conv_prefill", {1: bs, 2: bx, 5: u}, cdiv((K - 1) * C, WG))
+
+
+def _uk(K, **kw) -> bytes:
+    """The uniform block with Q holding the conv width K (the decode kernels' use of it)."""
+    b = bytearray(_u(**kw))
+    struct.pack_into("I", b, 6 * 4, K)
+    return bytes(b)
+
+
+def conv_step(rec: Recorder, xbc: Tensor, cstate: Tensor, zx: Tensor, weight: Tensor, bias: Tensor | None, *,
+              Di: int, C: int, K: int) -> None:
+    """xbc [C] = silu(conv) of the state and zx[Di:Di+C] (WRITE); the state shifted by one."""
+    rt = rec.rt
+    (bo, oo), (bs, os_), (bx, ox), (bw, ow) = (bound(rt, t) for t in (xbc, cstate, zx, weight))
+    bb, ob = bound(rt, bias) if bias is not None else (bw, 0)
+    u = rt.uniform(_uk(K, C=C, Di=Di, offs=(oo, os_, ox, ow, ob), acc=int(bias is not None)))
+    rec.dispatch("ssd", "ssd_conv_step", {0: bo, 1: bs, 2: bx, 3: bw, 4: bb, 5: u}, cdiv(C, WG))
+
+
+def ssd_step(rec: Recorder, y: Tensor, state: Tensor, xbc: Tensor, dt: Tensor, A_log: Tensor, D: Tensor, *,
+             H: int, P: int, N: int, G: int) -> None:
+    """state [H, P, N] one step on (xbc [C], dt [H]); y [Di] = state . C + D x (WRITE)."""
+    rt = rec.rt
+    Di = H * P
+    bs = [bound(rt, t) for t in (y, state, xbc, A_log, D, dt)]
+    u = rt.uniform(_u(H=H, P=P, N=N, G=G, Di=Di, offs=[o for _, o in bs]))
+    rec.dispatch("ssd", "ssd_step", {0: bs[0][0], 1: bs[1][0], 2: bs[2][0], 3: bs[3][0], 4: bs[4][0], 5: u,
+                                     6: bs[5][0]}, cdiv(Di, WG))

@@ -7,11 +7,18 @@ pieces).  Per layer, as transformers' Mamba2Mixer.torch_forward:
     y = ssd(x, dt, A, B, C) + D x                         [M, Di]
     yn = norm_w * rmsnorm_per_group(y * silu(z))          z = zxbcdt[:, :Di]
     h = h + out_proj(yn)
+
+Recurrent decoding keeps, per layer, the conv state (the last K-1 xBC inputs, [K-1, C]) and
+the SSM state [H, P, N]: after the prompt, the scan's saved state after the last step
+(`ssd.state_shape`'s entry NC) and the prompt's last K-1 rows of xBC.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from memengine.engine.kernels import ssd
+from memengine.engine.kernels.decode import matvec
 from memengine.engine.kernels.conv1d import conv1d_backward, conv1d_forward
 from memengine.engine.kernels.matmul import linear_backward, linear_forward
 from memengine.engine.kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
@@ -96,3 +103,39 @@ class Mamba2Block(Block):
         if lora is not None:
             lora.backward(rec, ws, i, "in_proj", ws.dzx, ws.un[i], ws.dun)
         rmsnorm_backward(rec, ws.dh, grad(pre + "norm.weight"), ws.dun, ws.h[i], lp.norm_weight, ws.rstd[i])
+
+    # ------------------------------------------------------------------ recurrent decoding
+    def decode_state(self, rt):
+        E, Di, N, K, H, P, G, C, W = self.E, self.Di, self.N, self.K, self.H, self.P, self.G, self.C, self.W
+        e = rt.empty
+        st = SimpleNamespace()
+        st.un, st.rstd = e((E,), name="dec.un"), e((1,), name="dec.rstd")
+        st.zx, st.xbc, st.dt = e((W,), name="dec.zx"), e((C,), name="dec.xbc"), e((H,), name="dec.dt")
+        st.y, st.yn, st.grstd = e((Di,), name="dec.y"), e((Di,), name="dec.yn"), e((G,), name="dec.grstd")
+        made = [st.un, st.rstd, st.zx, st.xbc, st.dt, st.y, st.yn, st.grstd]
+        nl = self.cfg.num_hidden_layers
+        st.conv = [e((max(K - 1, 1), C), name=f"dec.conv{i}") for i in range(nl)]
+        st.ssm = [e((H, P, N), name=f"dec.ssm{i}") for i in range(nl)]
+        return st, made + st.conv + st.ssm
+
+    def decode_prefill(self, rec, model, st, ws, i: int, L: int) -> None:
+        Di, N, K, H, P, C, W = self.Di, self.N, self.K, self.H, self.P, self.C, self.W
+        ssd.conv_prefill(rec, st.conv[i], ws.zx[i].view((L * W,)), L=L, Di=Di, C=C, W=W, K=K)
+        S = H * P * N
+        nc = ssd.n_chunks(L)
+        rec.copy(ws.states[i].view((S,), nc * S), st.ssm[i].view((S,)))   # the state after the last step
+
+    def decode_step(self, rec, model, st, i: int, h) -> None:
+        c, lora = self.cfg, model.lora
+        E, Di, N, K, H, P, G, C, W = self.E, self.Di, self.N, self.K, self.H, self.P, self.G, self.C, self.W
+        lp = model.params.layers[i]
+        rmsnorm_forward(rec, st.un, st.rstd, h, lp.norm_weight, c.layer_norm_epsilon)
+        matvec(rec, st.zx, lp.in_proj_weight, st.un, lp.in_proj_bias, rows=W, K=E)
+        if lora is not None:
+            lora.step(rec, i, "in_proj", st.un, st.zx)
+        ssd.conv_step(rec, st.xbc, st.conv[i], st.zx, lp.conv1d_weight, lp.conv1d_bias, Di=Di, C=C, K=K)
+        ssd.dt_forward(rec, st.dt, st.zx, lp.dt_bias, M=1, H=H, W=W, lo=self.lo, hi=self.hi)
+        ssd.ssd_step(rec, st.y, st.ssm[i], st.xbc, st.dt, lp.A_log, lp.D, H=H, P=P, N=N, G=G)
+        ssd.gnorm_forward(rec, st.yn, st.grstd, st.y, st.zx, lp.gnorm_weight, c.layer_norm_epsilon,
+                          M=1, Di=Di, G=G, W=W)
+        matvec(rec, h, lp.out_proj_weight, st.yn, lp.out_proj_bias, rows=E, K=Di, acc=True)
