@@ -456,3 +456,43 @@ def test_cli_generate(tmp_path):
     res = _cli("generate", tmp_path / "m", "-p", "The ", "-n", 5, "-t", 0, "--json")
     assert res.exit_code == 0, res.stderr
     assert len(json.loads(res.stdout.strip().splitlines()[-1])["tokens"]) == 5
+
+
+def test_a_bare_file_asks_for_its_config():
+    with pytest.raises(MemengineError, match="config.json") as e:
+        models.architecture("mamba2").infer_config({"backbone.embeddings.weight": (10, 4)})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["eval", "train", "adapt", "lora"])
+def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
+    """A whole run (eval; train with held-out windows; adapt; a LoRA adapter trained): the
+    plan it passed is what it allocated."""
+    from memengine.engine.app.options import AdaptOptions, EvalOptions, TrainOptions
+    from memengine.engine.app.run import run_adapt, run_eval, run_train
+    from memengine.engine.io.checkpoint import save_checkpoint
+
+    cfg = Mamba2Config.from_dict(dict(TINY, hidden_size=32, num_heads=8, state_size=16))
+    B, L = 2, 100
+    save_checkpoint(tmp_path / "m", cfg, models.of(cfg).init_weights(cfg, 0), dtype="F32")
+    rng = np.random.default_rng(0)
+    (tmp_path / "d.txt").write_text("".join(chr(c) for c in rng.integers(97, 123, 5 * B * L)), encoding="utf-8")
+    common = dict(ckpt=str(tmp_path / "m"), data=[str(tmp_path / "d.txt")], batch_size=B, seq_len=L)
+    seen = {}
+    real = plan.check_run
+    mp = pytest.MonkeyPatch()
+    mp.setattr(plan, "check_run", lambda *a, **kw: seen.setdefault("plan", real(*a, **kw)))
+    try:
+        if kind == "eval":
+            run_eval(EvalOptions(**common))
+        elif kind == "lora":
+            run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o", lora_rank=4))
+        elif kind == "train":
+            run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o"))
+        else:
+            run_adapt(AdaptOptions(**common, epochs=1, output=tmp_path / "o"))
+    finally:
+        mp.undo()
+    est, got = seen["plan"], rt.bytes_allocated
+    print(f"\n{kind}: plan {est.total:,} bytes, allocated {got:,} bytes")
+    assert got - 4096 <= est.total <= 1.05 * got
