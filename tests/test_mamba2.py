@@ -496,3 +496,38 @@ def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
     est, got = seen["plan"], rt.bytes_allocated
     print(f"\n{kind}: plan {est.total:,} bytes, allocated {got:,} bytes")
     assert got - 4096 <= est.total <= 1.05 * got
+
+
+def test_lora_loss_and_gradients_equal_peft_autograd(rt, tmp_path):
+    """A LoRA adapter on in_proj of a Mamba-2 model: loss and the adapter's gradients equal
+    PEFT's autograd over transformers' Mamba2ForCausalLM."""
+    peft = pytest.importorskip("peft")
+    from memengine.engine import lora as el
+    from memengine.engine.io.checkpoint import save_checkpoint
+
+    kw = CASES[0][1]
+    m = hf_model(kw, seed=6)
+    sd = tensors_of(m)
+    cfg = Mamba2Config.from_dict(m.config.to_dict())
+    save_checkpoint(tmp_path / "base", cfg, sd, dtype="F32")
+    spec = el.LoraSpec(r=3, alpha=5.0, targets=("in_proj",), base=str(tmp_path / "base"))
+    rng = np.random.default_rng(1)
+    tensors = {n: (0.3 * rng.standard_normal(s)).astype(np.float32) for n, s in el.shapes(cfg, spec).items()}
+    el.write_adapter(tmp_path / "ad", spec, tensors)
+    base = transformers.Mamba2ForCausalLM.from_pretrained(tmp_path / "base").double()
+    pm = peft.PeftModel.from_pretrained(base, tmp_path / "ad", is_trainable=True)
+    ids = rng.integers(0, cfg.vocab_size, size=(2, 10))
+    x, y = torch.tensor(ids[:, :-1]), torch.tensor(ids[:, 1:])
+    loss = torch.nn.functional.cross_entropy(pm(input_ids=x).logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
+    loss.backward()
+    want = {n[len("base_model.model."):].replace(".default", ""): p.grad.numpy()
+            for n, p in pm.named_parameters() if p.requires_grad}
+    assert set(want) == set(tensors)
+    model = LanguageModel(rt, cfg, sd)
+    model.lora = el.LoraAdapter(rt, cfg, spec, tensors, train=True)
+    got = model.loss_and_grads(ids[:, :-1], ids[:, 1:], trainable=set(model.lora.names))
+    assert rel(got, loss.item()) < 1e-5
+    grads = model.lora.grad_dict()
+    worst = max(rel(grads[n], want[n]) for n in tensors)
+    print(f"\nLoRA on in_proj vs PEFT: loss rel {rel(got, loss.item()):.2e}, gradients max rel {worst:.2e}")
+    assert worst < 1e-4
