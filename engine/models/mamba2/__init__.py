@@ -27,7 +27,6 @@ def _buf(nbytes: int) -> int:
 class Mamba2(Architecture):
     name = "Mamba-2"
     model_types = MODEL_TYPES
-    precisions = ("fp32",)
     lora_targets = ("in_proj",)
     lora_refused = {
         "out_proj": "PEFT refuses LoRA on out_proj in Mamba-2 models (the fused kernels bypass the module)",

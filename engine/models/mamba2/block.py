@@ -60,16 +60,22 @@ class Mamba2Block(Block):
             t.update({"dyn": ((M, Di), "f32", False), "dy": ((M, Di), "f32", False),
                       "dxbc": ((M, C), "f32", False), "ddt": ((M, H), "f32", False),
                       "dzx": ((M, W), "f32", False), "dun": ((M, E), "f32", False)})
+        if mixed:  # f16 copies of the products' inputs
+            t.update({"un16": ((M, E), "f16", True), "yn16": ((M, Di), "f16", True)})
         return t
 
+    def d16_elems(self, M: int) -> int:
+        return max(M * self.W, M * self.E)
+
     def forward(self, rec, model, ws, i: int, *, train: bool) -> None:
-        c, lora = self.cfg, model.lora
+        c, half, lora = self.cfg, model.half, model.lora
         E, Di, N, K, H, P, G, C, W = self.E, self.Di, self.N, self.K, self.H, self.P, self.G, self.C, self.W
         M, B, L = ws.M, ws.B, ws.L
         lp = model.params.layers[i]
         h, hn = ws.h[i], ws.h[i + 1]
         rmsnorm_forward(rec, ws.un[i], ws.rstd[i], h, lp.norm_weight, c.layer_norm_epsilon, copy=hn)
-        linear_forward(rec, ws.zx[i], ws.un[i], lp.in_proj_weight, lp.in_proj_bias, M=M, N=W, K=E)
+        linear_forward(rec, ws.zx[i], ws.un[i], lp.in_proj_weight, lp.in_proj_bias, M=M, N=W, K=E,
+                       x16=half.act(rec, ws, "un16", i, ws.un[i]), w16=half.weight(i, "in_proj_weight"))
         if lora is not None:
             lora.forward(rec, ws, i, "in_proj", ws.un[i], ws.zx[i], train=train)
         conv1d_forward(rec, ws.xbc[i], ws.pre[i], ws.zx[i], lp.conv1d_weight, lp.conv1d_bias, B=B, L=L, Di=C, K=K,
@@ -79,17 +85,19 @@ class Mamba2Block(Block):
                         G=G)
         ssd.gnorm_forward(rec, ws.yn[i], ws.grstd[i], ws.y[i], ws.zx[i], lp.gnorm_weight, c.layer_norm_epsilon,
                           M=M, Di=Di, G=G, W=W)
-        linear_forward(rec, hn, ws.yn[i], lp.out_proj_weight, lp.out_proj_bias, M=M, N=E, K=Di, acc=True)
+        linear_forward(rec, hn, ws.yn[i], lp.out_proj_weight, lp.out_proj_bias, M=M, N=E, K=Di, acc=True,
+                       x16=half.act(rec, ws, "yn16", i, ws.yn[i]), w16=half.weight(i, "out_proj_weight"))
 
     def backward(self, rec, model, ws, i: int, grad) -> None:
-        lora = model.lora
+        half, lora = model.half, model.lora
         E, Di, N, K, H, P, G, C, W = self.E, self.Di, self.N, self.K, self.H, self.P, self.G, self.C, self.W
         M, B, L = ws.M, ws.B, ws.L
         lp = model.params.layers[i]
         pre = f"{model.arch.LAYER_PREFIX}{i}."
         mz = pre + "mixer."
         linear_backward(rec, ws.dyn, grad(mz + "out_proj.weight"), grad(mz + "out_proj.bias"),
-                        ws.dh, ws.yn[i], lp.out_proj_weight, ws.ones, M=M, N=E, K=Di)
+                        ws.dh, ws.yn[i], lp.out_proj_weight, ws.ones, M=M, N=E, K=Di,
+                        **half.operands(ws, "yn16", i, "out_proj_weight"))
         ssd.gnorm_backward(rec, ws.dy, ws.dzx, grad(mz + "norm.weight"), ws.dyn, ws.y[i], ws.zx[i],
                            lp.gnorm_weight, ws.grstd[i], M=M, Di=Di, G=G, W=W)
         ssd.ssd_backward(rec, ws.dxbc, ws.ddt, grad(mz + "A_log"), grad(mz + "D"), ws.dy, ws.states[i], ws.xbc[i],
@@ -99,7 +107,8 @@ class Mamba2Block(Block):
         conv1d_backward(rec, ws.dzx, grad(mz + "conv1d.weight"), grad(mz + "conv1d.bias"), ws.dxbc, ws.pre[i],
                         ws.zx[i], lp.conv1d_weight, B=B, L=L, Di=C, K=K, col=Di, ld=W)
         linear_backward(rec, ws.dun, grad(mz + "in_proj.weight"), grad(mz + "in_proj.bias"),
-                        ws.dzx, ws.un[i], lp.in_proj_weight, ws.ones, M=M, N=W, K=E)
+                        ws.dzx, ws.un[i], lp.in_proj_weight, ws.ones, M=M, N=W, K=E,
+                        **half.operands(ws, "un16", i, "in_proj_weight"))
         if lora is not None:
             lora.backward(rec, ws, i, "in_proj", ws.dzx, ws.un[i], ws.dun)
         rmsnorm_backward(rec, ws.dh, grad(pre + "norm.weight"), ws.dun, ws.h[i], lp.norm_weight, ws.rstd[i])
