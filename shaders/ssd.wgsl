@@ -80,6 +80,7 @@ fn ssd_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let u = UF;
     let i = lin(wid, nwg, lid);
     if (i >= u.B * u.H * u.P) { return; }
+    let c = u.nrows;     // the chunk of this dispatch
     let p = i % u.P;
     let h = (i / u.P) % u.H;
     let b = i / (u.P * u.H);
@@ -88,39 +89,40 @@ fn ssd_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let Dh = f_d[u.o5 + h];
     let cb = u.Di + g * u.N;
     let cc = u.Di + u.G * u.N + g * u.N;
-    let s00 = u.o1 + state_at(u, b, 0u, h, p);
-    for (var n = 0u; n < u.N; n++) { f_states[s00 + n] = 0.0; }
-    for (var c = 0u; c < u.NC; c++) {
-        let s0 = u.o1 + state_at(u, b, c, h, p);
-        let s1 = u.o1 + state_at(u, b, c + 1u, h, p);
-        for (var n = 0u; n < u.N; n++) { f_states[s1 + n] = f_states[s0 + n]; }
-        let t1 = min(u.L, (c + 1u) * u.Q);
-        for (var t = c * u.Q; t < t1; t++) {
-            let m = b * u.L + t;
-            let dt = f_dt[u.o3 + m * u.H + h];
-            let row = u.o2 + m * u.C;
-            let x = f_xbc[row + h * u.P + p];
-            let a = exp(dt * A);
-            var acc = 0.0;
-            for (var n = 0u; n < u.N; n++) {
-                let s = f_states[s1 + n] * a + dt * x * f_xbc[row + cb + n];
-                f_states[s1 + n] = s;
-                acc += s * f_xbc[row + cc + n];
-            }
-            f_y[u.o0 + m * u.Di + h * u.P + p] = acc + Dh * x;
+    let s0 = u.o1 + state_at(u, b, c, h, p);
+    let s1 = u.o1 + state_at(u, b, c + 1u, h, p);
+    if (c == 0u) {
+        for (var n = 0u; n < u.N; n++) { f_states[s0 + n] = 0.0; }
+    }
+    for (var n = 0u; n < u.N; n++) { f_states[s1 + n] = f_states[s0 + n]; }
+    let t1 = min(u.L, (c + 1u) * u.Q);
+    for (var t = c * u.Q; t < t1; t++) {
+        let m = b * u.L + t;
+        let dt = f_dt[u.o3 + m * u.H + h];
+        let row = u.o2 + m * u.C;
+        let x = f_xbc[row + h * u.P + p];
+        let a = exp(dt * A);
+        var acc = 0.0;
+        for (var n = 0u; n < u.N; n++) {
+            let s = f_states[s1 + n] * a + dt * x * f_xbc[row + cb + n];
+            f_states[s1 + n] = s;
+            acc += s * f_xbc[row + cc + n];
         }
+        f_y[u.o0 + m * u.Di + h * u.P + p] = acc + Dh * x;
     }
 }
 
 // ---------------------------------------------------------------- scan backward
+// One dispatch per chunk, the last first (a chunk's loops stay short: lavapipe ends any
+// invocation's loops after 65535 iterations in all).
 // ssd_backward_x: one invocation per (b, h, p): dx (dxbc[:, h*P + p], WRITE), the dt
 // gradient's term of each (m, h, p) (part[m*Di + h*P + p]) and of A_log and D summed over
-// time (part[M*Di + b*Di + h*P + p], part[M*Di + B*Di + ...]).  Each chunk's states are
+// time (part[M*Di + b*Di + h*P + p], part[M*Di + B*Di + ...]).  The chunk's states are
 // recomputed from the saved one into work[i, 0..Q, N]; work[i, Q, N] carries exp(dt A) * the
 // state gradient from the chunk after.
-// ssd_backward_bc: one invocation per (b, g, n): dB, dC of column n of group g (the sums over
-// the group's heads and p), with work[i, 0..Q, HG*P] the chunk's states and work[i, Q, ..]
-// the carried state gradients.
+// ssd_backward_bc: one invocation per (b, h, n): dB, dC of column n summed over p, per head
+// (part[(m*H + h)*2N + n], [.. + N + n]); work[i, 0..Q, P] the chunk's states, work[i, Q, P]
+// the carried state gradients; ssd_bc_sum adds up the heads of each group.
 @group(0) @binding(0) var<storage, read> b_dy: array<f32>;
 @group(0) @binding(1) var<storage, read> b_xbc: array<f32>;
 @group(0) @binding(2) var<storage, read> b_dt: array<f32>;
@@ -137,6 +139,7 @@ fn ssd_backward_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let u = UK;
     let i = lin(wid, nwg, lid);
     if (i >= u.B * u.H * u.P) { return; }
+    let c = u.nrows;
     let p = i % u.P;
     let h = (i / u.P) % u.H;
     let b = i / (u.P * u.H);
@@ -149,55 +152,61 @@ fn ssd_backward_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let wg = w0 + u.Q * u.N;             // the carried gradient
     let M = u.B * u.L;
     let col = h * u.P + p;
-    for (var n = 0u; n < u.N; n++) { b_work[wg + n] = 0.0; }
+    if (c + 1u == u.NC) {
+        for (var n = 0u; n < u.N; n++) { b_work[wg + n] = 0.0; }
+    }
     var dA = 0.0;
     var dD = 0.0;
-    for (var cr = 0u; cr < u.NC; cr++) {
-        let c = u.NC - 1u - cr;
-        let s0 = u.o1 + state_at(u, b, c, h, p);
-        let t0 = c * u.Q;
-        let t1 = min(u.L, t0 + u.Q);
-        // recompute the chunk's states: work[w0 + (t - t0) * N + n] = h_t
-        for (var t = t0; t < t1; t++) {
-            let m = b * u.L + t;
-            let dt = b_dt[u.o3 + m * u.H + h];
-            let row = u.o2 + m * u.C;
-            let x = b_xbc[row + col];
-            let a = exp(dt * A);
-            let cur = w0 + (t - t0) * u.N;
-            for (var n = 0u; n < u.N; n++) {
-                var prev = 0.0;
-                if (t == t0) { prev = b_states[s0 + n]; } else { prev = b_work[cur - u.N + n]; }
-                b_work[cur + n] = prev * a + dt * x * b_xbc[row + cb + n];
-            }
-        }
-        for (var tr = t0; tr < t1; tr++) {
-            let t = t1 - 1u - (tr - t0);
-            let m = b * u.L + t;
-            let dt = b_dt[u.o3 + m * u.H + h];
-            let row = u.o2 + m * u.C;
-            let x = b_xbc[row + col];
-            let dy = b_dy[u.o0 + m * u.Di + col];
-            let a = exp(dt * A);
-            let cur = w0 + (t - t0) * u.N;
-            var gb = 0.0;   // sum_n G B
-            var gh = 0.0;   // sum_n G h_{t-1}
-            for (var n = 0u; n < u.N; n++) {
-                let G = dy * b_xbc[row + cc + n] + b_work[wg + n];
-                var prev = 0.0;
-                if (t == t0) { prev = b_states[s0 + n]; } else { prev = b_work[cur - u.N + n]; }
-                gb += G * b_xbc[row + cb + n];
-                gh += G * prev;
-                b_work[wg + n] = a * G;
-            }
-            b_dxbc[u.o5 + m * u.C + col] = Dh * dy + dt * gb;
-            b_part[u.o6 + m * u.Di + col] = x * gb + gh * A * a;
-            dA += gh * dt * a;
-            dD += dy * x;
+    let s0 = u.o1 + state_at(u, b, c, h, p);
+    let t0 = c * u.Q;
+    let t1 = min(u.L, t0 + u.Q);
+    // recompute the chunk's states: work[w0 + (t - t0) * N + n] = h_t
+    for (var t = t0; t < t1; t++) {
+        let m = b * u.L + t;
+        let dt = b_dt[u.o3 + m * u.H + h];
+        let row = u.o2 + m * u.C;
+        let x = b_xbc[row + col];
+        let a = exp(dt * A);
+        let cur = w0 + (t - t0) * u.N;
+        for (var n = 0u; n < u.N; n++) {
+            var prev = 0.0;
+            if (t == t0) { prev = b_states[s0 + n]; } else { prev = b_work[cur - u.N + n]; }
+            b_work[cur + n] = prev * a + dt * x * b_xbc[row + cb + n];
         }
     }
-    b_part[u.o6 + M * u.Di + b * u.Di + col] = dA * A;   // d A_log = dA * A
-    b_part[u.o6 + M * u.Di + u.B * u.Di + b * u.Di + col] = dD;
+    for (var tr = t0; tr < t1; tr++) {
+        let t = t1 - 1u - (tr - t0);
+        let m = b * u.L + t;
+        let dt = b_dt[u.o3 + m * u.H + h];
+        let row = u.o2 + m * u.C;
+        let x = b_xbc[row + col];
+        let dy = b_dy[u.o0 + m * u.Di + col];
+        let a = exp(dt * A);
+        let cur = w0 + (t - t0) * u.N;
+        var gb = 0.0;   // sum_n G B
+        var gh = 0.0;   // sum_n G h_{t-1}
+        for (var n = 0u; n < u.N; n++) {
+            let G = dy * b_xbc[row + cc + n] + b_work[wg + n];
+            var prev = 0.0;
+            if (t == t0) { prev = b_states[s0 + n]; } else { prev = b_work[cur - u.N + n]; }
+            gb += G * b_xbc[row + cb + n];
+            gh += G * prev;
+            b_work[wg + n] = a * G;
+        }
+        b_dxbc[u.o5 + m * u.C + col] = Dh * dy + dt * gb;
+        b_part[u.o6 + m * u.Di + col] = x * gb + gh * A * a;
+        dA += gh * dt * a;
+        dD += dy * x;
+    }
+    let ia = u.o6 + M * u.Di + b * u.Di + col;      // d A_log = dA * A
+    let id = u.o6 + M * u.Di + u.B * u.Di + b * u.Di + col;
+    if (c + 1u == u.NC) {
+        b_part[ia] = dA * A;
+        b_part[id] = dD;
+    } else {
+        b_part[ia] += dA * A;
+        b_part[id] += dD;
+    }
 }
 
 @compute @workgroup_size(256)
@@ -205,63 +214,56 @@ fn ssd_backward_bc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
                    @builtin(local_invocation_index) lid: u32) {
     let u = UK;
     let i = lin(wid, nwg, lid);
-    if (i >= u.B * u.G * u.N) { return; }
+    if (i >= u.B * u.H * u.N) { return; }
+    let c = u.nrows;
     let n = i % u.N;
-    let g = (i / u.N) % u.G;
-    let b = i / (u.N * u.G);
-    let HG = u.H / u.G;
-    let E = HG * u.P;                    // state elements (h in group, p) of column n
+    let h = (i / u.N) % u.H;
+    let b = i / (u.N * u.H);
+    let g = h / (u.H / u.G);
     let cb = u.Di + g * u.N + n;
     let cc = u.Di + u.G * u.N + g * u.N + n;
-    let w0 = i * (u.Q + 1u) * E;
-    let wg = w0 + u.Q * E;
-    for (var e = 0u; e < E; e++) { b_work[wg + e] = 0.0; }
-    for (var cr = 0u; cr < u.NC; cr++) {
-        let c = u.NC - 1u - cr;
-        let t0 = c * u.Q;
-        let t1 = min(u.L, t0 + u.Q);
-        for (var t = t0; t < t1; t++) {
-            let m = b * u.L + t;
-            let row = u.o2 + m * u.C;
-            let Bn = b_xbc[row + cb];
-            let cur = w0 + (t - t0) * E;
-            for (var hh = 0u; hh < HG; hh++) {
-                let h = g * HG + hh;
-                let dt = b_dt[u.o3 + m * u.H + h];
-                let a = exp(dt * -exp(b_consts[h]));
-                for (var p = 0u; p < u.P; p++) {
-                    let e = hh * u.P + p;
-                    var prev = 0.0;
-                    if (t == t0) { prev = b_states[u.o1 + state_at(u, b, c, h, p) + n]; }
-                    else { prev = b_work[cur - E + e]; }
-                    b_work[cur + e] = prev * a + dt * b_xbc[row + h * u.P + p] * Bn;
-                }
-            }
+    let w0 = i * (u.Q + 1u) * u.P;
+    let wg = w0 + u.Q * u.P;
+    let A = -exp(b_consts[h]);
+    if (c + 1u == u.NC) {
+        for (var p = 0u; p < u.P; p++) { b_work[wg + p] = 0.0; }
+    }
+    let t0 = c * u.Q;
+    let t1 = min(u.L, t0 + u.Q);
+    let s0 = u.o1 + state_at(u, b, c, h, 0u) + n;
+    for (var t = t0; t < t1; t++) {
+        let m = b * u.L + t;
+        let row = u.o2 + m * u.C;
+        let Bn = b_xbc[row + cb];
+        let dt = b_dt[u.o3 + m * u.H + h];
+        let a = exp(dt * A);
+        let cur = w0 + (t - t0) * u.P;
+        for (var p = 0u; p < u.P; p++) {
+            var prev = 0.0;
+            if (t == t0) { prev = b_states[s0 + p * u.N]; } else { prev = b_work[cur - u.P + p]; }
+            b_work[cur + p] = prev * a + dt * b_xbc[row + h * u.P + p] * Bn;
         }
-        for (var tr = t0; tr < t1; tr++) {
-            let t = t1 - 1u - (tr - t0);
-            let m = b * u.L + t;
-            let row = u.o2 + m * u.C;
-            let Cn = b_xbc[row + cc];
-            let cur = w0 + (t - t0) * E;
-            var dB = 0.0;
-            var dC = 0.0;
-            for (var hh = 0u; hh < HG; hh++) {
-                let h = g * HG + hh;
-                let dt = b_dt[u.o3 + m * u.H + h];
-                let a = exp(dt * -exp(b_consts[h]));
-                for (var p = 0u; p < u.P; p++) {
-                    let e = hh * u.P + p;
-                    let dy = b_dy[u.o0 + m * u.Di + h * u.P + p];
-                    let G = dy * Cn + b_work[wg + e];
-                    dB += dt * b_xbc[row + h * u.P + p] * G;
-                    dC += b_work[cur + e] * dy;
-                    b_work[wg + e] = a * G;
-                }
-            }
-            b_dxbc[u.o5 + m * u.C + cb] = dB;
-            b_dxbc[u.o5 + m * u.C + cc] = dC;
+    }
+    for (var tr = t0; tr < t1; tr++) {
+        let t = t1 - 1u - (tr - t0);
+        let m = b * u.L + t;
+        let row = u.o2 + m * u.C;
+        let Cn = b_xbc[row + cc];
+        let dt = b_dt[u.o3 + m * u.H + h];
+        let a = exp(dt * A);
+        let cur = w0 + (t - t0) * u.P;
+        var dB = 0.0;
+        var dC = 0.0;
+        for (var p = 0u; p < u.P; p++) {
+            let dy = b_dy[u.o0 + m * u.Di + h * u.P + p];
+            let G = dy * Cn + b_work[wg + p];
+            dB += dt * b_xbc[row + h * u.P + p] * G;
+            dC += b_work[cur + p] * dy;
+            b_work[wg + p] = a * G;
         }
+        let q = (m * u.H + h) * 2u * u.N;
+        b_part[q + n] = dB;
+        b_part[q + u.N + n] = dC;
     }
 }
 
@@ -284,6 +286,27 @@ fn ssd_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     }
     if (u.acc != 0u) { s += r_out[u.o0 + j]; }
     r_out[u.o0 + j] = s;
+}
+
+// dxbc[m, Di + g*N + j] (j < N: dB) and [m, Di + G*N + g*N + j - N] (dC) = the sum over the
+// heads of group g of part[(m*H + h)*2N + j]; one invocation per (m, g, j < 2N)
+@compute @workgroup_size(256)
+fn ssd_bc_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let u = UR;
+    let i = lin(wid, nwg, lid);
+    if (i >= u.nrows * u.G * 2u * u.N) { return; }
+    let j = i % (2u * u.N);
+    let g = (i / (2u * u.N)) % u.G;
+    let m = i / (2u * u.N * u.G);
+    let HG = u.H / u.G;
+    var s = 0.0;
+    for (var hh = 0u; hh < HG; hh++) {
+        s += r_in[u.o1 + (m * u.H + g * HG + hh) * 2u * u.N + j];
+    }
+    var col = u.Di + u.G * u.N + g * u.N + j - u.N;
+    if (j < u.N) { col = u.Di + g * u.N + j; }
+    r_out[u.o0 + m * u.C + col] = s;
 }
 
 // ---------------------------------------------------------------- gated RMS norm per group

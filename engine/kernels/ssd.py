@@ -25,6 +25,8 @@ import struct
 from memengine.engine.runtime import Recorder, Tensor, bound, cdiv, rows, span, split
 
 Q = 16          # steps between saved states (the backward recomputes a chunk from its state)
+REDUCE_TERMS = 16384   # the most terms one invocation of ssd_reduce sums (lavapipe stops an
+                       # invocation's loops after 65535 iterations in all)
 MAX_N = None    # no limit on the state size
 WG = 256
 
@@ -51,11 +53,13 @@ def sequence_windows(nb: int, L: int, H: int, P: int, N: int, G: int) -> tuple:
 
 
 def sequence_scratch(nb: int, L: int, H: int, P: int, N: int, G: int, backward: bool = True) -> tuple:
-    """Bytes of the backward's scratch for nb sequences: (work, partials)."""
+    """Bytes of the backward's scratch for nb sequences: (the two kernels' work, partials,
+    per-head dB|dC)."""
     if not backward:
-        return (0, 0)
+        return (0, 0, 0, 0)
     Di = H * P
-    return (4 * nb * Di * (Q + 1) * N, 4 * (nb * L * Di + 2 * nb * Di))
+    work = 4 * nb * Di * (Q + 1) * N
+    return (work, work, 4 * (nb * L * Di + 2 * nb * Di), 4 * nb * L * H * 2 * N)
 
 
 def _sequences(rt, B, L, H, P, N, G, backward=False) -> list:
@@ -97,11 +101,15 @@ def dt_backward(rec: Recorder, dzxbcdt: Tensor, ddt_bias: Tensor | None, ddt: Te
 
 def reduce(rec: Recorder, out: Tensor, x: Tensor, *, J: int, R: int, stride: int, P: int, acc: bool,
            offset: int = 0) -> None:
-    """out[j] (+)= sum_{r<R, q<P} x[offset + r*stride + j*P + q] for j < J."""
+    """out[j] (+)= sum_{r<R, q<P} x[offset + r*stride + j*P + q] for j < J (in blocks of rows,
+    so that no invocation loops more than REDUCE_TERMS times)."""
     rt = rec.rt
     (bo, oo), (bi, oi) = bound(rt, out), bound(rt, x)
-    u = rt.uniform(_u(C=J, W=stride, P=P, nrows=R, offs=(oo, oi + offset), acc=int(acc)))
-    rec.dispatch("ssd", "ssd_reduce", {0: bo, 1: bi, 2: u}, cdiv(J, WG))
+    step = max(1, REDUCE_TERMS // max(P, 1))
+    for r0 in range(0, max(R, 1), step):
+        u = rt.uniform(_u(C=J, W=stride, P=P, nrows=min(step, R - r0), offs=(oo, oi + offset + r0 * stride),
+                          acc=int(acc or r0 > 0)))
+        rec.dispatch("ssd", "ssd_reduce", {0: bo, 1: bi, 2: u}, cdiv(J, WG))
 
 
 def _seq(t: Tensor, b0: int, nb: int, per: int) -> Tensor:
@@ -123,8 +131,9 @@ def ssd_forward(rec: Recorder, y: Tensor, states: Tensor, xbc: Tensor, dt: Tenso
         v = (y, states, xbc, dt) if len(parts) == 1 else (
             _seq(y, b0, nb, L * Di), _seq(states, b0, nb, S), _seq(xbc, b0, nb, L * C), _seq(dt, b0, nb, L * H))
         bs = [bound(rt, t) for t in v + (A_log, D)]
-        u = rt.uniform(_u(B=nb, L=L, H=H, P=P, N=N, G=G, NC=NC, C=C, Di=Di, offs=[o for _, o in bs]))
-        rec.dispatch("ssd", "ssd_forward", {**{k: t for k, (t, _) in enumerate(bs)}, 6: u}, cdiv(nb * Di, WG))
+        for c in range(NC):   # a chunk per dispatch (lavapipe caps an invocation's loop iterations)
+            u = rt.uniform(_u(B=nb, L=L, H=H, P=P, N=N, G=G, NC=NC, C=C, Di=Di, nrows=c, offs=[o for _, o in bs]))
+            rec.dispatch("ssd", "ssd_forward", {**{k: t for k, (t, _) in enumerate(bs)}, 6: u}, cdiv(nb * Di, WG))
 
 
 def ssd_backward(rec: Recorder, dxbc: Tensor, ddt: Tensor, dA_log: Tensor | None, dD: Tensor | None, dy: Tensor,
@@ -147,15 +156,21 @@ def ssd_backward(rec: Recorder, dxbc: Tensor, ddt: Tensor, dA_log: Tensor | None
             _seq(dy, b0, nb, L * Di), _seq(states, b0, nb, S), _seq(xbc, b0, nb, L * C), _seq(dt, b0, nb, L * H),
             _seq(dxbc, b0, nb, L * C), _seq(ddt, b0, nb, L * H))
         gdy, gst, gx, gdt, gdx, gddt = v
-        work_b, part_b = sequence_scratch(nb, L, H, P, N, G)
+        work_b, _, part_b, bc_b = sequence_scratch(nb, L, H, P, N, G)
         work = rt.scratch("ssd_work", (work_b // 4,))
+        work_bc = rt.scratch("ssd_work_bc", (work_b // 4,))
         part = rt.scratch("ssd_part", (part_b // 4,))
+        bcpart = rt.scratch("ssd_bc_part", (bc_b // 4,))
         (b0_, o0), (b1, o1), (b2, o2), (b3, o3), (b5, o5) = (bound(rt, t) for t in (gdy, gst, gx, gdt, gdx))
-        u = rt.uniform(_u(B=nb, L=L, H=H, P=P, N=N, G=G, NC=NC, C=C, Di=Di, offs=(o0, o1, o2, o3, 0, o5, 0)))
-        common = {0: b0_, 1: b2, 2: b3, 3: consts, 4: b1, 5: b5, 6: work, 7: u}
-        rec.dispatch("ssd", "ssd_backward_x", {**common, 8: part}, cdiv(nb * Di, WG))
-        rec.dispatch("ssd", "ssd_backward_bc", common, cdiv(nb * G * N, WG))
+        for c in reversed(range(NC)):   # a chunk per dispatch, the last first
+            u = rt.uniform(_u(B=nb, L=L, H=H, P=P, N=N, G=G, NC=NC, C=C, Di=Di, nrows=c,
+                              offs=(o0, o1, o2, o3, 0, o5, 0)))
+            common = {0: b0_, 1: b2, 2: b3, 3: consts, 4: b1, 6: work, 7: u}
+            rec.dispatch("ssd", "ssd_backward_x", {**common, 5: b5, 8: part}, cdiv(nb * Di, WG))
+            rec.dispatch("ssd", "ssd_backward_bc", {**common, 6: work_bc, 8: bcpart}, cdiv(nb * H * N, WG))
         M = nb * L
+        u = rt.uniform(_u(H=H, N=N, G=G, C=C, Di=Di, nrows=M, offs=(o5, 0)))
+        rec.dispatch("ssd", "ssd_bc_sum", {0: b5, 1: bcpart, 2: u}, cdiv(M * G * 2 * N, WG))
         reduce(rec, gddt, part, J=M * H, R=1, stride=0, P=P, acc=False)
         if dA_log is not None:
             reduce(rec, dA_log, part, J=H, R=nb, stride=Di, P=P, acc=True, offset=M * Di)
