@@ -83,6 +83,13 @@ def eos_token_ids(tokenizer, config, checkpoint_dir=None) -> frozenset:
 
 
 # ---------------------------------------------------------------------------- GPU side
+def decodes(block) -> bool:
+    """Whether an architecture's block has the recurrent decode step (Block.decode_*)."""
+    from memengine.engine.models.base import Block
+
+    return type(block).decode_state is not Block.decode_state
+
+
 class Decoder:
     """Recurrent decoding state and buffers for one model, batch 1, made once: the shell's
     (the residual, the final norm, the logits, the token slots) and the architecture's
@@ -92,6 +99,8 @@ class Decoder:
 
     def __init__(self, model):
         rt, c = model.rt, model.cfg
+        if not decodes(model.block):
+            raise MemengineError(f"generate is not yet supported for {c.model_type}")
         self.model, self.rt, self.cfg = model, rt, c
         E, V = c.hidden_size, c.vocab_size
         e = rt.empty

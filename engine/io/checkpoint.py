@@ -123,6 +123,9 @@ def check_tensors(cfg, shapes: dict[str, tuple], where: str) -> None:
                 hint = arch.missing_hint(cfg, name)
             raise MemengineError(f"{where}: missing tensor '{name}' (expected shape {list(shape)}){hint}")
         if tuple(shapes[name]) != tuple(shape):
+            refusal = arch.shape_refusal(cfg, name, tuple(shapes[name]))
+            if refusal:
+                raise MemengineError(f"{where}: {refusal}")
             raise MemengineError(
                 f"{where}: tensor '{name}' has shape {list(shapes[name])}, expected {list(shape)} for this config")
     if len(shapes) != n_expected:  # every expected name is in shapes, so this dict is no larger than the file

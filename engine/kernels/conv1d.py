@@ -1,7 +1,8 @@
 """Causal depthwise conv1d + SiLU (shaders/conv1d.wgsl), the Mamba mixer's conv.
 
 Left zero padding of K-1 per sequence: output t of batch row b sees inputs t-K+1 .. t of
-the same row.  x is read from columns 0..Di of xz ([M, 2*Di], row stride 2*Di).
+the same row.  x is read from columns col..col+Di of xz ([M, ld], row stride ld; Mamba-1's
+[x ; z]: col 0, ld 2*Di, the defaults; Mamba-2 convolves the Di + 2GN columns of xBC).
 HF stores conv1d.weight as [Di, 1, K]; the same memory is our [Di, K].
 Activations larger than one storage binding are processed in ranges of whole sequences.
 """
@@ -24,9 +25,9 @@ def _seq_wg(rt) -> int:
     return 8 if is_cpu(rt) else 128
 
 
-def _params(M, L, Di, K, has_bias, nch, *offs, pbase=0):
+def _params(M, L, Di, K, has_bias, nch, *offs, pbase=0, ld=None):
     offs = tuple(offs) + (0,) * (5 - len(offs))
-    return pack("16I", M, L, Di, K, 2 * Di, has_bias, 0, nch, *offs, pbase, 0, 0)
+    return pack("16I", M, L, Di, K, 2 * Di if ld is None else ld, has_bias, 0, nch, *offs, pbase, 0, 0)
 
 
 def partial_rows(B: int, L: int) -> int:
@@ -34,10 +35,11 @@ def partial_rows(B: int, L: int) -> int:
     return B * cdiv(L, SEQ_T)
 
 
-def _sequences(rt, B: int, L: int, Di: int, K: int) -> list:
-    """Ranges of whole sequences (batch rows) whose [rows, Di] and xz [rows, 2Di] windows fit."""
-    return split(rt, B, lambda nb: (8 * nb * L * Di, 4 * Di * (K + 1)),
-                 unit="one sequence of the conv1d input", detail=f"{L} x {2 * Di} values",
+def _sequences(rt, B: int, L: int, Di: int, K: int, ld: int | None = None) -> list:
+    """Ranges of whole sequences (batch rows) whose [rows, Di] and xz [rows, ld] windows fit."""
+    ld = 2 * Di if ld is None else ld
+    return split(rt, B, lambda nb: (4 * nb * L * ld, 4 * Di * (K + 1)),
+                 unit="one sequence of the conv1d input", detail=f"{L} x {ld} values",
                  advice="a smaller --seq-len helps")
 
 
@@ -51,19 +53,23 @@ def _seq_view(t: Tensor, b0: int, nb: int, per_seq: int) -> Tensor:
 
 
 def conv1d_forward(rec: Recorder, out: Tensor, pre: Tensor, xz: Tensor, weight: Tensor,
-                   bias: Tensor | None, *, B: int, L: int, Di: int, K: int) -> None:
-    """pre[M, Di] = conv(x) + bias (WRITE); out[M, Di] = silu(pre) (WRITE). bias may be None."""
+                   bias: Tensor | None, *, B: int, L: int, Di: int, K: int, col: int = 0,
+                   ld: int | None = None) -> None:
+    """pre[M, Di] = conv(x) + bias (WRITE); out[M, Di] = silu(pre) (WRITE). bias may be None.
+    x = xz[:, col:col+Di] of xz [M, ld] (default ld 2*Di)."""
     M = B * L
+    W = 2 * Di if ld is None else ld
     assert 1 <= K <= MAX_K, K
-    assert out.numel == M * Di and pre.numel == M * Di and xz.numel >= M * 2 * Di and weight.numel == Di * K
+    assert 0 <= col and col + Di <= W, (col, Di, W)
+    assert out.numel == M * Di and pre.numel == M * Di and xz.numel >= M * W and weight.numel == Di * K
     if M * Di == 0:
         return
     rt = rec.rt
-    parts = _sequences(rt, B, L, Di, K)
+    parts = _sequences(rt, B, L, Di, K, ld)
     if len(parts) > 1:
         for b0, nb in parts:
             conv1d_forward(rec, _seq_view(out, b0, nb, L * Di), _seq_view(pre, b0, nb, L * Di),
-                           _seq_view(xz, b0, nb, 2 * L * Di), weight, bias, B=nb, L=L, Di=Di, K=K)
+                           _seq_view(xz, b0, nb, L * W), weight, bias, B=nb, L=L, Di=Di, K=K, col=col, ld=ld)
         return
     (bo, oo), (bp, op), (bx, ox), (bw, ow) = (bound(rt, t) for t in (out, pre, xz, weight))
     if bias is not None:
@@ -71,23 +77,26 @@ def conv1d_forward(rec: Recorder, out: Tensor, pre: Tensor, xz: Tensor, weight: 
         bb, ob = bound(rt, bias)
     else:
         bb, ob = bw, 0  # bound but never read (has_bias = 0)
-    u = rt.uniform(_params(M, L, Di, K, int(bias is not None), 0, oo, op, ox, ow, ob))
+    u = rt.uniform(_params(M, L, Di, K, int(bias is not None), 0, oo, op, ox + col, ow, ob, ld=ld))
     wg = _seq_wg(rt)
     rec.dispatch("conv1d", "conv1d_forward", {0: bo, 1: bp, 2: bx, 3: bw, 4: bb, 5: u},
                  _groups(B, L, Di, wg), {"WG": wg})
 
 
 def conv1d_backward(rec: Recorder, dxz: Tensor, dweight: Tensor | None, dbias: Tensor | None, dout: Tensor,
-                    pre: Tensor, xz: Tensor, weight: Tensor, *, B: int, L: int, Di: int, K: int) -> None:
-    """dxz[:, 0:Di] = dx (WRITE; columns Di..2Di untouched); dweight[Di, K] += (ACC, or None:
-    not wanted); dbias[Di] += (ACC, or None). dout is the gradient wrt the SiLU output."""
+                    pre: Tensor, xz: Tensor, weight: Tensor, *, B: int, L: int, Di: int, K: int, col: int = 0,
+                    ld: int | None = None) -> None:
+    """dxz[:, col:col+Di] = dx (WRITE; the other columns untouched); dweight[Di, K] += (ACC, or
+    None: not wanted); dbias[Di] += (ACC, or None). dout is the gradient wrt the SiLU output."""
     M = B * L
+    W = 2 * Di if ld is None else ld
     assert 1 <= K <= MAX_K, K
-    assert dout.numel == M * Di and pre.numel == M * Di and xz.numel >= M * 2 * Di and dxz.numel >= M * 2 * Di
+    assert 0 <= col and col + Di <= W, (col, Di, W)
+    assert dout.numel == M * Di and pre.numel == M * Di and xz.numel >= M * W and dxz.numel >= M * W
     if M * Di == 0:
         return
     rt = rec.rt
-    parts = _sequences(rt, B, L, Di, K)
+    parts = _sequences(rt, B, L, Di, K, ld)
     bw, ow = bound(rt, weight)
     want_dw = dweight is not None or dbias is not None
     nch = partial_rows(B, L)
@@ -100,9 +109,10 @@ def conv1d_backward(rec: Recorder, dxz: Tensor, dweight: Tensor | None, dbias: T
     for b0, nb in parts:
         g, p, x, d = ((dout, pre, xz, dxz) if len(parts) == 1 else
                       (_seq_view(dout, b0, nb, L * Di), _seq_view(pre, b0, nb, L * Di),
-                       _seq_view(xz, b0, nb, 2 * L * Di), _seq_view(dxz, b0, nb, 2 * L * Di)))
+                       _seq_view(xz, b0, nb, L * W), _seq_view(dxz, b0, nb, L * W)))
         (bg, og), (bp, op), (bd, od), (bx, ox) = (bound(rt, t) for t in (g, p, d, x))
-        u = rt.uniform(_params(nb * L, L, Di, K, 0, 0, od, og, op, ow, ox, pbase=partial_rows(b0, L)))
+        u = rt.uniform(_params(nb * L, L, Di, K, 0, 0, od + col, og, op, ow, ox + col, pbase=partial_rows(b0, L),
+                               ld=ld))
         rec.dispatch("conv1d", "conv1d_backward", {0: bd, 1: bg, 2: bp, 3: bw, 4: u, 5: bx, 6: partials},
                      _groups(nb, L, Di, wg), {"SEQ_DW": int(want_dw), "WG": wg})
     if not want_dw:

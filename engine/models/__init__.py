@@ -1,6 +1,6 @@
 """The architectures the engine runs, by `model_type` (config.json's key).
 
-Built in: Mamba-1 and Falcon-Mamba (engine/models/mamba1).  Another architecture is a
+Built in: Mamba-1 and Falcon-Mamba (engine/models/mamba1), Mamba-2 (engine/models/mamba2).  Another architecture is a
 module that calls `register(MyArchitecture())` when imported (engine/models/base.py says
 what it provides); the engine imports the modules named in MEMENGINE_MODELS (comma-separated
 module names) and those of the `memengine.models` entry-point group the first time it looks
@@ -20,7 +20,8 @@ CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"  # named shapes (m
 ENV_MODELS = "MEMENGINE_MODELS"
 ENTRY_POINTS = "memengine.models"
 # model_type -> the module that registers it (imported on first use)
-BUILTIN = {"mamba": "memengine.engine.models.mamba1", "falcon_mamba": "memengine.engine.models.mamba1"}
+BUILTIN = {"mamba": "memengine.engine.models.mamba1", "falcon_mamba": "memengine.engine.models.mamba1",
+           "mamba2": "memengine.engine.models.mamba2"}
 
 _REGISTRY: dict = {}
 _loaded = False

@@ -116,6 +116,7 @@ class Architecture:
     lora_targets: tuple = ()             # the layers a LoRA adapter may adapt, in order
     lora_refused: dict = {}              # layer -> why a LoRA adapter may not adapt it
     wsla_scope: str = ""                 # what `adapt` trains, in words (info, adapt --help)
+    precisions: tuple = ("fp32", "mixed")  # the --precision values its block runs
 
     # -- config
     def config_from_dict(self, d: dict, source: str):
@@ -146,6 +147,11 @@ class Architecture:
         """Why a tensor the config implies may be missing (a config key to look at), or ''."""
         return ""
 
+    def shape_refusal(self, cfg, name: str, shape: tuple) -> str:
+        """Why a tensor of this shape (not the config's) is a model variant not supported
+        here, in one line, or '' (then the shape mismatch itself is reported)."""
+        return ""
+
     def init_weights(self, cfg, seed: int) -> dict:
         raise NotImplementedError
 
@@ -156,6 +162,11 @@ class Architecture:
     def wsla_names(self, cfg, names: list) -> list:
         """The tensors `adapt` (WSLA) trains, among `names`."""
         raise NotImplementedError
+
+    def wsla_rows(self, cfg, name: str):
+        """(first row, rows) of tensor `name` that `adapt` trains when only a row range of it
+        does (the others then stay bit-identical), else None (the whole tensor)."""
+        return None
 
     def lora_dims(self, cfg, target: str) -> tuple[int, int]:
         """(in_features, out_features) of a LoRA target layer."""

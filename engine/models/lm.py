@@ -232,6 +232,8 @@ class LanguageModel:
         if precision not in ("fp32", "mixed"):
             raise MemengineError(f"unknown precision {precision!r} (fp32 or mixed)")
         mixed = precision == "mixed"
+        if precision not in self.arch.precisions:
+            raise MemengineError(f"--precision {precision} is not yet supported for {self.cfg.model_type}")
         if mixed and not self.rt.has_f16:
             raise MemengineError(f"--precision mixed needs the shader-f16 feature, which the adapter "
                                  f"{self.rt.describe()} lacks; use --precision fp32")

@@ -78,6 +78,8 @@ class Trainer:
         self.params, self.grads = model.trainable_views(self.names)
         self._whole = model.whole_stores(self.trainable)      # stepped as whole segments
         self._norm_views = model.norm_views(self.trainable)   # what the gradient norm sums
+        if wsla:
+            self._wsla_rows(model)
         self.scaler = None
         if model.mixed:
             # the scale lives in the model's tensor, which its cross-entropy multiplies in
@@ -97,6 +99,27 @@ class Trainer:
         # how this trainer's steps are submitted (whole, or in pieces while slow): the
         # runtime's recorders pace by it
         self.pacer = rt.pacer = Pacer()
+
+    def _wsla_rows(self, model) -> None:
+        """Where the architecture's WSLA set is a row range of a tensor (Mamba-2: in_proj's B,
+        C and dt rows), the optimizer and the gradient norm see those rows only, so the other
+        rows stay bit-identical (weight decay included)."""
+        al = model.rt.storage_align
+        for n in self.names:
+            rr = model.arch.wsla_rows(model.cfg, n)
+            if rr is None:
+                continue
+            r0, nr = rr
+            shape = tuple(model.gpu_shapes[n])
+            width = int(np.prod(shape[1:]))
+            full_g = self.grads[n]
+            if (r0 * width * 4) % al:
+                raise MemengineError(f"adapt: the rows {r0}.. of {n} that adapt trains do not start at a "
+                                     f"{al}-byte boundary of the tensor ({r0} x {width} values); this shape cannot "
+                                     "be adapted here")
+            self.params[n] = self.params[n].view((nr,) + shape[1:], r0 * width)
+            self.grads[n] = full_g.view((nr,) + shape[1:], r0 * width)
+            self._norm_views = [self.grads[n] if v is full_g else v for v in self._norm_views]
 
     def optimizer_state(self) -> dict:
         state = self.opt.state_dict()
