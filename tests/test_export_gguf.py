@@ -306,3 +306,53 @@ def test_without_the_gguf_package_one_line_says_how_to_get_it(tmp_path, monkeypa
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, "memengine[gguf]")
     assert not (tmp_path / "m.gguf").exists()
+
+
+# ----------------------------------------------------------------------------- Mamba-2
+M2 = dict(model_type="mamba2", vocab_size=272, hidden_size=32, num_heads=8, head_dim=8, n_groups=2, state_size=12,
+          num_hidden_layers=2, expand=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=False)
+
+
+def make_mamba2(path: Path, seed: int = 0, **overrides) -> Path:
+    """A Mamba-2 checkpoint of odd shape (G 2, N 12), D, the norms, A and the biases moved."""
+    from memengine.engine import models
+
+    cfg = models.config_from_dict({**M2, **overrides}, "test")
+    t = models.of(cfg).init_weights(cfg, seed)
+    rng = np.random.default_rng(seed + 100)
+    for name, a in t.items():
+        if name.endswith((".D", "norm.weight", "norm_f.weight", "dt_bias", "bias")):
+            t[name] = (a + 0.1 * rng.standard_normal(a.shape)).astype(np.float32)
+        elif name.endswith("A_log"):
+            t[name] = (a + 0.05 * rng.standard_normal(a.shape)).astype(np.float32)
+    save_checkpoint(path, cfg, t, dtype="F32")
+    return path
+
+
+def test_mamba2_export_has_the_converters_names_shapes_and_keys(tmp_path):
+    m = make_mamba2(tmp_path / "m")
+    r = export(m, "-o", tmp_path / "m.gguf", "--type", "f32")
+    assert r.exit_code == 0, r.stderr
+    fields, tensors = read(tmp_path / "m.gguf")
+    assert fields["general.architecture"] == "mamba2"
+    assert fields["mamba2.ssm.time_step_rank"] == 8 and fields["mamba2.ssm.group_count"] == 2
+    assert fields["mamba2.ssm.inner_size"] == 64 and fields["mamba2.ssm.state_size"] == 12
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MAMBA2, 2)
+    c = load_checkpoint(m)
+    for hf, a in c.tensors.items():
+        key = hf.replace(".dt_bias", ".dt_proj.bias")   # the converter's own renaming
+        want = tmap.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert want in tensors, (hf, want)
+    a_log = c.tensors["backbone.layers.1.mixer.A_log"]
+    assert np.array_equal(tensor_f32(tensors["blk.1.ssm_a"]).reshape(-1), -np.exp(a_log))
+    assert tensor_f32(tensors["blk.0.ssm_norm.weight"]).shape == (2, 32)
+
+
+@pytest.mark.parametrize("overrides,needle", [(dict(expand=3, num_heads=12), "expand 2"),
+                                              (dict(use_bias=True), "use_bias")])
+def test_what_llama_cpp_cannot_run_of_mamba2_is_refused(tmp_path, overrides, needle):
+    m = make_mamba2(tmp_path / "m", **overrides)
+    r = export(m, "-o", tmp_path / "m.gguf")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, needle)
+    assert not (tmp_path / "m.gguf").exists()

@@ -36,7 +36,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_cli import run  # noqa: E402
-from test_export_gguf import ODD, make_adapter, make_bpe_tokenizer, make_model  # noqa: E402
+from test_export_gguf import ODD, make_adapter, make_bpe_tokenizer, make_mamba2, make_model  # noqa: E402
 
 PROMPT = "It was the"
 
@@ -69,7 +69,8 @@ def llama_greedy(path, ids, n) -> list:
 
 def hf_logits(ckpt, ids) -> np.ndarray:
     cfg = json.loads((ckpt / "config.json").read_text())
-    cls = transformers.FalconMambaForCausalLM if cfg["model_type"] == "falcon_mamba" else transformers.MambaForCausalLM
+    cls = {"falcon_mamba": transformers.FalconMambaForCausalLM, "mamba2": transformers.Mamba2ForCausalLM}.get(
+        cfg["model_type"], transformers.MambaForCausalLM)
     model = cls.from_pretrained(str(ckpt), torch_dtype=torch.float64).eval()
     with torch.no_grad():
         return model(torch.tensor([list(map(int, ids))])).logits[0].numpy()
@@ -227,3 +228,23 @@ def test_a_mamba_130m_shape_export_runs_in_llama_cpp(tmp_path):
     got, want = llama_logits(out, ids), hf_logits(tmp_path / "m", ids)
     assert got.shape == want.shape
     assert rel(got, want) < 1e-3, rel(got, want)
+
+
+@pytest.mark.parametrize("t,bound", [("f32", 1e-3), ("f16", 1e-2)])
+def test_llama_cpp_runs_a_mamba2_export_as_transformers(tmp_path, t, bound):
+    """Mamba-2 (G 2, N 12, 8 heads of 8, untied): llama.cpp's logits over 48 tokens equal
+    transformers' Mamba2ForCausalLM (float64) within the type's bound."""
+    m = make_mamba2(tmp_path / "m")
+    out = export(m, tmp_path / f"m-{t}.gguf", t)
+    ids = np.random.default_rng(5).integers(0, 272, size=48)
+    got, want = llama_logits(out, ids), hf_logits(m, ids)
+    assert rel(got, want) < bound, rel(got, want)
+
+
+def test_llama_cpp_greedy_on_mamba2_equals_memengine_generate(tmp_path):
+    m = make_mamba2(tmp_path / "m", tie_word_embeddings=True)
+    out = export(m, tmp_path / "m.gguf", "f32")
+    r = run("generate", m, "-p", PROMPT, "-n", "16", "-t", "0", "--json")
+    assert r.exit_code == 0, r.stderr
+    ours = json.loads(r.stdout.splitlines()[-1])["tokens"]
+    assert llama_greedy(out, list(PROMPT.encode()), 16) == ours

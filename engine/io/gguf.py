@@ -2,7 +2,8 @@
 the `gguf` extra): the types it quantizes, the tokenizer as llama.cpp's converter maps it,
 and the staged, atomic write.  What is the architecture's own (llama.cpp's architecture
 name, tensor names and layouts, metadata keys, which tensors stay F32, what llama.cpp cannot
-run) comes from its mapping, `Architecture.gguf()` (Mamba-1: engine/models/mamba1/gguf.py).
+run) comes from its mapping, `Architecture.gguf()` (engine/models/mamba1/gguf.py,
+engine/models/mamba2/gguf.py).
 
 - the requested type for every tensor the mapping does not keep in F32, with a fall back
   to F16 where its rows do not split into the type's blocks (32 values for q8_0, q4_0...);

@@ -142,6 +142,11 @@ class Mamba2(Architecture):
                         max(ssd.sequence_scratch(1, L, H, P, N, G)), True, "adapter"))
         return out
 
+    def gguf(self):
+        from memengine.engine.models.mamba2 import gguf
+
+        return gguf
+
     def describe(self, cfg) -> list:
         return [("layers", cfg.num_hidden_layers), ("hidden size (E)", cfg.hidden_size),
                 ("inner size (Di)", cfg.intermediate_size),
