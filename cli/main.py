@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -221,9 +222,25 @@ run_command(app, EvalOptions, _eval, name="eval", help="Loss, perplexity, bits p
 
 
 # =========================================================================== train
-def _train(o: TrainOptions, ui: UI) -> None:
+def _launch_ranks(o: TrainOptions, ui: UI) -> Optional[int]:
+    """--nproc-per-node N > 1 (and not already a rank): run this command line on N ranks
+    through torch's launcher and return its exit status; None: run here."""
+    from memengine.engine.train import distributed
+
+    if o.nproc_per_node <= 1 or distributed.is_rank():
+        return None
+    code, msg = distributed.launch(o.nproc_per_node, sys.argv[1:])
+    if msg:
+        ui.error(msg)
+    return code
+
+
+def _train(o: TrainOptions, ui: UI) -> Optional[int]:
     from memengine.engine.app.run import run_train
 
+    launched = _launch_ranks(o, ui)
+    if launched is not None:
+        return launched
     with ui.run_view() as view:
         res = run_train(o, view, verbose=ui.verbose)
     s = res.summary()
@@ -251,6 +268,9 @@ Resumes the optimizer moments from optimizer.safetensors beside CKPT when presen
 def _adapt(o: AdaptOptions, ui: UI) -> int:
     from memengine.engine.app.run import run_adapt
 
+    launched = _launch_ranks(o, ui)
+    if launched is not None:
+        return launched
     with ui.run_view() as view:
         res = run_adapt(o, view, verbose=ui.verbose)
     a = res.adapt

@@ -407,6 +407,11 @@ class TrainOptions(Options):
     model_type: Optional[str] = _model_type()
     base: Optional[str] = _base()
     device: Optional[str] = _device()
+    nproc_per_node: int = opt(1, panel=RUNTIME, check=at_least(1), restore=False, metavar="N",
+                              help="Train data-parallel on N ranks of this host (torch.distributed, gloo; "
+                                   "needs memengine[distributed]): each rank takes the GPU of its local rank "
+                                   "and --batch-size windows, so a step takes --batch-size x N (x --grad-accum) "
+                                   "windows, the step of a one-process run at that batch.")
     tokenizer: Optional[str] = _tokenizer()
     force: bool = opt(False, flags=("--force", "-f"), panel=OUTPUT, config=False, restore=False,
                       help="Replace OUT if it exists and is not empty.")

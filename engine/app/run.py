@@ -28,7 +28,7 @@ from memengine.engine.io.data import make_batches, make_windows, read_sources, t
 from memengine.engine.io.resolve import public_path, resolve_checkpoint
 from memengine.engine.listener import Listener
 from memengine.engine.train import adapt as wsla
-from memengine.engine.train import optim_state, snapshots
+from memengine.engine.train import distributed, optim_state, snapshots
 from memengine.engine.train.loop import LoopState, TrainingLoop, reads_apart
 from memengine.engine.train.sampler import split_windows
 from memengine.engine.train.trainer import EvalResult, Trainer, evaluate
@@ -189,6 +189,7 @@ class _Run:
         o.check_inputs()
         self.o = o
         self.listener = listener
+        self._join_ranks()
         opened = self._open_source()
         self._check_output(opened)
         self._choose_lora(opened)
@@ -196,6 +197,19 @@ class _Run:
         self._read_data()
         self._open_model(verbose)
         self._build_loop(opt_state, opt_file)
+
+    def _join_ranks(self) -> None:
+        """This rank's process group (engine/train/distributed.py) when the run has several;
+        rank 0 alone writes outputs."""
+        o = self.o
+        self.group = distributed.current()
+        self.world = 1 if self.group is None else self.group.world
+        self.writer = self.group is None or self.group.rank == 0
+        if self.group is None and o.nproc_per_node > 1:
+            raise MemengineError(f"--nproc-per-node {o.nproc_per_node}: the ranks are started by the memengine "
+                                 "command (or torchrun), not inside a running process")
+        if self.group is not None and any(str(d) == "-" for d in o.data):
+            raise MemengineError("--data -: standard input cannot be read by several ranks; give a file")
 
     def _open_source(self):
         """The run's checkpoint: CKPT, or the step directory --resume names."""
@@ -217,8 +231,15 @@ class _Run:
         ref = opened.ref
         inputs = self._inputs(ref.path) + [("the adapter", Path(p)) for p in
                                            (opened.adapter and opened.adapter.path, o.lora_from) if p]
-        staging.check_output(self.out, o.force, inputs=inputs, owned=self.in_place, on_note=lis.on_note)
-        if self.in_place:
+        if snap is not None:
+            was = int(snap.state.get("world_size", 1))
+            if was != self.world:
+                raise MemengineError(f"--resume {o.resume}: the run had {was} rank(s), this one {self.world}; "
+                                     f"it continues on {was} (--nproc-per-node {was}), which decides which "
+                                     "windows each step sees")
+        if self.writer:   # rank 0 alone looks after OUT
+            staging.check_output(self.out, o.force, inputs=inputs, owned=self.in_place, on_note=lis.on_note)
+        if self.in_place and self.writer:
             for note in staging.clean_leftovers(self.out / snapshots.CHECKPOINTS_DIR):
                 lis.on_note(note)
         if self.in_place:
@@ -293,7 +314,7 @@ class _Run:
     def _open_model(self, verbose: bool) -> None:
         """The runtime, and the model on it once the memory plan passes (with its adapter)."""
         o, run_lora = self.o, self.run_lora
-        self.rt = open_runtime(o.device, verbose)
+        self.rt = open_runtime(distributed.device_request(o.device, self.group), verbose)
         self.device = self.rt.describe()
         self.listener.on_device(self.device)
         val = (len(self.val_batches),) if self.val_batches else ()
@@ -321,13 +342,13 @@ class _Run:
         if snap is not None:
             lis.on_note(f"resuming {snap.dir} at step {snap.step}")
         self.trainer = Trainer(self.model, o, opt_state, wsla=o.WSLA,
-                               trace_capacity=reads_apart(o, len(self.windows)))
+                               trace_capacity=reads_apart(o, len(self.windows)), group=self.group)
         self.claimed = self.in_place
         self.extra_state: dict = dict(snap.state.get("extra") or {}) if snap is not None else {}
         title = f"{'adapt (WSLA)' if o.WSLA else 'train'} {o.ckpt if snap is None else snap.dir} -> {self.out}"
         self.loop = TrainingLoop(self.trainer, self.windows, o, val_batches=self.val_batches, listener=lis,
                                  state=self.state, on_save=self.save_step, title=title)
-        if self.in_place and o.force:
+        if self.in_place and o.force and self.writer:
             for d in snapshots.later_steps(self.out, snap.step):
                 staging.remove_dir(d)
         lp = self.loop
@@ -394,7 +415,7 @@ class _Run:
         for key in snapshots.RUN_RELATIVE:  # found again by --resume, wherever it is run from
             options[key] = [snapshots.relative_to_run(d, self.out) for d in getattr(self.o, key)]
         return {"format": snapshots.STATE_FORMAT, "version": STATE_VERSION, "kind": self.o.KIND,
-                "step": self.state.step, "epoch": (self.loop.order.state()["epoch"]), "input": self.input,
+                "world_size": self.world, "step": self.state.step, "epoch": (self.loop.order.state()["epoch"]), "input": self.input,
                 "options": options, "data": self.data_info, "extra": self.extra_state,
                 "segments": segs, "loop": self.loop.state_dict()}
 
@@ -429,6 +450,8 @@ class _Run:
         staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
 
     def save_step(self, loop: TrainingLoop) -> Path:
+        if not self.writer:   # rank 0 writes the run's checkpoints
+            return snapshots.step_dir(self.out, self.state.step)
         if not self.claimed:
             staging.claim_dir(self.out, self.o.force)
             self.claimed = True
@@ -441,8 +464,10 @@ class _Run:
 
     def publish(self, result: dict) -> Path:
         """Write OUT: the final (or with --keep-best the best) model, optimizer and trainer
-        state, and memengine.json."""
+        state, and memengine.json (rank 0 of a multi-rank run; the others write nothing)."""
         st = self.state
+        if not self.writer:
+            return self.out
         result = {**result, "output": public_path(self.out)}  # no absolute local path in an output
         if self.trainer.scaler is not None:  # --precision mixed: final loss scale, steps skipped
             result.update(self.trainer.scaler.read())
@@ -459,10 +484,13 @@ class _Run:
                 self.write_checkpoint(tmp, self.out)
             segs = [dict(s) for s in self.segments]
             segs[-1].update(finished=records.now(), last_step=st.step)
+            extra = {"best": st.best} if self.o.keep_best else {}
+            if self.world > 1:
+                extra["world_size"] = self.world
             rec = records.run_record(self.o.KIND, self.recorded_options(), input_path=self.input,
                                      device=self.device,
                                      segments=segs, history=st.history, result=result,
-                                     extra={"best": st.best} if self.o.keep_best else None)
+                                     extra=extra or None)
             staging.write_json(tmp / staging.RECORD_FILE, rec)
         return self.out
 
@@ -548,6 +576,8 @@ def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
     elapsed = time.perf_counter() - t0
     ppl_after = after.perplexity if after is not None else float("nan")
     reason = wsla.regression(before["perplexity"], ppl_after, o.tolerance, failure)
+    if r.group is not None:   # one decision for all ranks: rank 0's
+        reason = r.group.broadcast(reason)
     changed, max_abs = wsla.changes(start, r.model.state_dict(), r.trainer.names)
     epochs = [e for e in r.state.history if e["event"] == "epoch"]
     norms = [e["grad_norm"] for e in epochs]

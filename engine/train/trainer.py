@@ -59,11 +59,14 @@ class Trainer:
 
     `options` needs lr, beta1, beta2, eps, weight_decay, max_delta, max_grad_norm (a
     TrainOptions); `wsla` picks the trainable set.  `trace_capacity`: the most steps
-    between two `read_trace` calls."""
+    between two `read_trace` calls.  `group`: this rank's process group in a data-parallel
+    run (engine/train/distributed.py): the gradients and the loss of each step are summed
+    over the ranks after its backward, before the clip."""
 
     def __init__(self, model: LanguageModel, options, optimizer_state: dict | None = None, *, wsla: bool = False,
-                 trace_capacity: int = 1):
+                 trace_capacity: int = 1, group=None):
         self.model = model
+        self.group = group
         self.options = options
         rt = model.rt
         self.opt = AdamW(rt, lr=options.lr, betas=(options.beta1, options.beta2), eps=options.eps,
@@ -105,26 +108,35 @@ class Trainer:
             state["__step__"] = np.array([self.scaler.applied_steps()], dtype=np.int64)
         return state
 
-    def step(self, micro: list, lr: float) -> int:
+    def step(self, micro: list, lr: float, n_total: int | None = None) -> int:
         """Record and submit one optimizer step over the micro-batches `micro` (Batch of one
-        shape); returns the input tokens it trained on.  No readback."""
+        shape); returns the input tokens it trained on.  No readback (except, with a
+        `group`, the gradients' all-reduce).  `n_total`: the targets the step's loss is the
+        mean over (default: those of `micro`; a rank passes the step's over all ranks)."""
         if self.pending >= self.capacity:
             raise RuntimeError("Trainer.step: the trace is full; read_trace() first")
         model, rt = self.model, self.model.rt
         B, L = batch_shape(micro)
         ws = model.workspace(B, L)
-        n_total = sum(int(b.n_targets) for b in micro)
+        if n_total is None:
+            n_total = sum(int(b.n_targets) for b in micro)
         j = self.pending
         tokens = 0
         for i, b in enumerate(micro):
             self.fence.wait()  # keeps at most fence.depth submissions queued (no readback)
             model.write_batch(ws, b.ids, b.targets, denominator=n_total)
             if model.lora is not None:  # the dropout mask of this micro-batch (from --seed)
-                model.lora.set_counter(self.opt.step_count * 65536 + i)
+                rank, world = (0, 1) if self.group is None else (self.group.rank, self.group.world)
+                model.lora.set_counter(self.opt.step_count * 65536 + i * world + rank)
             rec = rt.recorder()
             if i == 0:
                 rec.clear(self.step_loss)
             model.record_gradients(rec, ws, b.ids, self.trainable, self.step_loss, clear=(i == 0))
+            if i == len(micro) - 1 and self.group is not None:
+                self.fence.mark(rec)
+                rec.submit()
+                self._all_reduce()
+                rec = rt.recorder()
             if i == len(micro) - 1:
                 self.clipper.record(rec, self._norm_views, self.options.max_grad_norm, self.scaler)
                 rec.copy(self.step_loss, self.trace.view((1,), j), slot=True)
@@ -141,6 +153,17 @@ class Trainer:
         self.pending += 1
         self._pace()
         return tokens
+
+    def _all_reduce(self) -> None:
+        """Sum this step's gradients and loss over the ranks: each gradient-store segment
+        (or trained view, `norm_views`) read back, all-reduced on the host, written back.
+        After the whole backward: the engine records a step's backward before submitting
+        it, so nothing here overlaps the backward yet."""
+        rt = self.model.rt
+        for t in [self.step_loss, *self._norm_views]:
+            a = rt.read(t)
+            self.group.all_reduce(a)
+            rt.write(t, a)
 
     def _pace(self) -> None:
         """Submit steps whole while they are fast, in pieces (layers holding ~pacing.PIECE_S
