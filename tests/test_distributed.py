@@ -130,6 +130,22 @@ def test_adapt_on_two_ranks(base, tmp_path):
     assert events(r.stdout, "summary")[0]["rolled_back"] is True
 
 
+def test_torchrun_runs_the_same_ranks(base, tmp_path):
+    """The documented equivalent across hosts: torchrun starting `-m memengine.cli` (here
+    on one host), without --nproc-per-node."""
+    ckpt, txt = base
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ("--max-steps", "2")
+    r1 = cli("train", ckpt, "--data", txt, "-o", one, "--batch-size", 2, *COMMON, *extra)
+    assert r1.returncode == 0, r1.stderr
+    r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         "-m", "memengine.cli", "train", str(ckpt), "--data", str(txt), "-o", str(two),
+                         "--batch-size", "1", *COMMON, *extra], capture_output=True, text=True, env=_env(),
+                        timeout=240)
+    assert r2.returncode == 0, r2.stderr
+    assert_same_run(one, two, r1, r2)
+
+
 def test_rank_share_is_the_one_process_step_split():
     """Each rank's micro-batches are its rows of the one-process micro-batches at B x W."""
     from memengine.engine.io.data import make_batches

@@ -149,7 +149,8 @@ def launch(nproc: int, argv: list) -> tuple[int, Optional[str]]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # the agent logs each failure on its own; the exit status and our one line say it
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=int(nproc), run_id=f"memengine-{uuid.uuid4().hex}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           shutdown_timeout=int(os.environ.get("MEMENGINE_DIST_SHUTDOWN_S", "20")))
