@@ -111,6 +111,47 @@ def test_two_ranks_train_a_lora_adapter(base, tmp_path):
     assert_same_run(one, two, r1, r2)
 
 
+def test_two_ranks_with_sharded_moments(base, tmp_path):
+    """--shard-moments (ZeRO stage 1): the same run, and the checkpoints hold every moment."""
+    one, two, r1, r2 = _pair(base, tmp_path, ("--max-steps", "4", "--save-every", "2", "--shard-moments"))
+    assert_same_run(one, two, r1, r2)
+    # resumed from its first checkpoint (sharded again), it ends at the same place
+    again = tmp_path / "again"
+    r = cli("train", "--resume", two / "checkpoints" / "step-2", "-o", again, "--nproc-per-node", 2)
+    assert r.returncode == 0, r.stderr
+    a, b = tensors_of(one), tensors_of(again)
+    for k in a:
+        if not k.startswith("checkpoints"):
+            np.testing.assert_allclose(b[k], a[k], rtol=RTOL, atol=ATOL, err_msg=k)
+
+
+def test_sharded_moments_live_on_their_rank_only(tiny_ckpt_ro, rt):
+    """Each rank makes and steps only the moments of the tensors it owns."""
+    from dataclasses import replace
+
+    from memengine.engine.app.options import TrainOptions
+    from memengine.engine.io.checkpoint import load_checkpoint
+    from memengine.engine.io.data import make_batches
+    from memengine.engine.models.lm import LanguageModel
+    from memengine.engine.train.trainer import Trainer, shard_owners
+
+    class OneOfTwo:   # rank 1 of 2, alone: the sums are this rank's own values
+        rank, world = 1, 2
+
+        def all_reduce(self, a):
+            return a
+
+    model = LanguageModel.from_checkpoint(rt, load_checkpoint(tiny_ckpt_ro))
+    o = replace(TrainOptions(ckpt="x", data=["x"]), shard_moments=True)
+    tr = Trainer(model, o, group=OneOfTwo())
+    ids = np.arange(16, dtype=np.int32).reshape(1, 16) % 200
+    tr.step(make_batches([(ids[0], ids[0] + 1)], 1, 16), 1e-3)
+    mine = {n for n, r in tr.owner.items() if r == 1}
+    assert mine and set(tr.opt.moments) == mine and len(mine) < len(tr.names)
+    owners = shard_owners({"a": 10, "b": 6, "c": 5, "d": 1}, 2)
+    assert owners == {"a": 0, "b": 1, "c": 1, "d": 0}
+
+
 def test_adapt_on_two_ranks(base, tmp_path):
     ckpt, txt = base
     one, two = tmp_path / "one", tmp_path / "two"

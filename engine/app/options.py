@@ -412,6 +412,10 @@ class TrainOptions(Options):
                                    "needs memengine[distributed]): each rank takes the GPU of its local rank "
                                    "and --batch-size windows, so a step takes --batch-size x N (x --grad-accum) "
                                    "windows, the step of a one-process run at that batch.")
+    shard_moments: bool = opt(False, panel=RUNTIME,
+                              help="With several ranks: each keeps the AdamW moments of its share of the "
+                                   "tensors only and steps those (ZeRO stage 1), the updated weights then "
+                                   "exchanged; the checkpoints hold all moments, as without it.")
     tokenizer: Optional[str] = _tokenizer()
     force: bool = opt(False, flags=("--force", "-f"), panel=OUTPUT, config=False, restore=False,
                       help="Replace OUT if it exists and is not empty.")

@@ -434,7 +434,7 @@ class _Run:
         tok = tokenizer_file(self.tok)
         if run_lora and run_lora.train:
             lora.write_run_adapter(directory, run_lora, tensors, tok)
-            optim_state.save(directory, self.trainer.optimizer_state())
+            optim_state.save(directory, self._moments())
             state = self.trainer_state()
             state["extra"] = {**state["extra"], "lora": {
                 "base_relative": None if self.ref.repo_id else snapshots.relative_to_run(str(self.ref.path), final)}}
@@ -446,10 +446,22 @@ class _Run:
                         extra_files=side_files(self.ckpt.directory, tok.parent if tok else None),
                         metadata={"producer": f"memengine {records.version()}", "step": str(self.state.step)},
                         max_shard_size=self.o.max_shard_bytes)
-        optim_state.save(directory, self.trainer.optimizer_state())
+        optim_state.save(directory, self._moments())
         staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
 
+    def _moments(self) -> dict:
+        """The trainer's optimizer state; with --shard-moments gathered from every rank (each
+        calls this at every save and publish, whichever writes), once per step."""
+        if not self.trainer.shard:
+            return self.trainer.optimizer_state()
+        cached = getattr(self, "_moments_at", None)
+        if cached is None or cached[0] != self.state.step:
+            cached = self._moments_at = (self.state.step, self.trainer.optimizer_state())
+        return cached[1]
+
     def save_step(self, loop: TrainingLoop) -> Path:
+        if self.trainer.shard:
+            self._moments()
         if not self.writer:   # rank 0 writes the run's checkpoints
             return snapshots.step_dir(self.out, self.state.step)
         if not self.claimed:
@@ -466,6 +478,8 @@ class _Run:
         """Write OUT: the final (or with --keep-best the best) model, optimizer and trainer
         state, and memengine.json (rank 0 of a multi-rank run; the others write nothing)."""
         st = self.state
+        if self.trainer.shard:
+            self._moments()
         if not self.writer:
             return self.out
         result = {**result, "output": public_path(self.out)}  # no absolute local path in an output
@@ -493,6 +507,11 @@ class _Run:
                                      extra=extra or None)
             staging.write_json(tmp / staging.RECORD_FILE, rec)
         return self.out
+
+    def finish(self) -> None:
+        """A multi-rank run ends on every rank once rank 0 has written OUT."""
+        if self.group is not None:
+            self.group.finish()
 
     def last_checkpoint(self) -> Optional[Path]:
         steps = snapshots.list_steps(self.out) if self.claimed else []
@@ -534,6 +553,7 @@ def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: boo
         res = RunResult("train", r.out, r.state, r.device, elapsed, best=r.state.best if o.keep_best else None)
         summary = res.summary()
         r.publish({k: v for k, v in summary.items() if k != "event"})
+        r.finish()
     return res
 
 
@@ -599,4 +619,5 @@ def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
     if not rolled_back:
         summary = res.summary()
         r.publish({k: v for k, v in summary.items() if k != "event"})
+    r.finish()
     return res

@@ -107,6 +107,12 @@ class Group:
     def barrier(self) -> None:
         self._collective(lambda: self.dist.barrier())
 
+    def finish(self) -> None:
+        """The end of a run: wait for every rank (rank 0's outputs are written when any rank
+        returns), then leave the group."""
+        self.barrier()
+        self.close()
+
     def close(self) -> None:
         try:
             if self.dist.is_initialized():
@@ -123,7 +129,11 @@ def current() -> Optional[Group]:
     if not is_rank():
         return None
     if _GROUP["group"] is None:
+        import atexit
+
         _GROUP["group"] = Group()
+        # gloo's threads must be joined before the interpreter ends (else std::terminate)
+        atexit.register(_GROUP["group"].close)
     return _GROUP["group"]
 
 

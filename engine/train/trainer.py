@@ -44,6 +44,18 @@ class EvalResult:
                 f"{prefix}top5_accuracy": self.top5_accuracy}
 
 
+def shard_owners(sizes: dict, world: int) -> dict:
+    """name -> the rank that keeps its moments (--shard-moments): the largest tensors first,
+    each to the rank with the fewest elements so far (the same on every rank)."""
+    load = [0] * world
+    owner = {}
+    for n in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[n] = r
+        load[r] += sizes[n]
+    return owner
+
+
 def batch_shape(batches) -> tuple[int, int]:
     if not batches:
         raise MemengineError("no data: the text is too short to form one window of 2 tokens")
@@ -73,6 +85,15 @@ class Trainer:
                          weight_decay=options.weight_decay, max_delta=options.max_delta)
         optimizer_state = dict(optimizer_state or {})
         scaler_state = optimizer_state.pop(LOSS_SCALE_KEY, None)
+        # --shard-moments: this rank keeps (and steps) the moments of its share of the tensors
+        self.shard = bool(getattr(options, "shard_moments", False)) and group is not None and group.world > 1
+        self.owner: dict = {}
+        if self.shard:
+            names = model.trainable_names(wsla)
+            shapes = {**model.shapes, **(model.lora.shapes if model.lora is not None else {})}
+            self.owner = shard_owners({n: int(np.prod(shapes[n])) for n in names}, group.world)
+            optimizer_state = {k: v for k, v in optimizer_state.items()
+                               if k.startswith("__") or self.owner.get(k.rsplit(".", 1)[0]) == group.rank}
         if optimizer_state:
             self.opt.load_state_dict(optimizer_state)
         self.clipper = GradClipper(rt)
@@ -102,7 +123,11 @@ class Trainer:
         self.pacer = rt.pacer = Pacer()
 
     def optimizer_state(self) -> dict:
+        """The moments by name (with --shard-moments gathered from their ranks: every rank
+        calls this at the same point) and the step count."""
         state = self.opt.state_dict()
+        if self.shard:
+            state = self._gather_moments(state)
         if self.scaler is not None:   # t = the steps loss scaling let through
             state[LOSS_SCALE_KEY] = self.scaler.state()
             state["__step__"] = np.array([self.scaler.applied_steps()], dtype=np.int64)
@@ -145,10 +170,17 @@ class Trainer:
                 if self.scaler is not None:
                     skip = self.scaler.amp
                     rec.copy(skip.view((1,)), self.trace.view((1,), 2 * self.capacity + j), slot=True)
-                self.opt.record_step(rec, self.params, self.grads, self.clipper.factor, skip,
-                                     whole=self._whole, lr=lr)
+                if self.shard:   # this rank's share, tensor by tensor; the weights exchanged below
+                    mine = [n for n in self.names if self.owner[n] == self.group.rank]
+                    self.opt.record_step(rec, {n: self.params[n] for n in mine}, {n: self.grads[n] for n in mine},
+                                         self.clipper.factor, skip, whole=(), lr=lr)
+                else:
+                    self.opt.record_step(rec, self.params, self.grads, self.clipper.factor, skip,
+                                         whole=self._whole, lr=lr)
             self.fence.mark(rec)
             rec.submit()
+            if self.shard and i == len(micro) - 1:
+                self._exchange_weights()
             tokens += int(b.n_tokens)
         self.pending += 1
         self._pace()
@@ -164,6 +196,34 @@ class Trainer:
             a = rt.read(t)
             self.group.all_reduce(a)
             rt.write(t, a)
+
+    def _sum_over_ranks(self, parts: list) -> list:
+        """Host arrays (one per tensor, each rank's own filled, the others zeros) summed over
+        the ranks in one all-reduce: every rank gets every owner's values exactly (x + 0 = x)."""
+        flat = np.concatenate([np.ravel(a).astype(np.float32) for a in parts]) if parts else np.zeros(0, np.float32)
+        self.group.all_reduce(flat)
+        out, o = [], 0
+        for a in parts:
+            out.append(flat[o:o + a.size].reshape(a.shape))
+            o += a.size
+        return out
+
+    def _exchange_weights(self) -> None:
+        """--shard-moments: after each rank stepped its share, every rank takes the others'."""
+        rt, me = self.model.rt, self.group.rank
+        parts = [rt.read(self.params[n]) if self.owner[n] == me else np.zeros(self.params[n].shape, np.float32)
+                 for n in self.names]
+        for n, a in zip(self.names, self._sum_over_ranks(parts)):
+            if self.owner[n] != me:
+                rt.write(self.params[n], a)
+
+    def _gather_moments(self, state: dict) -> dict:
+        keys = [f"{n}.{k}" for n in self.names for k in ("exp_avg", "exp_avg_sq")]
+        parts = [state[k] if k in state else np.zeros(self.params[k.rsplit(".", 1)[0]].shape, np.float32)
+                 for k in keys]
+        out = dict(zip(keys, self._sum_over_ranks(parts)))
+        out["__step__"] = state["__step__"]
+        return out
 
     def _pace(self) -> None:
         """Submit steps whole while they are fast, in pieces (layers holding ~pacing.PIECE_S
