@@ -261,6 +261,7 @@ Resumes the optimizer moments from optimizer.safetensors beside CKPT when presen
     "memengine train state-spaces/mamba-130m-hf --data book.txt -o out --max-shard-size 200MB",
     "memengine train model --data book.txt -o adapter --lora-rank 8 --lora-alpha 16   # a PEFT LoRA adapter",
     "memengine train model --data more.txt -o adapter-2 --lora-from adapter   # continue an adapter",
+    "memengine train model --data book.txt -o out --batch-size 4 --nproc-per-node 2   # 2 ranks: batch 8",
 ))
 
 

@@ -409,7 +409,7 @@ class TrainOptions(Options):
     device: Optional[str] = _device()
     nproc_per_node: int = opt(1, panel=RUNTIME, check=at_least(1), restore=False, metavar="N",
                               help="Train data-parallel on N ranks of this host (torch.distributed, gloo; "
-                                   "needs memengine[distributed]): each rank takes the GPU of its local rank "
+                                   "needs torch, the distributed extra): each rank takes the GPU of its local rank "
                                    "and --batch-size windows, so a step takes --batch-size x N (x --grad-accum) "
                                    "windows, the step of a one-process run at that batch.")
     shard_moments: bool = opt(False, panel=RUNTIME,

@@ -519,6 +519,8 @@ class _Run:
 
     def left(self) -> str:
         """What an interrupted or failed run leaves behind, for its one-line message."""
+        if not self.writer:
+            return "rank 0 writes the run's outputs and says what it leaves"
         if interrupts.was_completed(self.out):
             return f"{self.out} had been written completely and is kept"
         last = self.last_checkpoint()
