@@ -111,6 +111,16 @@ def test_two_ranks_train_a_lora_adapter(base, tmp_path):
     assert_same_run(one, two, r1, r2)
 
 
+def test_two_ranks_under_mixed_precision(base, tmp_path):
+    """Loss scaling decides on the summed gradients: the same skips, scale and weights (an
+    absolute 1e-6: batch 2 and two batches of 1 round differently, and AdamW's first steps
+    at --lr 3e-3 make that a few 1e-7 in the weights under mixed precision, 1e-8 in fp32)."""
+    one, two, r1, r2 = _pair(base, tmp_path, ("--max-steps", "3", "--precision", "mixed"))
+    assert_same_run(one, two, r1, r2, atol=1e-6)
+    assert [e["skipped_steps"] for e in events(r1.stdout, "step")] == \
+        [e["skipped_steps"] for e in events(r2.stdout, "step")]
+
+
 def test_two_ranks_with_sharded_moments(base, tmp_path):
     """--shard-moments (ZeRO stage 1): the same run, and the checkpoints hold every moment."""
     one, two, r1, r2 = _pair(base, tmp_path, ("--max-steps", "4", "--save-every", "2", "--shard-moments"))
