@@ -255,9 +255,25 @@ run_command(app, EvalOptions, _eval, name="eval", help="Loss, perplexity, bits p
 
 
 # =========================================================================== train
-def _train(o: TrainOptions, ui: UI) -> None:
+def _launch_ranks(o: TrainOptions, ui: UI) -> Optional[int]:
+    """--nproc-per-node N > 1 (and not already a rank): run this command line on N ranks
+    through torch's launcher and return its exit status; None: run here."""
+    from memengine.engine.train import distributed
+
+    if o.nproc_per_node <= 1 or distributed.is_rank():
+        return None
+    code, msg = distributed.launch(o.nproc_per_node, sys.argv[1:])
+    if msg:
+        ui.error(msg)
+    return code
+
+
+def _train(o: TrainOptions, ui: UI) -> Optional[int]:
     from memengine.engine.app.run import run_train
 
+    launched = _launch_ranks(o, ui)
+    if launched is not None:
+        return launched
     with ui.run_view() as view:
         res = run_train(o, view, verbose=ui.verbose)
     if o.dry_run:
@@ -280,6 +296,7 @@ Resumes the optimizer moments from optimizer.safetensors beside CKPT when presen
     "memengine train state-spaces/mamba-130m-hf --data book.txt -o out --max-shard-size 200MB",
     "memengine train model --data book.txt -o adapter --lora-rank 8 --lora-alpha 16   # a PEFT LoRA adapter",
     "memengine train model --data more.txt -o adapter-2 --lora-from adapter   # continue an adapter",
+    "memengine train model --data book.txt -o out --batch-size 4 --nproc-per-node 2   # 2 ranks: batch 8",
 ))
 
 
@@ -309,6 +326,9 @@ def _show_dry_run(ui: UI, d: dict) -> int:
 def _adapt(o: AdaptOptions, ui: UI) -> int:
     from memengine.engine.app.run import run_adapt
 
+    launched = _launch_ranks(o, ui)
+    if launched is not None:
+        return launched
     with ui.run_view() as view:
         res = run_adapt(o, view, verbose=ui.verbose)
     if o.dry_run:

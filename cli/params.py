@@ -18,6 +18,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 from memengine.engine.app import options as eo
+from memengine.engine.train.distributed import env_world
 
 from .common import guard
 from .ui import UI
@@ -81,7 +82,9 @@ def run_command(app: typer.Typer, cls, body: Callable, *, name: str, help: str, 
         params.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default))
 
     def command(ctx: typer.Context, **kw):
-        ui = UI(json_mode=kw["json_out"], quiet=kw["quiet"], verbose=kw["verbose"])
+        # a rank other than 0 of a multi-rank run reports nothing but its errors
+        quiet_rank = env_world()[0] > 0
+        ui = UI(json_mode=kw["json_out"] and not quiet_rank, quiet=kw["quiet"] or quiet_rank, verbose=kw["verbose"])
         code = None
         with guard(ui):
             explicit = {n: kw[n] for n in names if _given(ctx, n)}

@@ -4,6 +4,7 @@ count too: they hide a circle rather than remove it):
 - the engine imports neither rich nor typer;
 - engine modules import each other without circles;
 - only engine/backend/ imports wgpu (or wgpudawn);
+- only engine/train/distributed.py imports torch, and only inside its functions (lazily);
 - an architecture folder under engine/models/ imports no other architecture;
 - options are frozen once resolved (a write into one raises);
 - options are validated once, as they are made: nothing in engine/ or cli/ calls
@@ -120,6 +121,28 @@ def test_only_the_backend_imports_wgpu():
         assert not re.search(r"\.wgpu\b", p.read_text(encoding="utf-8")), p
     # the check sees real imports (it can fail)
     assert "wgpu" in _imports(backend / "wgpu_native.py")[1]
+
+
+def test_only_the_distributed_module_imports_torch_and_lazily():
+    dist = ENGINE / "train" / "distributed.py"
+    for p in [*ENGINE.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        top |= {(n.module or "").split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom)}
+        assert "torch" not in top, p   # never at import time
+        anywhere = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        anywhere |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert ("torch" in anywhere) == (p == dist), p   # the check sees real imports (it can fail)
+
+
+def test_a_command_line_without_ranks_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; import memengine.cli.main, memengine.engine.app.run, memengine.engine.train.loop; "
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 
 
 def _architectures() -> list:

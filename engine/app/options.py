@@ -419,6 +419,15 @@ class TrainOptions(Options):
     model_type: Optional[str] = _model_type()
     base: Optional[str] = _base()
     device: Optional[str] = _device()
+    nproc_per_node: int = opt(1, panel=RUNTIME, check=at_least(1), restore=False, metavar="N",
+                              help="Train data-parallel on N ranks of this host (torch.distributed, gloo; "
+                                   "needs torch, the distributed extra): each rank takes the GPU of its local rank "
+                                   "and --batch-size windows, so a step takes --batch-size x N (x --grad-accum) "
+                                   "windows, the step of a one-process run at that batch.")
+    shard_moments: bool = opt(False, panel=RUNTIME,
+                              help="With several ranks: each keeps the AdamW moments of its share of the "
+                                   "tensors only and steps those (ZeRO stage 1), the updated weights then "
+                                   "exchanged; the checkpoints hold all moments, as without it.")
     tokenizer: Optional[str] = _tokenizer()
     force: bool = opt(False, flags=("--force", "-f"), panel=OUTPUT, config=False, restore=False,
                       help="Replace OUT if it exists and is not empty.")

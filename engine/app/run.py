@@ -28,7 +28,7 @@ from memengine.engine.io.data import make_batches, make_windows, read_sources, t
 from memengine.engine.io.resolve import public_path, resolve_checkpoint
 from memengine.engine.listener import Listener
 from memengine.engine.train import adapt as wsla
-from memengine.engine.train import optim_state, snapshots
+from memengine.engine.train import distributed, optim_state, snapshots
 from memengine.engine.train.loop import LoopState, TrainingLoop, reads_apart
 from memengine.engine.train.sampler import split_windows
 from memengine.engine.train.trainer import EvalResult, Trainer, evaluate
@@ -195,6 +195,7 @@ class _Run:
         o.check_inputs()
         self.o = o
         self.listener = listener
+        self._join_ranks()
         opened = self._open_source()
         self._check_output(opened)
         self._choose_lora(opened)
@@ -234,6 +235,19 @@ class _Run:
                 "steps": {"per_epoch": per_epoch, "total": total_steps(o, per_epoch), "from": start},
                 "checkpoints": {"every": o.save_every, "keep_last": o.keep_last, "keep_best": o.keep_best},
                 "device": self.device, "memory": plan.to_dict()}
+
+    def _join_ranks(self) -> None:
+        """This rank's process group (engine/train/distributed.py) when the run has several;
+        rank 0 alone writes outputs."""
+        o = self.o
+        self.group = distributed.current()
+        self.world = 1 if self.group is None else self.group.world
+        self.writer = self.group is None or self.group.rank == 0
+        if self.group is None and o.nproc_per_node > 1:
+            raise MemengineError(f"--nproc-per-node {o.nproc_per_node}: the ranks are started by the memengine "
+                                 "command (or torchrun), not inside a running process")
+        if self.group is not None and any(str(d) == "-" for d in o.data):
+            raise MemengineError("--data -: standard input cannot be read by several ranks; give a file")
 
     def _open_source(self):
         """The run's checkpoint: CKPT, or the step directory --resume names."""
@@ -286,12 +300,20 @@ class _Run:
         ref = opened.ref
         inputs = self._inputs(ref.path) + [("the adapter", Path(p)) for p in
                                            (opened.adapter and opened.adapter.path, o.lora_from) if p]
+        if snap is not None:
+            was = int(snap.state.get("world_size", 1))
+            if was != self.world:
+                raise MemengineError(f"--resume {o.resume}: the run had {was} rank(s), this one {self.world}; "
+                                     f"it continues on {was} (--nproc-per-node {was}), which decides which "
+                                     "windows each step sees")
         hint = None
         if not self.in_place and snapshots.resumable(self.out):
             hint = (f"it holds a run that --resume {self.out} continues; --force replaces it" if snap is None
                     else "use --force to replace it")
-        staging.check_output(self.out, o.force, inputs=inputs, owned=self.in_place, on_note=lis.on_note, hint=hint)
-        if self.in_place:
+        if self.writer:   # rank 0 alone looks after OUT
+            staging.check_output(self.out, o.force, inputs=inputs, owned=self.in_place, on_note=lis.on_note,
+                                 hint=hint)
+        if self.in_place and self.writer:
             for note in staging.clean_leftovers(self.out / snapshots.CHECKPOINTS_DIR):
                 lis.on_note(note)
         if self.in_place:
@@ -366,7 +388,7 @@ class _Run:
     def _open_model(self, verbose: bool) -> None:
         """The runtime, and the model on it once the memory plan passes (with its adapter)."""
         o, run_lora = self.o, self.run_lora
-        self.rt = open_runtime(o.device, verbose)
+        self.rt = open_runtime(distributed.device_request(o.device, self.group), verbose)
         self.device = self.rt.describe()
         self.listener.on_device(self.device)
         val = (len(self.val_batches),) if self.val_batches else ()
@@ -396,13 +418,13 @@ class _Run:
         if snap is not None:
             lis.on_note(f"resuming {snap.dir} at step {snap.step}")
         self.trainer = Trainer(self.model, o, opt_state, wsla=o.WSLA,
-                               trace_capacity=reads_apart(o, len(self.windows)))
+                               trace_capacity=reads_apart(o, len(self.windows)), group=self.group)
         self.claimed = self.in_place
         self.extra_state: dict = dict(snap.state.get("extra") or {}) if snap is not None else {}
         title = f"{'adapt (WSLA)' if o.WSLA else 'train'} {o.ckpt if snap is None else snap.dir} -> {self.out}"
         self.loop = TrainingLoop(self.trainer, self.windows, o, val_batches=self.val_batches, listener=lis,
                                  state=self.state, on_save=self.save_step, title=title)
-        if self.in_place and o.force:
+        if self.in_place and o.force and self.writer:
             for d in snapshots.later_steps(self.out, snap.step):
                 staging.remove_dir(d)
         lp = self.loop
@@ -469,7 +491,7 @@ class _Run:
         for key in snapshots.RUN_RELATIVE:  # found again by --resume, wherever it is run from
             options[key] = [snapshots.relative_to_run(d, self.out) for d in getattr(self.o, key)]
         return {"format": snapshots.STATE_FORMAT, "version": STATE_VERSION, "kind": self.o.KIND,
-                "step": self.state.step, "epoch": (self.loop.order.state()["epoch"]), "input": self.input,
+                "world_size": self.world, "step": self.state.step, "epoch": (self.loop.order.state()["epoch"]), "input": self.input,
                 "options": options, "data": self.data_info, "extra": self.extra_state,
                 "segments": segs, "loop": self.loop.state_dict()}
 
@@ -488,7 +510,7 @@ class _Run:
         tok = tokenizer_file(self.tok)
         if run_lora and run_lora.train:
             lora.write_run_adapter(directory, run_lora, tensors, tok)
-            optim_state.save(directory, self.trainer.optimizer_state())
+            optim_state.save(directory, self._moments())
             state = self.trainer_state()
             state["extra"] = {**state["extra"], "lora": {
                 "base_relative": None if self.ref.repo_id else snapshots.relative_to_run(str(self.ref.path), final)}}
@@ -500,10 +522,24 @@ class _Run:
                         extra_files=side_files(self.ckpt.directory, tok.parent if tok else None),
                         metadata={"producer": f"memengine {records.version()}", "step": str(self.state.step)},
                         max_shard_size=self.o.max_shard_bytes)
-        optim_state.save(directory, self.trainer.optimizer_state())
+        optim_state.save(directory, self._moments())
         staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
 
+    def _moments(self) -> dict:
+        """The trainer's optimizer state; with --shard-moments gathered from every rank (each
+        calls this at every save and publish, whichever writes), once per step."""
+        if not self.trainer.shard:
+            return self.trainer.optimizer_state()
+        cached = getattr(self, "_moments_at", None)
+        if cached is None or cached[0] != self.state.step:
+            cached = self._moments_at = (self.state.step, self.trainer.optimizer_state())
+        return cached[1]
+
     def save_step(self, loop: TrainingLoop) -> Path:
+        if self.trainer.shard:
+            self._moments()
+        if not self.writer:   # rank 0 writes the run's checkpoints
+            return snapshots.step_dir(self.out, self.state.step)
         if not self.claimed:
             staging.claim_dir(self.out, self.o.force)
             self.claimed = True
@@ -516,8 +552,12 @@ class _Run:
 
     def publish(self, result: dict) -> Path:
         """Write OUT: the final (or with --keep-best the best) model, optimizer and trainer
-        state, and memengine.json."""
+        state, and memengine.json (rank 0 of a multi-rank run; the others write nothing)."""
         st = self.state
+        if self.trainer.shard:
+            self._moments()
+        if not self.writer:
+            return self.out
         result = {**result, "output": public_path(self.out)}  # no absolute local path in an output
         if self.trainer.scaler is not None:  # --precision mixed: final loss scale, steps skipped
             result.update(self.trainer.scaler.read())
@@ -537,12 +577,20 @@ class _Run:
                 self.write_checkpoint(tmp, self.out)
             segs = [dict(s) for s in self.segments]
             segs[-1].update(last_step=st.step)
+            extra = {"best": st.best} if self.o.keep_best else {}
+            if self.world > 1:
+                extra["world_size"] = self.world
             rec = records.run_record(self.o.KIND, self.recorded_options(), input_path=self.input,
                                      device=self.device,
                                      segments=segs, history=st.history, result=result,
-                                     extra={"best": st.best} if self.o.keep_best else None)
+                                     extra=extra or None)
             staging.write_json(tmp / staging.RECORD_FILE, rec)
         return self.out
+
+    def finish(self) -> None:
+        """A multi-rank run ends on every rank once rank 0 has written OUT."""
+        if self.group is not None:
+            self.group.finish()
 
     def last_checkpoint(self) -> Optional[Path]:
         steps = snapshots.list_steps(self.out) if self.claimed else []
@@ -550,6 +598,8 @@ class _Run:
 
     def left(self) -> str:
         """What an interrupted or failed run leaves behind, for its one-line message."""
+        if not self.writer:
+            return "rank 0 writes the run's outputs and says what it leaves"
         if interrupts.was_completed(self.out):
             return f"{self.out} had been written completely and is kept"
         last = self.last_checkpoint()
@@ -587,6 +637,7 @@ def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: boo
         res = RunResult("train", r.out, r.state, r.device, elapsed, best=r.state.best if o.keep_best else None)
         summary = res.summary()
         r.publish({k: v for k, v in summary.items() if k != "event"})
+        r.finish()
     return res
 
 
@@ -631,6 +682,8 @@ def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
     elapsed = time.perf_counter() - t0
     ppl_after = after.perplexity if after is not None else float("nan")
     reason = wsla.regression(before["perplexity"], ppl_after, o.tolerance, failure)
+    if r.group is not None:   # one decision for all ranks: rank 0's
+        reason = r.group.broadcast(reason)
     changed, max_abs = wsla.changes(start, r.model.state_dict(), r.trainer.names)
     epochs = [e for e in r.state.history if e["event"] == "epoch"]
     norms = [e["grad_norm"] for e in epochs]
@@ -652,4 +705,5 @@ def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
     if not rolled_back:
         summary = res.summary()
         r.publish({k: v for k, v in summary.items() if k != "event"})
+    r.finish()
     return res

@@ -108,9 +108,13 @@ class Backend:
 
     def choose_adapter(self, request: str = "auto", verbose: bool = False):
         """Pick an adapter: 'auto' (best), 'gpu' (real GPU only), 'cpu' (software), or a
-        case-insensitive substring of the adapter's name."""
+        case-insensitive substring of the adapter's name; 'auto:K' (a rank of a multi-rank
+        run, K its local rank): the K-th hardware GPU (modulo their number), else the best."""
         self.quiet(verbose)
         request = (request or "auto").strip()
+        nth = None
+        if request.lower().startswith("auto:") and request[5:].isdigit():
+            request, nth = "auto", int(request[5:])
         with silence_fd2(not verbose):
             try:
                 adapters = self.adapters()
@@ -134,7 +138,14 @@ class Backend:
             return ", ".join(sorted({infos[id(a)].get("device", "?") for a in adapters}))
 
         req = request.lower()
-        if req == "auto":
+        if req == "auto" and nth is not None:
+            gpus = [a for a in adapters if adapter_kind(infos[id(a)]) != "cpu"]
+            if gpus:
+                best = max(score(a) for a in gpus)
+                gpus = [a for a in gpus if score(a) == best]   # one kind, in enumeration order
+                return gpus[nth % len(gpus)]
+            cands = adapters
+        elif req == "auto":
             cands = adapters
         elif req == "gpu":
             cands = [a for a in adapters if adapter_kind(infos[id(a)]) != "cpu"]

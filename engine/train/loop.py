@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 from memengine.engine import interrupts
 from memengine.engine.errors import NonFiniteError
-from memengine.engine.io.data import make_batches
+from memengine.engine.io.data import IGNORE, Batch, make_batches
 from memengine.engine.listener import Listener, Plan, Progress
 from memengine.engine.train.sampler import WindowOrder
 from memengine.engine.train.schedule import Schedule
@@ -88,7 +88,10 @@ class TrainingLoop:
         self.state = state or LoopState()
         self.on_save = on_save
         self.title = title
-        self.order = WindowOrder(len(windows), options.batch_size * options.grad_accum, options.seed,
+        self.group = trainer.group   # a data-parallel run's ranks (engine/train/distributed.py)
+        world = 1 if self.group is None else self.group.world
+        # a step takes the windows of a one-process step at --batch-size x the ranks
+        self.order = WindowOrder(len(windows), options.batch_size * options.grad_accum * world, options.seed,
                                  options.shuffle, self.state.order)
         self.steps_per_epoch = self.order.steps_per_epoch
         self.total = total_steps(options, self.steps_per_epoch)
@@ -125,9 +128,14 @@ class TrainingLoop:
             epoch, k, idx = self.order.next()
             if k == 1:
                 st.epoch_sums = _sums()
-            micro = make_batches([self.windows[i] for i in idx], B, L)
             lr = self.schedule.lr(st.step)
-            self._tokens.append(self.trainer.step(micro, lr))
+            if self.group is None:
+                micro = make_batches([self.windows[i] for i in idx], B, L)
+                self._tokens.append(self.trainer.step(micro, lr))
+            else:
+                micro, n_total, tokens = self._rank_share(idx)
+                self.trainer.step(micro, lr, n_total=n_total)
+                self._tokens.append(tokens)
             st.step += 1
             lis.on_progress(Progress(step=st.step, total_steps=self.total, epoch=epoch, step_in_epoch=k,
                                      steps_per_epoch=self.steps_per_epoch, lr=lr, last_loss=st.last_loss))
@@ -149,6 +157,21 @@ class TrainingLoop:
                 self._epoch_event(epoch)
             if save and self.on_save is not None:
                 self._save()
+
+    def _rank_share(self, idx) -> tuple[list, int, int]:
+        """This rank's micro-batches of a step over the windows `idx`: micro-batch i of a
+        one-process run at batch B x W (W ranks) is windows [i B W, (i + 1) B W) of the step;
+        rank r takes its rows [r B, (r + 1) B) (a padding batch where none are left).  With
+        the step's targets and tokens over all ranks (the loss's denominator, the report)."""
+        B, L, W, r = self.o.batch_size, self.o.seq_len, self.group.world, self.group.rank
+        chosen = [self.windows[i] for i in idx]
+        micro = []
+        for s in range(0, len(chosen), B * W):
+            mine = chosen[s + r * B:s + (r + 1) * B]
+            micro.append(make_batches(mine, B, L)[0] if mine else
+                         Batch(ids=np.zeros((B, L), np.int32), targets=np.full((B, L), IGNORE, np.int32),
+                               n_targets=0, n_tokens=0, n_windows=0))
+        return micro, sum(len(y) for _, y in chosen), sum(len(x) for x, _ in chosen)
 
     def _read(self, epoch: int) -> None:
         st = self.state

@@ -44,6 +44,18 @@ class EvalResult:
                 f"{prefix}top5_accuracy": self.top5_accuracy}
 
 
+def shard_owners(sizes: dict, world: int) -> dict:
+    """name -> the rank that keeps its moments (--shard-moments): the largest tensors first,
+    each to the rank with the fewest elements so far (the same on every rank)."""
+    load = [0] * world
+    owner = {}
+    for n in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[n] = r
+        load[r] += sizes[n]
+    return owner
+
+
 def batch_shape(batches) -> tuple[int, int]:
     if not batches:
         raise MemengineError("no data: the text is too short to form one window of 2 tokens")
@@ -59,17 +71,29 @@ class Trainer:
 
     `options` needs lr, beta1, beta2, eps, weight_decay, max_delta, max_grad_norm (a
     TrainOptions); `wsla` picks the trainable set.  `trace_capacity`: the most steps
-    between two `read_trace` calls."""
+    between two `read_trace` calls.  `group`: this rank's process group in a data-parallel
+    run (engine/train/distributed.py): the gradients and the loss of each step are summed
+    over the ranks after its backward, before the clip."""
 
     def __init__(self, model: LanguageModel, options, optimizer_state: dict | None = None, *, wsla: bool = False,
-                 trace_capacity: int = 1):
+                 trace_capacity: int = 1, group=None):
         self.model = model
+        self.group = group
         self.options = options
         rt = model.rt
         self.opt = AdamW(rt, lr=options.lr, betas=(options.beta1, options.beta2), eps=options.eps,
                          weight_decay=options.weight_decay, max_delta=options.max_delta)
         optimizer_state = dict(optimizer_state or {})
         scaler_state = optimizer_state.pop(LOSS_SCALE_KEY, None)
+        # --shard-moments: this rank keeps (and steps) the moments of its share of the tensors
+        self.shard = bool(getattr(options, "shard_moments", False)) and group is not None and group.world > 1
+        self.owner: dict = {}
+        if self.shard:
+            names = model.trainable_names(wsla)
+            shapes = {**model.shapes, **(model.lora.shapes if model.lora is not None else {})}
+            self.owner = shard_owners({n: int(np.prod(shapes[n])) for n in names}, group.world)
+            optimizer_state = {k: v for k, v in optimizer_state.items()
+                               if k.startswith("__") or self.owner.get(k.rsplit(".", 1)[0]) == group.rank}
         if optimizer_state:
             self.opt.load_state_dict(optimizer_state)
         self.clipper = GradClipper(rt)
@@ -122,32 +146,45 @@ class Trainer:
             self._norm_views = [self.grads[n] if v is full_g else v for v in self._norm_views]
 
     def optimizer_state(self) -> dict:
+        """The moments by name (with --shard-moments gathered from their ranks: every rank
+        calls this at the same point) and the step count."""
         state = self.opt.state_dict()
+        if self.shard:
+            state = self._gather_moments(state)
         if self.scaler is not None:   # t = the steps loss scaling let through
             state[LOSS_SCALE_KEY] = self.scaler.state()
             state["__step__"] = np.array([self.scaler.applied_steps()], dtype=np.int64)
         return state
 
-    def step(self, micro: list, lr: float) -> int:
+    def step(self, micro: list, lr: float, n_total: int | None = None) -> int:
         """Record and submit one optimizer step over the micro-batches `micro` (Batch of one
-        shape); returns the input tokens it trained on.  No readback."""
+        shape); returns the input tokens it trained on.  No readback (except, with a
+        `group`, the gradients' all-reduce).  `n_total`: the targets the step's loss is the
+        mean over (default: those of `micro`; a rank passes the step's over all ranks)."""
         if self.pending >= self.capacity:
             raise RuntimeError("Trainer.step: the trace is full; read_trace() first")
         model, rt = self.model, self.model.rt
         B, L = batch_shape(micro)
         ws = model.workspace(B, L)
-        n_total = sum(int(b.n_targets) for b in micro)
+        if n_total is None:
+            n_total = sum(int(b.n_targets) for b in micro)
         j = self.pending
         tokens = 0
         for i, b in enumerate(micro):
             self.fence.wait()  # keeps at most fence.depth submissions queued (no readback)
             model.write_batch(ws, b.ids, b.targets, denominator=n_total)
             if model.lora is not None:  # the dropout mask of this micro-batch (from --seed)
-                model.lora.set_counter(self.opt.step_count * 65536 + i)
+                rank, world = (0, 1) if self.group is None else (self.group.rank, self.group.world)
+                model.lora.set_counter(self.opt.step_count * 65536 + i * world + rank)
             rec = rt.recorder()
             if i == 0:
                 rec.clear(self.step_loss)
             model.record_gradients(rec, ws, b.ids, self.trainable, self.step_loss, clear=(i == 0))
+            if i == len(micro) - 1 and self.group is not None:
+                self.fence.mark(rec)
+                rec.submit()
+                self._all_reduce()
+                rec = rt.recorder()
             if i == len(micro) - 1:
                 self.clipper.record(rec, self._norm_views, self.options.max_grad_norm, self.scaler)
                 rec.copy(self.step_loss, self.trace.view((1,), j), slot=True)
@@ -156,14 +193,60 @@ class Trainer:
                 if self.scaler is not None:
                     skip = self.scaler.amp
                     rec.copy(skip.view((1,)), self.trace.view((1,), 2 * self.capacity + j), slot=True)
-                self.opt.record_step(rec, self.params, self.grads, self.clipper.factor, skip,
-                                     whole=self._whole, lr=lr)
+                if self.shard:   # this rank's share, tensor by tensor; the weights exchanged below
+                    mine = [n for n in self.names if self.owner[n] == self.group.rank]
+                    self.opt.record_step(rec, {n: self.params[n] for n in mine}, {n: self.grads[n] for n in mine},
+                                         self.clipper.factor, skip, whole=(), lr=lr)
+                else:
+                    self.opt.record_step(rec, self.params, self.grads, self.clipper.factor, skip,
+                                         whole=self._whole, lr=lr)
             self.fence.mark(rec)
             rec.submit()
+            if self.shard and i == len(micro) - 1:
+                self._exchange_weights()
             tokens += int(b.n_tokens)
         self.pending += 1
         self._pace()
         return tokens
+
+    def _all_reduce(self) -> None:
+        """Sum this step's gradients and loss over the ranks: each gradient-store segment
+        (or trained view, `norm_views`) read back, all-reduced on the host, written back.
+        After the whole backward: the engine records a step's backward before submitting
+        it, so nothing here overlaps the backward yet."""
+        rt = self.model.rt
+        for t in [self.step_loss, *self._norm_views]:
+            a = rt.read(t)
+            self.group.all_reduce(a)
+            rt.write(t, a)
+
+    def _sum_over_ranks(self, parts: list) -> list:
+        """Host arrays (one per tensor, each rank's own filled, the others zeros) summed over
+        the ranks in one all-reduce: every rank gets every owner's values exactly (x + 0 = x)."""
+        flat = np.concatenate([np.ravel(a).astype(np.float32) for a in parts]) if parts else np.zeros(0, np.float32)
+        self.group.all_reduce(flat)
+        out, o = [], 0
+        for a in parts:
+            out.append(flat[o:o + a.size].reshape(a.shape))
+            o += a.size
+        return out
+
+    def _exchange_weights(self) -> None:
+        """--shard-moments: after each rank stepped its share, every rank takes the others'."""
+        rt, me = self.model.rt, self.group.rank
+        parts = [rt.read(self.params[n]) if self.owner[n] == me else np.zeros(self.params[n].shape, np.float32)
+                 for n in self.names]
+        for n, a in zip(self.names, self._sum_over_ranks(parts)):
+            if self.owner[n] != me:
+                rt.write(self.params[n], a)
+
+    def _gather_moments(self, state: dict) -> dict:
+        keys = [f"{n}.{k}" for n in self.names for k in ("exp_avg", "exp_avg_sq")]
+        parts = [state[k] if k in state else np.zeros(self.params[k.rsplit(".", 1)[0]].shape, np.float32)
+                 for k in keys]
+        out = dict(zip(keys, self._sum_over_ranks(parts)))
+        out["__step__"] = state["__step__"]
+        return out
 
     def _pace(self) -> None:
         """Submit steps whole while they are fast, in pieces (layers holding ~pacing.PIECE_S
