@@ -5,7 +5,10 @@ name, tensor names and layouts, metadata keys, which tensors stay F32, what llam
 run) comes from its mapping, `Architecture.gguf()` (engine/models/mamba1/gguf.py,
 engine/models/mamba2/gguf.py).
 
-- the requested type for every tensor the mapping does not keep in F32, with a fall back
+- 1-D tensors, norms, conv1d and every tensor whose name does not end in ".weight" stay F32
+  (the converter's rule), a tied or equal lm_head is left out (llama.cpp reads token_embd
+  in its place);
+- the requested type for every other tensor, with a fall back
   to F16 where its rows do not split into the type's blocks (32 values for q8_0, q4_0...);
 - a tokenizer.json (byte-level BPE) becomes tokenizer.ggml.model "gpt2" with its tokens
   (padded to the embedding's rows with [PADi]), types, merges and special ids; the
@@ -61,6 +64,42 @@ def normalize_type(value: str) -> str:
         raise MemengineError(f"--type {value}: the gguf package has no quantizer for {t.upper()}; export writes "
                              f"{known} (for k-quants or i-quants, export f16 and run llama.cpp's llama-quantize)")
     raise MemengineError(f"--type {value}: not a type export writes (choose one of {known})")
+
+
+CONTEXT_LENGTH = 2**20  # the converter's value for a recurrent model: it has no context limit
+
+
+def stays_f32(name: str, data: np.ndarray) -> bool:
+    """The converter's rule (TextModel.prepare_tensors): 1-D tensors, norms, conv1d and
+    names not ending in .weight stay F32."""
+    return (data.ndim <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name
+            or not name.endswith(".weight"))
+
+
+def tensor_name(hf: str, global_names: dict, layer_names: dict, prefix: str = "backbone.layers") -> str:
+    """llama.cpp's name for a HF tensor: `global_names[hf]`, or blk.<i>.<layer_names[rest]>
+    for `<prefix>.<i>.<rest>`."""
+    if hf in global_names:
+        return global_names[hf]
+    head, _, rest = hf.partition(f"{prefix}.")
+    i, _, suffix = rest.partition(".")
+    if not head and i.isdigit() and suffix in layer_names:
+        return f"blk.{int(i)}.{layer_names[suffix]}"
+    raise MemengineError(f"{hf}: no GGUF name for this tensor")
+
+
+def add_recurrent_shape(w, cfg, *, inner: int, state: int, rank: int) -> None:
+    """The converter's keys of a recurrent model's shape (Mamba-1 and Mamba-2 alike)."""
+    w.add_context_length(CONTEXT_LENGTH)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(0)   # unused, but llama.cpp's loader wants them
+    w.add_head_count(0)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_state_size(state)
+    w.add_ssm_time_step_rank(rank)
+    w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
 
 
 @dataclass
@@ -200,9 +239,15 @@ def write_gguf(out: Path, cfg, tensors: dict, type_: str, *, tokenizer_path: Opt
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     written = []
-    items = list(mapping.gguf_tensors(cfg, tensors))
+    items, emb = [], None
+    for gname, hf, a in mapping.gguf_tensors(cfg, tensors):
+        if gname == "token_embd.weight":
+            emb = a
+        elif gname == "output.weight" and emb is not None and np.array_equal(emb, a):
+            continue  # tied: llama.cpp reads token_embd in its place
+        items.append((gname, hf, a))
     for k, (gname, hf, a) in enumerate(items):
-        data, qt = _quantized(gguf, gname, a, qname, mapping.stays_f32(gname, a))
+        data, qt = _quantized(gguf, gname, a, qname, stays_f32(gname, a))
         w.add_tensor(gname, data, raw_dtype=qt)
         written.append(GGUFTensor(gname, hf, tuple(a.shape), qt.name, int(data.nbytes)))
         if on_tensor is not None:

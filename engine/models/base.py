@@ -194,7 +194,7 @@ class Architecture:
     def gguf(self):
         """The architecture's GGUF mapping for llama.cpp (a module or object with `ARCH`,
         `check_runnable(cfg)`, `gguf_tensors(cfg, tensors)`, `add_metadata(writer, cfg)`,
-        `stays_f32(name, array)`, `describe(cfg)`; engine/io/gguf.py writes the file)."""
+        `describe(cfg)`; engine/io/gguf.py writes the file, its F32 rule and the tied head)."""
         raise MemengineError(f"export: llama.cpp has no mapping of the {self.name or 'this'} architecture here")
 
     # -- shared arithmetic

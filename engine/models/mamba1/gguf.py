@@ -5,10 +5,8 @@ file).
 - one llama.cpp architecture, "mamba", for both model types; falcon_mamba is
   `mamba.ssm.dt_b_c_rms` true (llama.cpp then RMS-normalises dt, B and C without weights,
   with `layer_norm_epsilon`: it has no key for the mixer's own epsilon);
-- A is stored as `ssm_a` = -exp(A_log), conv1d's [Di, 1, K] as [Di, K], a tied or equal
-  lm_head is left out (llama.cpp reads token_embd in its place);
-- 1-D tensors, norms, conv1d and every tensor whose name does not end in ".weight"
-  (ssm_a, ssm_d, the biases) stay F32.
+- A is stored as `ssm_a` = -exp(A_log), conv1d's [Di, 1, K] as [Di, K];
+- which tensors stay F32, and the tied head, are the writer's rule (engine/io/gguf.py).
 
 What llama.cpp cannot run is refused before anything is written (`check_runnable`).
 """
@@ -19,9 +17,9 @@ from typing import Iterator
 
 import numpy as np
 from memengine.engine.errors import MemengineError
+from memengine.engine.io.gguf import add_recurrent_shape, tensor_name
 
 ARCH = "mamba"
-CONTEXT_LENGTH = 2**20  # the converter's value: a recurrent model has no context limit
 
 # llama.cpp's tensor names per HF name (gguf's TensorNameMap for MODEL_ARCH.MAMBA gives the same)
 _LAYER = {
@@ -63,24 +61,11 @@ def check_runnable(cfg) -> list[str]:
 
 def gguf_name(hf: str) -> str:
     """llama.cpp's name for a HF tensor name."""
-    if hf in _GLOBAL:
-        return _GLOBAL[hf]
-    parts = hf.split(".", 3)  # backbone.layers.<i>.<rest>
-    if len(parts) == 4 and parts[:2] == ["backbone", "layers"] and parts[3] in _LAYER:
-        return f"blk.{int(parts[2])}.{_LAYER[parts[3]]}"
-    raise MemengineError(f"{hf}: no GGUF name for this tensor")
-
-
-def stays_f32(name: str, data: np.ndarray) -> bool:
-    """The converter's rule (TextModel.prepare_tensors): 1-D tensors, norms, conv1d and
-    names not ending in .weight stay F32."""
-    return (data.ndim <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name
-            or not name.endswith(".weight"))
+    return tensor_name(hf, _GLOBAL, _LAYER)
 
 
 def gguf_tensors(cfg, tensors: dict) -> Iterator[tuple[str, str, np.ndarray]]:
     """(gguf name, HF name, float32 array in llama.cpp's layout) in the converter's order."""
-    emb = None
     for hf, x in tensors.items():
         name = gguf_name(hf)
         a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
@@ -88,10 +73,6 @@ def gguf_tensors(cfg, tensors: dict) -> Iterator[tuple[str, str, np.ndarray]]:
             a = -np.exp(a)
         elif hf.endswith("mixer.conv1d.weight"):
             a = a.reshape(a.shape[0], a.shape[-1])  # [Di, 1, K] -> [Di, K]
-        if name == "token_embd.weight":
-            emb = a
-        elif name == "output.weight" and emb is not None and np.array_equal(emb, a):
-            continue  # tied: llama.cpp reads token_embd in its place
         yield name, hf, a
         if hf.endswith("mixer.conv1d.weight") and not cfg.use_conv_bias:
             i = hf.split(".")[2]
@@ -101,16 +82,7 @@ def gguf_tensors(cfg, tensors: dict) -> Iterator[tuple[str, str, np.ndarray]]:
 
 def add_metadata(w, cfg) -> None:
     """The converter's metadata keys of the model's shape."""
-    w.add_context_length(CONTEXT_LENGTH)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(0)
-    w.add_head_count(0)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_ssm_conv_kernel(cfg.conv_kernel)
-    w.add_ssm_inner_size(cfg.intermediate_size)
-    w.add_ssm_state_size(cfg.state_size)
-    w.add_ssm_time_step_rank(cfg.dt_rank)
-    w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    add_recurrent_shape(w, cfg, inner=cfg.intermediate_size, state=cfg.state_size, rank=cfg.dt_rank)
     w.add_ssm_dt_b_c_rms(cfg.model_type == "falcon_mamba")
 
 
