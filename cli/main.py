@@ -354,9 +354,9 @@ def _adapt(o: AdaptOptions, ui: UI) -> int:
     return 0
 
 
-run_command(app, AdaptOptions, _adapt, name="adapt", help="""Adapt only each layer's x_proj (WSLA) with a trust region, rolling back on regression.
+run_command(app, AdaptOptions, _adapt, name="adapt", help="""Adapt only the selection parameters (WSLA: Mamba-1's x_proj; Mamba-2's in_proj rows for B, C and dt, and dt_bias) with a trust region, rolling back on regression.
 
-Perplexity on the adapt text is measured before and after. If a loss is non-finite or perplexity after exceeds before x --tolerance, the weights are restored, nothing is written, and the exit status is 3. Every tensor except x_proj is written bit-identical. Takes the long-run options of train too (checkpoints, resume, schedules, validation).""", epilog=_examples(
+Perplexity on the adapt text is measured before and after. If a loss is non-finite or perplexity after exceeds before x --tolerance, the weights are restored, nothing is written, and the exit status is 3. Every other tensor (and, for Mamba-2, in_proj's z and x rows) is written bit-identical. Takes the long-run options of train too (checkpoints, resume, schedules, validation).""", epilog=_examples(
     "memengine adapt tiny-trained --data note.txt -o adapted",
     "echo 'The lighthouse keeper counts ships at dawn.' | memengine adapt tiny-trained --data - -o adapted",
     "memengine adapt model --data note.txt -o out --lr 1e-3 --tolerance 1.1 --json",
