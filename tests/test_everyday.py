@@ -185,3 +185,22 @@ def test_the_example_training_config_runs(tiny_ckpt_ro, text, tmp_path):
     assert r.exit_code == 0, r.stderr
     summary = [e for e in map(json.loads, r.stdout.splitlines()) if e.get("event") == "summary"][0]
     assert summary["steps"] == 3 and (tmp_path / "out" / "adapter_config.json").is_file()
+
+
+def test_out_holds_a_model_card(tiny_ckpt_ro, text, tmp_path):
+    out = tmp_path / "out"
+    r = run("train", tiny_ckpt_ro, "--data", text, "-o", out, *TRAIN, "--max-steps", "2", "--json")
+    assert r.exit_code == 0, r.stderr
+    card = (out / "README.md").read_text()
+    rec = json.loads((out / "memengine.json").read_text())
+    assert card.startswith("---\nbase_model: ") and "library_name: transformers" in card
+    assert tiny_ckpt_ro.name in card and text.name in card
+    assert rec["result"]["final_loss"] is not None and f"{rec['result']['final_loss']:.6g}" in card
+    ad = tmp_path / "ad"
+    r = run("train", tiny_ckpt_ro, "--data", text, "-o", ad, *TRAIN, "--max-steps", "2", "--lora-rank", "4")
+    assert r.exit_code == 0, r.stderr
+    card = (ad / "README.md").read_text()
+    assert "library_name: peft" in card and "r 4, alpha 4" in card
+    from memengine.engine.lora import read_adapter
+
+    assert read_adapter(ad).spec.r == 4   # the card does not disturb PEFT's files

@@ -585,6 +585,13 @@ class _Run:
                                      segments=segs, history=st.history, result=result,
                                      extra=extra or None)
             staging.write_json(tmp / staging.RECORD_FILE, rec)
+            spec = self.run_lora.spec if self.run_lora is not None and self.run_lora.train else None
+            card = records.model_card(self.o.KIND, base=self.input, model_type=self.ckpt.config.model_type,
+                                      options=self.recorded_options(), data=self.data_info, result=result,
+                                      lora=None if spec is None else {"r": spec.r, "alpha": spec.alpha,
+                                                                      "dropout": spec.dropout,
+                                                                      "targets": list(spec.targets)})
+            staging.write_text(tmp / records.CARD_FILE, card)
         return self.out
 
     def finish(self) -> None:

@@ -129,6 +129,11 @@ def write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write UTF-8 text atomically and durably (`atomic_write_bytes`)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
 # ----------------------------------------------------------------------------- exchange
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
