@@ -33,12 +33,12 @@ from .ui import UI
 app = typer.Typer(
     name="memengine",
     cls=CommandGroup,
-    help="Fine-tune (train) and narrowly adapt (adapt, WSLA) Mamba-1 models with WGSL compute "
+    help="Fine-tune (train) and narrowly adapt (adapt, WSLA) Mamba-1, Falcon-Mamba and Mamba-2 models with WGSL compute "
          "shaders on any WebGPU adapter; convert checkpoints to fp16/bf16 (quantize) or to GGUF for llama.cpp (export).",
     epilog="Run 'memengine demo' for a short tour on built-in defaults. "
            "Exit status: 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
     context_settings={"help_option_names": ["-h", "--help"]},

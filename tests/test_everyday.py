@@ -204,3 +204,18 @@ def test_out_holds_a_model_card(tiny_ckpt_ro, text, tmp_path):
     from memengine.engine.lora import read_adapter
 
     assert read_adapter(ad).spec.r == 4   # the card does not disturb PEFT's files
+
+
+def test_shell_completion():
+    import os
+    import subprocess
+    import sys
+
+    from test_cli import run_proc
+
+    r = run_proc("--show-completion", "bash")
+    assert r.returncode == 0 and "_memengine_completion" in r.stdout
+    env = dict(os.environ, _MEMENGINE_COMPLETE="complete_bash", COMP_WORDS="memengine tr", COMP_CWORD="1")
+    r = subprocess.run([sys.executable, "-m", "memengine.cli.main"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert "train" in r.stdout.split()
