@@ -215,16 +215,10 @@ class _Run:
         from memengine.engine.app.plan import check_run
         from memengine.engine.train.loop import total_steps
 
-        o, run_lora = self.o, self.run_lora
-        rt = open_runtime(o.device, verbose)
-        self.device = rt.describe()
-        self.listener.on_device(self.device)
-        val = (len(self.val_batches),) if self.val_batches else ()
-        evals = (math.ceil(len(self.all_windows) / o.batch_size),) + val if o.WSLA else val
-        plan = check_run(rt, self.ckpt.config, o.batch_size, o.seq_len, "lora" if run_lora and run_lora.train else o.KIND,
-                         evals, reads_apart(o, len(self.windows)),
-                         adapter=None if run_lora is None else lora.plan_sizes(self.ckpt.config, run_lora.spec,
-                                                                               run_lora.tensors, train=run_lora.train))
+        o = self.o
+        rt = self._open_device(verbose)
+        kind, evals, trace, adapter = self._plan_request()
+        plan = check_run(rt, self.ckpt.config, o.batch_size, o.seq_len, kind, evals, trace, adapter=adapter)
         per_epoch = math.ceil(len(self.windows) / (o.batch_size * o.grad_accum))
         start = int((self.snap.state.get("step") if self.snap is not None else 0) or 0)
         return {"event": "dry_run", "kind": o.KIND, "input": self.input, "output": public_path(self.out),
@@ -385,19 +379,30 @@ class _Run:
         if snap is not None:
             self._check_same_data(snap.state.get("data") or {})
 
+    def _open_device(self, verbose: bool):
+        """The runtime of this rank's device, shown to the listener."""
+        rt = open_runtime(distributed.device_request(self.o.device, self.group), verbose)
+        self.device = rt.describe()
+        self.listener.on_device(self.device)
+        return rt
+
+    def _plan_request(self) -> tuple:
+        """(kind, evaluation passes, trace steps, adapter sizes) of the run's memory plan:
+        what the model is opened with, and what --dry-run shows."""
+        o, run_lora = self.o, self.run_lora
+        val = (len(self.val_batches),) if self.val_batches else ()
+        evals = (math.ceil(len(self.all_windows) / o.batch_size),) + val if o.WSLA else val
+        adapter = None if run_lora is None else lora.plan_sizes(self.ckpt.config, run_lora.spec, run_lora.tensors,
+                                                                train=run_lora.train)
+        return ("lora" if run_lora and run_lora.train else o.KIND), evals, reads_apart(o, len(self.windows)), adapter
+
     def _open_model(self, verbose: bool) -> None:
         """The runtime, and the model on it once the memory plan passes (with its adapter)."""
         o, run_lora = self.o, self.run_lora
-        self.rt = open_runtime(distributed.device_request(o.device, self.group), verbose)
-        self.device = self.rt.describe()
-        self.listener.on_device(self.device)
-        val = (len(self.val_batches),) if self.val_batches else ()
-        evals = (math.ceil(len(self.all_windows) / o.batch_size),) + val if o.WSLA else val
-        self.model = open_model(self.rt, self.ckpt, "lora" if run_lora and run_lora.train else o.KIND, o.batch_size,
-                                o.seq_len, eval_passes=evals, trace_steps=reads_apart(o, len(self.windows)),
-                                adapter=None if run_lora is None else lora.plan_sizes(self.ckpt.config, run_lora.spec,
-                                                                                      run_lora.tensors,
-                                                                                      train=run_lora.train),
+        self.rt = self._open_device(verbose)
+        kind, evals, trace, adapter = self._plan_request()
+        self.model = open_model(self.rt, self.ckpt, kind, o.batch_size, o.seq_len, eval_passes=evals,
+                                trace_steps=trace, adapter=adapter,
                                 make_lora=None if run_lora is None else (
                                     lambda rt: lora.LoraAdapter(rt, self.ckpt.config, run_lora.spec, run_lora.tensors,
                                                                 seed=o.seed, train=run_lora.train)),
