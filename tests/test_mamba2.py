@@ -163,7 +163,11 @@ def test_logits_loss_grads_match_transformers(rt, monkeypatch, name, kw, B, L, l
     assert set(grads_ref) == set(grads), sorted(set(grads_ref) ^ set(grads))
     worst = 0.0
     for n, g_ref in grads_ref.items():
-        e = rel(grads[n], g_ref)
+        if np.abs(g_ref).max() == 0:   # A_log over one step from a zero state: exactly 0 in
+            # torch, ours the rounding of two equal terms; measured against the layer's D gradient
+            e = float(np.abs(grads[n]).max() / np.abs(grads_ref[n.replace("A_log", "D")]).max())
+        else:
+            e = rel(grads[n], g_ref)
         worst = max(worst, e)
         print(f"  d{n:45s} max rel err {e:.2e}")
         assert e < 1e-3, n
@@ -632,7 +636,8 @@ def _ssd_reference(xbc, dt, A_log, D, dy, H, P, N, G):
     return y.detach().numpy(), s.detach().numpy(), tx.grad.numpy(), tdt.grad.numpy(), tA.grad.numpy(), tD.grad.numpy()
 
 
-@pytest.mark.parametrize("B,L,H,P,N,G", [(2, 40, 24, 64, 16, 1), (2, 37, 8, 4, 3, 4), (1, 1, 3, 6, 7, 1)])
+@pytest.mark.parametrize("B,L,H,P,N,G", [(2, 40, 24, 64, 16, 1), (2, 37, 8, 4, 3, 4), (1, 1, 3, 6, 7, 1),
+                                         (2, 150, 4, 8, 5, 2), (1, 200, 6, 70, 130, 3), (1, 128, 2, 16, 8, 1)])
 def test_ssd_kernels_against_torch(rt, B, L, H, P, N, G):
     """The scan forward (y, the final saved state) and backward (dx, dB, dC, ddt, dA_log, dD)
     against torch autograd; the first shape runs more loop iterations per sequence than
@@ -652,7 +657,7 @@ def test_ssd_kernels_against_torch(rt, B, L, H, P, N, G):
     dx, ddt, dA, dD = rt.zeros((B * L * C,)), rt.zeros((B * L * H,)), rt.zeros((H,)), rt.zeros((H,))
     rec = rt.recorder()
     ssd.ssd_forward(rec, y, st, t["xbc"], t["dt"], t["A"], t["D"], B=B, L=L, H=H, P=P, N=N, G=G)
-    ssd.ssd_backward(rec, dx, ddt, dA, dD, t["dy"], st, t["xbc"], t["dt"], t["A"], t["D"], B=B, L=L, H=H, P=P, N=N,
+    ssd.ssd_backward(rec, dx, ddt, dA, dD, t["dy"], y, st, t["xbc"], t["dt"], t["A"], t["D"], B=B, L=L, H=H, P=P, N=N,
                      G=G)
     rec.submit()
     g = rt.read(dx).reshape(B, L, C)
@@ -660,6 +665,11 @@ def test_ssd_kernels_against_torch(rt, B, L, H, P, N, G):
             "final state": rel(rt.read(st).reshape(ssd.state_shape(B, L, H, P, N))[:, -1], sr),
             "dx": rel(g[..., :Di], dxr[..., :Di]), "dB": rel(g[..., Di:Di + G * N], dxr[..., Di:Di + G * N]),
             "dC": rel(g[..., Di + G * N:], dxr[..., Di + G * N:]), "ddt": rel(rt.read(ddt).reshape(ddtr.shape), ddtr),
-            "dA_log": rel(rt.read(dA), dAr), "dD": rel(rt.read(dD), dDr)}
+            "dD": rel(rt.read(dD), dDr),
+            # one step from a zero state: A has no effect and dA_log is 0, ours the rounding of
+            # two equal terms (of dD's size) that cancel
+            "dA_log": rel(rt.read(dA), dAr) if L > 1 else float(np.abs(rt.read(dA)).max() / np.abs(dDr).max())}
     print("\n" + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
-    assert max(errs.values()) < 1e-5, errs
+    # dA_log sums a chunk's terms da_i * sum_{k<=i} dt_k, each the difference of two larger
+    # ones (the output's and the decay's share): a few f32 roundings more than the rest
+    assert errs.pop("dA_log") < 3e-5 and max(errs.values()) < 1e-5, errs

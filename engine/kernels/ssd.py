@@ -1,12 +1,18 @@
-"""Mamba-2's SSD layer pieces (shaders/ssd.wgsl): the dt transform, the scan (forward and
-backward) and the gated RMS norm per group.  Letters as in DEVELOPERS.md's glossary: H heads,
-P head_dim, Di = H*P, G groups, N state, C = Di + 2GN (xBC: x | B | C), W = in_proj's
-columns (z | xBC | dt: 2Di + 2GN + H), Q steps between saved states.  Rows m = b*L + t.
+"""Mamba-2's SSD layer pieces: the dt transform, the scan (forward and backward, in its chunked
+matrix form: shaders/ssd_scan.wgsl), the gated RMS norm per group and the decode step
+(shaders/ssd.wgsl).  Letters as in DEVELOPERS.md's glossary: H heads, P head_dim, Di = H*P,
+G groups, N state, C = Di + 2GN (xBC: x | B | C), W = in_proj's columns (z | xBC | dt:
+2Di + 2GN + H), Q steps per chunk.  Rows m = b*L + t.
 
     dt = clamp(softplus(zxbcdt[:, W-H:] + dt_bias), lo, hi)                       [M, H]
     per head h (group g = h // (H/G)):  h_t = exp(dt_t*A) h_{t-1} + dt_t x_t (x) B_t
                                         y_t = h_t C_t + D x_t,   A = -exp(A_log)
     out = norm_w * rmsnorm_per_group(y * silu(z))                                 [M, Di]
+
+The scan works a chunk of Q steps at a time: within a chunk as matrix products (C B^T masked
+and decay-weighted, times x; the state entering the chunk times C), between chunks the state
+passed on (ssd_scan.wgsl's header has the formulas and the products).  The config's
+`chunk_size` only changes transformers' rounding, not the result; memengine's Q is fixed.
 
 Saved states (the contract the backward relies on, and a decoder may): `states`, shape
 `state_shape(B, L, H, P, N)` = [B, NC + 1, H, P, N], NC = ceil(L / Q): entry [b, c] is the
@@ -24,11 +30,14 @@ import struct
 
 from memengine.engine.runtime import Recorder, Tensor, bound, cdiv, rows, span, split
 
-Q = 16          # steps between saved states (the backward recomputes a chunk from its state)
+Q = 64          # steps per chunk of the SSD (its matrix form within, its state passed between)
+T = 64          # ssd_product's output tile side
 REDUCE_TERMS = 16384   # the most terms one invocation of ssd_reduce sums (lavapipe stops an
                        # invocation's loops after 65535 iterations in all)
 MAX_N = None    # no limit on the state size
 WG = 256
+# the products of shaders/ssd_scan.wgsl (its MODE pipeline constant)
+CHUNK_STATE, CB, OUTPUT, DSTATE, DX, DCB, DC, DB = range(1, 9)
 
 
 def n_chunks(L: int) -> int:
@@ -45,6 +54,11 @@ def _u(B=0, L=0, H=0, P=0, N=0, G=0, NC=0, C=0, Di=0, W=0, nrows=0, offs=(), lo=
     return struct.pack("20I3fI", B, L, H, P, N, G, Q, NC, C, Di, W, nrows, *offs, lo, hi, eps, acc)
 
 
+def _small_len(nb: int, NC: int, H: int) -> int:
+    """A_log [H] | D [H] | the decay logs [nb, NC, H, Q] | dlast, dA_log and dD terms [nb, NC, H]."""
+    return 2 * H + nb * NC * H * (Q + 3)
+
+
 def sequence_windows(nb: int, L: int, H: int, P: int, N: int, G: int) -> tuple:
     """Bytes of the model tensors one call over nb sequences binds."""
     Di = H * P
@@ -53,18 +67,18 @@ def sequence_windows(nb: int, L: int, H: int, P: int, N: int, G: int) -> tuple:
 
 
 def sequence_scratch(nb: int, L: int, H: int, P: int, N: int, G: int, backward: bool = True) -> tuple:
-    """Bytes of the backward's scratch for nb sequences: (the two kernels' work, partials,
-    per-head dB|dC)."""
+    """Bytes of the scratch for nb sequences: (small, CB, and for the backward the state
+    gradients, the dx terms, dCB)."""
+    NC = n_chunks(L)
+    fwd = (4 * _small_len(nb, NC, H), 4 * nb * NC * G * Q * Q)
     if not backward:
-        return (0, 0, 0, 0)
-    Di = H * P
-    work = 4 * nb * Di * (Q + 1) * N
-    return (work, work, 4 * (nb * L * Di + 2 * nb * Di), 4 * nb * L * H * 2 * N)
+        return fwd
+    return fwd + (4 * math.prod(state_shape(nb, L, H, P, N)), 4 * nb * L * H * P, 4 * nb * NC * H * Q * Q)
 
 
 def _sequences(rt, B, L, H, P, N, G, backward=False) -> list:
     return split(rt, B, lambda nb: sequence_windows(nb, L, H, P, N, G),
-                 scratch=(lambda nb: sequence_scratch(nb, L, H, P, N, G)) if backward else None,
+                 scratch=lambda nb: sequence_scratch(nb, L, H, P, N, G, backward),
                  unit="one sequence of the SSD scan", detail=f"{L} steps of {H} heads x {P} x {N} states",
                  advice="a smaller --seq-len helps")
 
@@ -116,6 +130,72 @@ def _seq(t: Tensor, b0: int, nb: int, per: int) -> Tensor:
     return span(t, b0 * per, nb * per)
 
 
+class _Scan:
+    """One call of the chunked scan over nb sequences: the bound views, the uniform's offsets
+    and the dispatches of shaders/ssd_scan.wgsl."""
+
+    def __init__(self, rec, nb, L, H, P, N, G, views: dict):
+        self.rec, self.rt = rec, rec.rt
+        self.nb, self.L, self.H, self.P, self.N, self.G = nb, L, H, P, N, G
+        self.NC = n_chunks(L)
+        self.Di = H * P
+        self.C = self.Di + 2 * G * N
+        self.b = {k: bound(self.rt, t) for k, t in views.items()}
+        self.small = self.rt.scratch("ssd_small", (_small_len(nb, self.NC, H),))
+        self.dummy = self.rt.scratch("ssd_dummy", (4,))
+        z = nb * self.NC * H
+        self.o_acs = 2 * H
+        self.o_dl = self.o_acs + z * Q
+        self.o_pa, self.o_pd = self.o_dl + z, self.o_dl + 2 * z
+
+    def constants(self, A_log, D) -> None:
+        self.rec.copy(A_log, self.small.view((self.H,)))
+        self.rec.copy(D, self.small.view((self.H,), self.H))
+
+    def _uniform(self, Z, ntile, out=None, a1=None, a2=None, a3=None, out2=None) -> bytes:
+        off = lambda k: self.b[k][1] if k is not None else 0
+        return struct.pack("24I", self.nb, self.L, self.H, self.P, self.N, self.G, Q, self.NC, self.C, self.Di,
+                           Z, ntile, off(out), off("xbc"), off("dt"), off(a1), off(a2), off(a3), off(out2),
+                           self.o_acs, self.o_dl, self.o_pa, self.o_pd, 0)
+
+    def _bind(self, out, a1, a2, a3, out2) -> dict:
+        t = lambda k, alt: self.b[k][0] if k is not None else alt
+        x = self.b["xbc"][0]
+        return {0: t(out, self.dummy), 1: x, 2: self.b["dt"][0], 3: self.small, 4: t(a1, x), 5: t(a2, x),
+                6: t(a3, x), 7: t(out2, self.rt.scratch("ssd_dummy2", (4,)))}
+
+    def product(self, mode: int, out, a1=None, a2=None, a3=None, out2=None) -> None:
+        H, P, N, G = self.H, self.P, self.N, self.G
+        Z = self.nb * self.NC * (G if mode in (CB, DC, DB) else H)
+        R, S = {CHUNK_STATE: (P, N), CB: (Q, Q), OUTPUT: (Q, P), DSTATE: (P, N), DX: (Q, P), DCB: (Q, Q),
+                DC: (Q, N), DB: (Q, N)}[mode]
+        ntile = cdiv(R, T) * cdiv(S, T)
+        u = self.rt.uniform(self._uniform(Z, ntile, out, a1, a2, a3, out2))
+        self.rec.dispatch("ssd_scan", "ssd_product", {**self._bind(out, a1, a2, a3, out2), 8: u}, ntile * Z,
+                          {"MODE": mode})
+
+    def small_kernel(self, entry: str, Z: int, groups: int, out=None, a1=None, a2=None, a3=None,
+                     slots=()) -> None:
+        u = self.rt.uniform(self._uniform(Z, 1, out, a1, a2, a3))
+        b = {**self._bind(out, a1, a2, a3, None), 8: u}
+        self.rec.dispatch("ssd_scan", entry, {k: b[k] for k in slots + (3, 8)}, groups)
+
+    def cumsum(self) -> None:
+        Z = self.nb * self.NC * self.H
+        self.small_kernel("ssd_cumsum", Z, cdiv(Z, WG), slots=(2,))
+
+    def state_pass(self, entry: str, out) -> None:
+        Z = self.nb * self.H * self.P * self.N
+        self.small_kernel(entry, Z, cdiv(Z, WG), out=out, slots=(0,))
+
+
+def _views(parts, b0, nb, L, per: dict) -> dict:
+    """The tensors of sequences b0 .. b0+nb (whole when there is one part)."""
+    if len(parts) == 1:
+        return {k: t for k, (t, _) in per.items()}
+    return {k: _seq(t, b0, nb, n) for k, (t, n) in per.items()}
+
+
 def ssd_forward(rec: Recorder, y: Tensor, states: Tensor, xbc: Tensor, dt: Tensor, A_log: Tensor, D: Tensor,
                 *, B: int, L: int, H: int, P: int, N: int, G: int) -> None:
     """y[M, Di] (WRITE), states (WRITE, `state_shape`) from xbc [M, C] and dt [M, H]."""
@@ -128,54 +208,55 @@ def ssd_forward(rec: Recorder, y: Tensor, states: Tensor, xbc: Tensor, dt: Tenso
         return
     parts = _sequences(rt, B, L, H, P, N, G)
     for b0, nb in parts:
-        v = (y, states, xbc, dt) if len(parts) == 1 else (
-            _seq(y, b0, nb, L * Di), _seq(states, b0, nb, S), _seq(xbc, b0, nb, L * C), _seq(dt, b0, nb, L * H))
-        bs = [bound(rt, t) for t in v + (A_log, D)]
-        for c in range(NC):   # a chunk per dispatch (lavapipe caps an invocation's loop iterations)
-            u = rt.uniform(_u(B=nb, L=L, H=H, P=P, N=N, G=G, NC=NC, C=C, Di=Di, nrows=c, offs=[o for _, o in bs]))
-            rec.dispatch("ssd", "ssd_forward", {**{k: t for k, (t, _) in enumerate(bs)}, 6: u}, cdiv(nb * Di, WG))
+        v = _views(parts, b0, nb, L, {"y": (y, L * Di), "states": (states, S), "xbc": (xbc, L * C),
+                                      "dt": (dt, L * H)})
+        v["cb"] = rt.scratch("ssd_cb", (nb * NC * G * Q * Q,))
+        s = _Scan(rec, nb, L, H, P, N, G, v)
+        s.constants(A_log, D)
+        s.cumsum()
+        s.product(CHUNK_STATE, "states")
+        s.state_pass("ssd_state_pass", "states")
+        s.product(CB, "cb")
+        s.product(OUTPUT, "y", a1="cb", a3="states")
 
 
 def ssd_backward(rec: Recorder, dxbc: Tensor, ddt: Tensor, dA_log: Tensor | None, dD: Tensor | None, dy: Tensor,
-                 states: Tensor, xbc: Tensor, dt: Tensor, A_log: Tensor, D: Tensor,
+                 y: Tensor, states: Tensor, xbc: Tensor, dt: Tensor, A_log: Tensor, D: Tensor,
                  *, B: int, L: int, H: int, P: int, N: int, G: int) -> None:
     """dxbc [M, C] WRITE; ddt [M, H] WRITE (the gradient of dt after the clamp); dA_log, dD
-    ACC (None: not computed)."""
+    ACC (None: not computed).  y and states: the forward's."""
     rt = rec.rt
     Di, NC = H * P, n_chunks(L)
     C = Di + 2 * G * N
     S = (NC + 1) * Di * N
     if B * L == 0:
         return
-    consts = rt.scratch("ssd_consts", (2 * H,))
-    rec.copy(A_log, consts.view((H,)))
-    rec.copy(D, consts.view((H,), H))
     parts = _sequences(rt, B, L, H, P, N, G, backward=True)
     for b0, nb in parts:
-        v = (dy, states, xbc, dt, dxbc, ddt) if len(parts) == 1 else (
-            _seq(dy, b0, nb, L * Di), _seq(states, b0, nb, S), _seq(xbc, b0, nb, L * C), _seq(dt, b0, nb, L * H),
-            _seq(dxbc, b0, nb, L * C), _seq(ddt, b0, nb, L * H))
-        gdy, gst, gx, gdt, gdx, gddt = v
-        work_b, _, part_b, bc_b = sequence_scratch(nb, L, H, P, N, G)
-        work = rt.scratch("ssd_work", (work_b // 4,))
-        work_bc = rt.scratch("ssd_work_bc", (work_b // 4,))
-        part = rt.scratch("ssd_part", (part_b // 4,))
-        bcpart = rt.scratch("ssd_bc_part", (bc_b // 4,))
-        (b0_, o0), (b1, o1), (b2, o2), (b3, o3), (b5, o5) = (bound(rt, t) for t in (gdy, gst, gx, gdt, gdx))
-        for c in reversed(range(NC)):   # a chunk per dispatch, the last first
-            u = rt.uniform(_u(B=nb, L=L, H=H, P=P, N=N, G=G, NC=NC, C=C, Di=Di, nrows=c,
-                              offs=(o0, o1, o2, o3, 0, o5, 0)))
-            common = {0: b0_, 1: b2, 2: b3, 3: consts, 4: b1, 6: work, 7: u}
-            rec.dispatch("ssd", "ssd_backward_x", {**common, 5: b5, 8: part}, cdiv(nb * Di, WG))
-            rec.dispatch("ssd", "ssd_backward_bc", {**common, 6: work_bc, 8: bcpart}, cdiv(nb * H * N, WG))
-        M = nb * L
-        u = rt.uniform(_u(H=H, N=N, G=G, C=C, Di=Di, nrows=M, offs=(o5, 0)))
-        rec.dispatch("ssd", "ssd_bc_sum", {0: b5, 1: bcpart, 2: u}, cdiv(M * G * 2 * N, WG))
-        reduce(rec, gddt, part, J=M * H, R=1, stride=0, P=P, acc=False)
+        v = _views(parts, b0, nb, L, {"dy": (dy, L * Di), "y": (y, L * Di), "states": (states, S),
+                                      "xbc": (xbc, L * C), "dt": (dt, L * H), "dxbc": (dxbc, L * C),
+                                      "ddt": (ddt, L * H)})
+        v["cb"] = rt.scratch("ssd_cb", (nb * NC * G * Q * Q,))
+        v["dstates"] = rt.scratch("ssd_dstates", (nb * S,))
+        v["part"] = rt.scratch("ssd_part", (nb * L * Di,))
+        v["dcb"] = rt.scratch("ssd_dcb", (nb * NC * H * Q * Q,))
+        s = _Scan(rec, nb, L, H, P, N, G, v)
+        s.constants(A_log, D)
+        s.cumsum()
+        s.product(CB, "cb")
+        s.product(DSTATE, "dstates", a2="dy")
+        s.state_pass("ssd_dstate_pass", "dstates")
+        z = nb * NC * H
+        s.small_kernel("ssd_dlast", z, z, a1="states", a3="dstates", slots=(4, 6))
+        s.product(DX, "dxbc", a1="cb", a2="dy", a3="dstates", out2="part")
+        s.product(DCB, "dcb", a2="dy")
+        s.product(DC, "dxbc", a1="dcb", a2="dy", a3="states")
+        s.product(DB, "dxbc", a1="dcb", a3="dstates")
+        s.small_kernel("ssd_dt_chunk", z, z, out="ddt", a1="part", a2="dy", a3="y", slots=(0, 1, 2, 4, 5, 6))
         if dA_log is not None:
-            reduce(rec, dA_log, part, J=H, R=nb, stride=Di, P=P, acc=True, offset=M * Di)
+            reduce(rec, dA_log, s.small, J=H, R=nb * NC, stride=H, P=1, acc=True, offset=s.o_pa)
         if dD is not None:
-            reduce(rec, dD, part, J=H, R=nb, stride=Di, P=P, acc=True, offset=M * Di + nb * Di)
+            reduce(rec, dD, s.small, J=H, R=nb * NC, stride=H, P=1, acc=True, offset=s.o_pd)
 
 
 def gnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, y: Tensor, zxbcdt: Tensor, weight: Tensor,

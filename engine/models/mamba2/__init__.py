@@ -113,16 +113,17 @@ class Mamba2(Architecture):
     def plan_scratch(self, lim, cfg, B: int, L: int, kind: str) -> int:
         H, P, N, G, K = cfg.num_heads, cfg.head_dim, cfg.state_size, cfg.n_groups, cfg.conv_kernel
         Di, C = cfg.intermediate_size, cfg.conv_dim
-        if kind == "eval":
-            return 0
-        total = _buf(4 * 2 * H)
+        grad = kind != "eval"
+        total = 2 * _buf(16)   # the scan's stand-ins for bindings a product does not read
         try:
             seqs = split(lim, B, lambda nb: ssd.sequence_windows(nb, L, H, P, N, G),
-                         scratch=lambda nb: ssd.sequence_scratch(nb, L, H, P, N, G))
+                         scratch=lambda nb: ssd.sequence_scratch(nb, L, H, P, N, G, grad))
         except BindingError:
             seqs = [(0, 1)]
         for nb in sorted({nb for _, nb in seqs}):
-            total += sum(_buf(b) for b in ssd.sequence_scratch(nb, L, H, P, N, G))
+            total += sum(_buf(b) for b in ssd.sequence_scratch(nb, L, H, P, N, G, grad))
+        if not grad:
+            return total
         total += _buf(4 * B * L * Di)  # the gated norm's weight-gradient terms
         if kind == "train":
             nch = conv1d.partial_rows(B, L)

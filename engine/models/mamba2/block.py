@@ -100,7 +100,8 @@ class Mamba2Block(Block):
                         **half.operands(ws, "yn16", i, "out_proj_weight"))
         ssd.gnorm_backward(rec, ws.dy, ws.dzx, grad(mz + "norm.weight"), ws.dyn, ws.y[i], ws.zx[i],
                            lp.gnorm_weight, ws.grstd[i], M=M, Di=Di, G=G, W=W)
-        ssd.ssd_backward(rec, ws.dxbc, ws.ddt, grad(mz + "A_log"), grad(mz + "D"), ws.dy, ws.states[i], ws.xbc[i],
+        ssd.ssd_backward(rec, ws.dxbc, ws.ddt, grad(mz + "A_log"), grad(mz + "D"), ws.dy, ws.y[i], ws.states[i],
+                         ws.xbc[i],
                          ws.dt[i], lp.A_log, lp.D, B=B, L=L, H=H, P=P, N=N, G=G)
         ssd.dt_backward(rec, ws.dzx, grad(mz + "dt_bias"), ws.ddt, ws.zx[i], lp.dt_bias, M=M, H=H, W=W,
                         lo=self.lo, hi=self.hi)
