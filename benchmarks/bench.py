@@ -40,6 +40,9 @@ import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the peers' fp32 rows run with TF32 off: torch's flags (set per row) and, for mamba-ssm's
+# Triton kernels (Mamba-2's SSD), Triton's default precision of an f32 dot, read at import
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 import numpy as np
 
@@ -52,7 +55,25 @@ SHAPES = {
     # the 130m layer stack with a byte vocabulary: the per-token cost of the layers
     # without the 50280-row LM head
     "mamba-130m-bytes": dict(vocab_size=256, hidden_size=768, state_size=16, num_hidden_layers=24),
+    # Mamba-2 (transformers' Mamba2Config fields; Di = 2E = num_heads * head_dim)
+    "mamba2-130m": dict(model_type="mamba2", vocab_size=50288, hidden_size=768, num_heads=24, head_dim=64,
+                        n_groups=1, state_size=128, num_hidden_layers=24, chunk_size=256),
+    "mamba-codestral-7b": dict(model_type="mamba2", vocab_size=32768, hidden_size=4096, num_heads=128, head_dim=64,
+                               n_groups=8, state_size=128, num_hidden_layers=64, chunk_size=256,
+                               tie_word_embeddings=False),
+    "mamba2-tiny": dict(model_type="mamba2", vocab_size=256, hidden_size=64, num_heads=4, head_dim=32,
+                        n_groups=1, state_size=16, num_hidden_layers=2, chunk_size=64),
+    "mamba2-small": dict(model_type="mamba2", vocab_size=256, hidden_size=256, num_heads=8, head_dim=64,
+                         n_groups=2, state_size=64, num_hidden_layers=4, chunk_size=128),
 }
+
+
+def is_mamba2(shape: str) -> bool:
+    return SHAPES[shape].get("model_type") == "mamba2"
+
+
+def _fields(shape: str) -> dict:
+    return {k: v for k, v in SHAPES[shape].items() if k != "model_type"}
 
 # configurations compared by --variants (benchmarks/README.md has what earlier ones gave)
 MATMUL_VARIANTS = {
@@ -139,9 +160,16 @@ def _torch_ms(torch, fn, reps=10, warmup=3):
 
 
 # ---------------------------------------------------------------------------- peer import
-def peer_mamba_ssm(wait_s: float = 0.0, ready: str = ""):
+def peer_mamba_ssm(wait_s: float = 0.0, ready: str = "", compiled: bool = True):
     """The mamba_ssm package if it imports (waiting up to wait_s for a background build,
-    until the file `ready` exists when one is named)."""
+    until the file `ready` exists when one is named).  compiled=False: Mamba-2 rows only,
+    whose Triton kernels need none of its CUDA extensions; its unbuilt sources do (the
+    Mamba-1 scan's module, imported by the package, is stood in for)."""
+    if not compiled:
+        import types
+
+        sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+        ready, wait_s = "", 0.0
     t_end = time.time() + wait_s
     while ready and not os.path.exists(ready) and time.time() < t_end:
         time.sleep(2)
@@ -388,14 +416,21 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False, preci
     from memengine.engine.models.lm import LanguageModel
     from memengine.engine.train.trainer import Trainer
 
-    cfg = MambaConfig(**SHAPES[shape])
+    if is_mamba2(shape):
+        from memengine.engine import models
+
+        cfg = models.config_from_dict(dict(SHAPES[shape]), "bench")
+        weights = models.of(cfg).init_weights(cfg, 0)
+    else:
+        cfg = MambaConfig(**SHAPES[shape])
+        weights = init_weights(cfg, 0)
     rt.trim()
     rt.peak_bytes = 0   # this row's high-water mark, not the process's
     adapter = None
     if lora_rank:
-        spec = lora.LoraSpec(r=lora_rank, alpha=2 * lora_rank)
+        spec = lora.LoraSpec(r=lora_rank, alpha=2 * lora_rank, targets=models_of(cfg).lora_targets)
         adapter = lora.LoraAdapter(rt, cfg, spec, lora.init_tensors(cfg, spec, 0), train=True)
-    model = LanguageModel(rt, cfg, init_weights(cfg, 0), lora=adapter)
+    model = LanguageModel(rt, cfg, weights, lora=adapter)
     model.set_precision(precision)
     batch = _batch(cfg, B, L)
     o = TrainOptions(batch_size=B, seq_len=L, precision=precision)
@@ -457,15 +492,37 @@ def _torch_step(torch, model, fwd, V, ids, tg, prec, steps, warmup=2):
                 peak_bytes=torch.cuda.max_memory_allocated() if cuda else None)
 
 
+def models_of(cfg):
+    from memengine.engine import models
+
+    return models.of(cfg)
+
+
+def _has_causal_conv1d() -> bool:
+    try:
+        import causal_conv1d_cuda  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
+
+
 def _mamba_ssm_model(torch, shape):
-    """mamba-ssm's MambaLMHeadModel of a bench shape, fp32 on CUDA, weights from seed 0."""
+    """mamba-ssm's MambaLMHeadModel of a bench shape, fp32 on CUDA, weights from seed 0.
+    Mamba-2 shapes take its Mamba2 layer (Triton SSD kernels; the fused conv path only with
+    causal-conv1d, else torch's conv1d: use_mem_eff_path=False)."""
     from mamba_ssm.models.config_mamba import MambaConfig
     from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 
     c = SHAPES[shape]
+    if is_mamba2(shape):
+        ssm = {"layer": "Mamba2", "d_state": c["state_size"], "headdim": c["head_dim"], "ngroups": c["n_groups"],
+               "chunk_size": c["chunk_size"], "use_mem_eff_path": _has_causal_conv1d()}
+    else:
+        ssm = {"layer": "Mamba1", "d_state": c["state_size"]}
     cfg = MambaConfig(d_model=c["hidden_size"], n_layer=c["num_hidden_layers"], vocab_size=c["vocab_size"],
-                      ssm_cfg={"layer": "Mamba1", "d_state": c["state_size"]}, rms_norm=True,
-                      residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8)
+                      ssm_cfg=ssm, rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
+                      pad_vocab_size_multiple=16 if is_mamba2(shape) else 8)
     torch.manual_seed(0)
     return MambaLMHeadModel(cfg, device="cuda", dtype=torch.float32)
 
@@ -484,12 +541,7 @@ def bench_peer_train(torch, shape, B, L, prec, steps):
         out = _torch_step(torch, model, lambda x: model(x).logits, c["vocab_size"], ids, tg, prec, steps)
     except torch.OutOfMemoryError as e:
         out = dict(error="CUDA out of memory: " + str(e)[:120])
-    try:
-        import causal_conv1d_cuda  # noqa: F401
-
-        out["conv"] = "causal-conv1d"
-    except ImportError:
-        out["conv"] = "torch conv1d"
+    out["conv"] = "causal-conv1d" if _has_causal_conv1d() else "torch conv1d"
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -550,9 +602,13 @@ def bench_torch_train(torch, shape, B, L, steps, device, warmup=1, mambapy=False
         if calls is None:
             return dict(error="mambapy not installed (pip install -e '.[bench]')")
         calls[0] = 0
-    cfg = transformers.MambaConfig(**SHAPES[shape], use_mambapy=mambapy)
+    if is_mamba2(shape):   # Mamba2ForCausalLM's torch_forward: its naive chunked SSD
+        cfg = transformers.Mamba2Config(**_fields(shape))
+        model_class = transformers.Mamba2ForCausalLM
+    else:
+        cfg = transformers.MambaConfig(**SHAPES[shape], use_mambapy=mambapy)
+        model_class = _slow_path_class() if device == "cuda" else transformers.MambaForCausalLM
     torch.manual_seed(0)
-    model_class = _slow_path_class() if device == "cuda" else transformers.MambaForCausalLM
     m = model_class(cfg).to(device).train()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (B, L), generator=g).to(device)
@@ -582,7 +638,7 @@ def _cpu_rounds(rt, torch, row, shape, B, L, steps, rounds, threads):
         best = 0.0
         for t in threads:
             torch.set_num_threads(t)
-            pp = bench_torch_train(torch, shape, B, L, steps, "cpu", mambapy=True)
+            pp = bench_torch_train(torch, shape, B, L, steps, "cpu", mambapy=not is_mamba2(shape))
             if "error" in pp:
                 row["mambapy"] = pp
                 return
@@ -593,7 +649,7 @@ def _cpu_rounds(rt, torch, row, shape, B, L, steps, rounds, threads):
         ratios.append(ours[-1] / peer[-1])
     torch.set_num_threads(max(threads))
     row["memengine"].update(tokens_per_s=_median(ours), rounds=ours)
-    row["mambapy"] = dict(tokens_per_s=_median(peer), rounds=peer, ratio=_median(ratios),
+    row["torch_path" if is_mamba2(shape) else "mambapy"] = dict(tokens_per_s=_median(peer), rounds=peer, ratio=_median(ratios),
                           by_threads={str(t): v for t, v in per_threads.items()},
                           pscan_calls=pp.get("pscan_calls"))
 
@@ -759,7 +815,7 @@ def summary(res) -> list:
         if mx and mx.get("tokens_per_s") and me is not mx:
             line += (f"  mixed {mx['tokens_per_s']:8.0f} tok/s ({mx['peak_bytes'] / 2**30:.1f} GiB, "
                      f"{mx['tokens_per_s'] / max(me.get('tokens_per_s', 0), 1e-9):.2f}x fp32)")
-        for key in ("mamba_ssm_fp32", "mamba_ssm_bf16", "mambapy", "slow_path", "torch_cpu"):
+        for key in ("mamba_ssm_fp32", "mamba_ssm_bf16", "mambapy", "torch_path", "slow_path", "torch_cpu"):
             p = row.get(key)
             if not p:
                 continue
@@ -906,7 +962,7 @@ def main(argv=None):
                         threads = sorted({int(x) for x in a.torch_threads.split(",")} if a.torch_threads
                                          else {1, os.cpu_count() or 1})
                         _cpu_rounds(rt, torch, row, sh, B, L, a.steps, a.rounds, threads)
-                        if not a.no_slow_path:
+                        if not a.no_slow_path and not is_mamba2(sh):
                             row["torch_cpu"] = bench_torch_train(torch, sh, B, L, a.steps, "cpu")
                     res["train"].append(row)
                     line = f"train {sh} B={B} L={L}: memengine {row['memengine'].get('tokens_per_s', 0):.0f} tok/s"
@@ -914,6 +970,9 @@ def main(argv=None):
                         line += f", mixed {row['memengine_mixed'].get('tokens_per_s', 0):.0f} tok/s"
                     if row.get("mambapy", {}).get("ratio"):
                         line += f", transformers+mambapy {row['mambapy']['tokens_per_s']:.0f} ({row['mambapy']['ratio']:.2f}x)"
+                    if row.get("torch_path", {}).get("ratio"):
+                        line += (f", transformers' torch path {row['torch_path']['tokens_per_s']:.0f} "
+                                 f"({row['torch_path']['ratio']:.2f}x)")
                     print(line, flush=True)
                     save()
         if a.slow_path and cuda:
@@ -943,7 +1002,8 @@ def main(argv=None):
     if cuda and suites & {"train", "scan", "decode"}:
         rt.trim()
         gc.collect()
-        if peer_mamba_ssm(a.peer_wait, a.peer_ready) is not None:
+        compiled = "scan" in suites or any(not is_mamba2(sh) for sh in shapes)
+        if peer_mamba_ssm(a.peer_wait, a.peer_ready, compiled) is not None:
             if "scan" in suites and not cpu:
                 B, L, Di, N = res["scan"]["shape"]
                 res["scan"]["mamba_ssm"] = bench_scan_peer(torch, B, L, Di, N)

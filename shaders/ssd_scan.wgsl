@@ -12,8 +12,9 @@
 //
 // The matrix work is one tiled kernel, `ssd_product`: out[r, s] = sum_k a(r, k) b(k, s) for
 // each item z of a batch (a chunk of a head or of a group), 64 x 64 outputs per workgroup of
-// 256 threads (4 x 4 each), K in steps of 16 staged through workgroup memory.  MODE (a
-// pipeline constant) says what a, b and the store are:
+// 256 threads (4 x 4 each), K in steps of 16 staged through workgroup memory (on CPU
+// adapters, STAGED = 0, loaded straight: their barriers cost more than the loads they save).
+// MODE (a pipeline constant) says what a, b and the store are:
 //   1 chunk state   z=(b,c,h)  [P x N]  K=Q      a = exp(last-a_j) dt_j x_j[p], b = B_j[n] -> states[b,c+1]
 //   2 CB            z=(b,c,g)  [Q x Q]  K=N      a = C_i[n], b = B_j[n]                   -> cb
 //   3 output y      z=(b,c,h)  [Q x P]  K=Q+N    a = cb_ij exp(a_i-a_j) dt_j (j<=i), b = x_j[p];
@@ -34,10 +35,9 @@
 // `small` holds A_log [H] | D [H] | a [nb, NC, H, Q] | dlast, dA_log and dD terms [nb, NC, H].
 // states and dstates are [nb, NC + 1, H, P, N] (dstates[c]: the gradient of S[c]; entry NC 0).
 
-struct SS { B: u32, L: u32, H: u32, P: u32, N: u32, G: u32, Q: u32, NC: u32,
-            C: u32, Di: u32, Z: u32, ntile: u32,
+struct SS { B: u32, L: u32, NC: u32, Z: u32, ntile: u32,
             o_out: u32, o_x: u32, o_dt: u32, o_a1: u32, o_a2: u32, o_a3: u32, o_out2: u32,
-            o_acs: u32, o_dl: u32, o_pa: u32, o_pd: u32, pad: u32 }
+            o_acs: u32, o_dl: u32, o_pa: u32, o_pd: u32, pad0: u32, pad1: u32, pad2: u32 }
 
 @group(0) @binding(0) var<storage, read_write> s_out: array<f32>;
 @group(0) @binding(1) var<storage, read> s_x: array<f32>;       // xbc [M, C]
@@ -49,49 +49,58 @@ struct SS { B: u32, L: u32, H: u32, P: u32, N: u32, G: u32, Q: u32, NC: u32,
 @group(0) @binding(7) var<storage, read_write> s_out2: array<f32>;
 @group(0) @binding(8) var<uniform> US: SS;
 
+// the shape as pipeline constants (index arithmetic by constants)
+override H: u32 = 1u;
+override P: u32 = 1u;
+override N: u32 = 1u;
+override G: u32 = 1u;
+override Q: u32 = 64u;
+override Di: u32 = H * P;
+override C: u32 = H * P + 2u * G * N;
 override MODE: u32 = 1u;
+override STAGED: u32 = 1u;   // 1: tiles through workgroup memory (GPUs); 0: straight loads (CPU adapters)
 
 // ---------------------------------------------------------------- indexing
 struct Item { b: u32, c: u32, h: u32, g: u32 }
 
 fn item(u: SS, z: u32) -> Item {
     // heads (modes 1 3 4 5 6) or groups (2 7 8) within a chunk
-    let per = select(u.H, u.G, MODE == 2u || MODE == 7u || MODE == 8u);
+    let per = select(H, G, MODE == 2u || MODE == 7u || MODE == 8u);
     let k = z % per;
     let bc = z / per;
     var it: Item;
     it.b = bc / u.NC;
     it.c = bc % u.NC;
-    if (per == u.H) { it.h = k; it.g = k / (u.H / u.G); } else { it.g = k; it.h = k * (u.H / u.G); }
+    if (per == H) { it.h = k; it.g = k / (H / G); } else { it.g = k; it.h = k * (H / G); }
     return it;
 }
 
-fn valid(u: SS, it: Item, i: u32) -> bool { return it.c * u.Q + i < u.L; }
-fn row(u: SS, it: Item, i: u32) -> u32 { return it.b * u.L + it.c * u.Q + i; }
-fn xv(u: SS, m: u32, h: u32, p: u32) -> f32 { return s_x[u.o_x + m * u.C + h * u.P + p]; }
-fn bv(u: SS, m: u32, g: u32, n: u32) -> f32 { return s_x[u.o_x + m * u.C + u.Di + g * u.N + n]; }
-fn cv(u: SS, m: u32, g: u32, n: u32) -> f32 { return s_x[u.o_x + m * u.C + u.Di + (u.G + g) * u.N + n]; }
-fn dtv(u: SS, m: u32, h: u32) -> f32 { return s_dt[u.o_dt + m * u.H + h]; }
-fn chunk_head(u: SS, it: Item, h: u32) -> u32 { return (it.b * u.NC + it.c) * u.H + h; }
-fn acs(u: SS, it: Item, h: u32, i: u32) -> f32 { return s_small[u.o_acs + chunk_head(u, it, h) * u.Q + i]; }
-fn last(u: SS, it: Item, h: u32) -> f32 { return acs(u, it, h, u.Q - 1u); }
+fn valid(u: SS, it: Item, i: u32) -> bool { return it.c * Q + i < u.L; }
+fn row(u: SS, it: Item, i: u32) -> u32 { return it.b * u.L + it.c * Q + i; }
+fn xv(u: SS, m: u32, h: u32, p: u32) -> f32 { return s_x[u.o_x + m * C + h * P + p]; }
+fn bv(u: SS, m: u32, g: u32, n: u32) -> f32 { return s_x[u.o_x + m * C + Di + g * N + n]; }
+fn cv(u: SS, m: u32, g: u32, n: u32) -> f32 { return s_x[u.o_x + m * C + Di + (G + g) * N + n]; }
+fn dtv(u: SS, m: u32, h: u32) -> f32 { return s_dt[u.o_dt + m * H + h]; }
+fn chunk_head(u: SS, it: Item, h: u32) -> u32 { return (it.b * u.NC + it.c) * H + h; }
+fn acs(u: SS, it: Item, h: u32, i: u32) -> f32 { return s_small[u.o_acs + chunk_head(u, it, h) * Q + i]; }
+fn last(u: SS, it: Item, h: u32) -> f32 { return acs(u, it, h, Q - 1u); }
 // states / dstates [nb, NC + 1, H, P, N]: entry c of head h, (p, n)
 fn st(u: SS, it: Item, c: u32, h: u32, p: u32, n: u32) -> u32 {
-    return (((it.b * (u.NC + 1u) + c) * u.H + h) * u.P + p) * u.N + n;
+    return (((it.b * (u.NC + 1u) + c) * H + h) * P + p) * N + n;
 }
-fn qq(u: SS, it: Item, h: u32, i: u32, j: u32) -> u32 { return (chunk_head(u, it, h) * u.Q + i) * u.Q + j; }
-fn cbi(u: SS, it: Item, i: u32, j: u32) -> u32 { return (((it.b * u.NC + it.c) * u.G + it.g) * u.Q + i) * u.Q + j; }
+fn qq(u: SS, it: Item, h: u32, i: u32, j: u32) -> u32 { return (chunk_head(u, it, h) * Q + i) * Q + j; }
+fn cbi(u: SS, it: Item, i: u32, j: u32) -> u32 { return (((it.b * u.NC + it.c) * G + it.g) * Q + i) * Q + j; }
 
 // ---------------------------------------------------------------- the product's shape
 // (R, S, K, the first K of the second phase)
 fn dims(u: SS) -> vec4<u32> {
-    let hg = u.H / u.G;
+    let hg = H / G;
     switch MODE {
-        case 1u, 4u: { return vec4<u32>(u.P, u.N, u.Q, u.Q); }
-        case 2u: { return vec4<u32>(u.Q, u.Q, u.N, u.N); }
-        case 3u, 5u: { return vec4<u32>(u.Q, u.P, u.Q + u.N, u.Q); }
-        case 6u: { return vec4<u32>(u.Q, u.Q, u.P, u.P); }
-        default: { return vec4<u32>(u.Q, u.N, hg * (u.Q + u.P), hg * u.Q); }
+        case 1u, 4u: { return vec4<u32>(P, N, Q, Q); }
+        case 2u: { return vec4<u32>(Q, Q, N, N); }
+        case 3u, 5u: { return vec4<u32>(Q, P, Q + N, Q); }
+        case 6u: { return vec4<u32>(Q, Q, P, P); }
+        default: { return vec4<u32>(Q, N, hg * (Q + P), hg * Q); }
     }
 }
 
@@ -135,7 +144,7 @@ fn a_at(u: SS, it: Item, r: u32, k: u32, ph: u32, k2: u32) -> f32 {
         }
         case 4u: {      // r = p, k = i
             if (!valid(u, it, k)) { return 0.0; }
-            return s_a2[u.o_a2 + row(u, it, k) * u.Di + h * u.P + r] * exp(acs(u, it, h, k));
+            return s_a2[u.o_a2 + row(u, it, k) * Di + h * P + r] * exp(acs(u, it, h, k));
         }
         case 5u: {      // r = j; k = i, then n
             if (ph == 0u) {
@@ -147,26 +156,26 @@ fn a_at(u: SS, it: Item, r: u32, k: u32, ph: u32, k2: u32) -> f32 {
         }
         case 6u: {      // r = i, k = p
             if (!valid(u, it, r)) { return 0.0; }
-            return s_a2[u.o_a2 + row(u, it, r) * u.Di + h * u.P + k];
+            return s_a2[u.o_a2 + row(u, it, r) * Di + h * P + k];
         }
         case 7u: {      // r = i; k = (h, j), then (h, p)
             if (ph == 0u) {
-                return s_a1[u.o_a1 + qq(u, it, it.h + k / u.Q, r, k % u.Q)];
+                return s_a1[u.o_a1 + qq(u, it, it.h + k / Q, r, k % Q)];
             }
             let kk = k - k2;
-            let hh = it.h + kk / u.P;
+            let hh = it.h + kk / P;
             if (!valid(u, it, r)) { return 0.0; }
-            return exp(acs(u, it, hh, r)) * s_a2[u.o_a2 + row(u, it, r) * u.Di + hh * u.P + kk % u.P];
+            return exp(acs(u, it, hh, r)) * s_a2[u.o_a2 + row(u, it, r) * Di + hh * P + kk % P];
         }
         default: {      // 8: r = j; k = (h, i), then (h, p)
             if (ph == 0u) {
-                return s_a1[u.o_a1 + qq(u, it, it.h + k / u.Q, k % u.Q, r)];
+                return s_a1[u.o_a1 + qq(u, it, it.h + k / Q, k % Q, r)];
             }
             let kk = k - k2;
-            let hh = it.h + kk / u.P;
+            let hh = it.h + kk / P;
             if (!valid(u, it, r)) { return 0.0; }
             let m = row(u, it, r);
-            return exp(last(u, it, hh) - acs(u, it, hh, r)) * dtv(u, m, hh) * xv(u, m, hh, kk % u.P);
+            return exp(last(u, it, hh) - acs(u, it, hh, r)) * dtv(u, m, hh) * xv(u, m, hh, kk % P);
         }
     }
 }
@@ -196,7 +205,7 @@ fn b_at(u: SS, it: Item, k: u32, s: u32, ph: u32, k2: u32) -> f32 {
         case 5u: {      // k = i, then n; s = p
             if (ph == 0u) {
                 if (!valid(u, it, k)) { return 0.0; }
-                return s_a2[u.o_a2 + row(u, it, k) * u.Di + h * u.P + s];
+                return s_a2[u.o_a2 + row(u, it, k) * Di + h * P + s];
             }
             return s_a3[u.o_a3 + st(u, it, it.c + 1u, h, s, k - k2)];
         }
@@ -206,21 +215,21 @@ fn b_at(u: SS, it: Item, k: u32, s: u32, ph: u32, k2: u32) -> f32 {
         }
         case 7u: {      // k = (h, j), then (h, p); s = n
             if (ph == 0u) {
-                let j = k % u.Q;
+                let j = k % Q;
                 if (!valid(u, it, j)) { return 0.0; }
                 return bv(u, row(u, it, j), it.g, s);
             }
             let kk = k - k2;
-            return s_a3[u.o_a3 + st(u, it, it.c, it.h + kk / u.P, kk % u.P, s)];
+            return s_a3[u.o_a3 + st(u, it, it.c, it.h + kk / P, kk % P, s)];
         }
         default: {      // 8: k = (h, i), then (h, p); s = n
             if (ph == 0u) {
-                let i = k % u.Q;
+                let i = k % Q;
                 if (!valid(u, it, i)) { return 0.0; }
                 return cv(u, row(u, it, i), it.g, s);
             }
             let kk = k - k2;
-            return s_a3[u.o_a3 + st(u, it, it.c + 1u, it.h + kk / u.P, kk % u.P, s)];
+            return s_a3[u.o_a3 + st(u, it, it.c + 1u, it.h + kk / P, kk % P, s)];
         }
     }
 }
@@ -233,15 +242,15 @@ fn store(u: SS, it: Item, r: u32, s: u32, acc: f32) {
         case 3u: {
             if (!valid(u, it, r)) { return; }
             let m = row(u, it, r);
-            s_out[u.o_out + m * u.Di + h * u.P + s] = acc + s_small[u.H + h] * xv(u, m, h, s);
+            s_out[u.o_out + m * Di + h * P + s] = acc + s_small[H + h] * xv(u, m, h, s);
         }
         case 4u: { s_out[u.o_out + st(u, it, it.c, h, r, s)] = acc; }
         case 5u: {
             if (!valid(u, it, r)) { return; }
             let m = row(u, it, r);
-            let dy = s_a2[u.o_a2 + m * u.Di + h * u.P + s];
-            s_out[u.o_out + m * u.C + h * u.P + s] = dtv(u, m, h) * acc + s_small[u.H + h] * dy;
-            s_out2[u.o_out2 + m * u.Di + h * u.P + s] = xv(u, m, h, s) * acc;
+            let dy = s_a2[u.o_a2 + m * Di + h * P + s];
+            s_out[u.o_out + m * C + h * P + s] = dtv(u, m, h) * acc + s_small[H + h] * dy;
+            s_out2[u.o_out2 + m * Di + h * P + s] = xv(u, m, h, s) * acc;
         }
         case 6u: {
             var v = 0.0;
@@ -252,11 +261,11 @@ fn store(u: SS, it: Item, r: u32, s: u32, acc: f32) {
         }
         case 7u: {
             if (!valid(u, it, r)) { return; }
-            s_out[u.o_out + row(u, it, r) * u.C + u.Di + (u.G + it.g) * u.N + s] = acc;
+            s_out[u.o_out + row(u, it, r) * C + Di + (G + it.g) * N + s] = acc;
         }
         default: {
             if (!valid(u, it, r)) { return; }
-            s_out[u.o_out + row(u, it, r) * u.C + u.Di + it.g * u.N + s] = acc;
+            s_out[u.o_out + row(u, it, r) * C + Di + it.g * N + s] = acc;
         }
     }
 }
@@ -283,7 +292,28 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let tr = lid / 16u;
     let ts = lid % 16u;
     var acc: array<vec4<f32>, 4>;
-    for (var k0 = 0u; k0 < d.z; k0 += KT) {
+    if (STAGED == 0u) {     // CPU adapters: operands straight from memory, no barriers
+        let ra = vec4<bool>(r0 + tr < d.x, r0 + tr + 16u < d.x, r0 + tr + 32u < d.x, r0 + tr + 48u < d.x);
+        let sb = vec4<bool>(s0 + ts < d.y, s0 + ts + 16u < d.y, s0 + ts + 32u < d.y, s0 + ts + 48u < d.y);
+        for (var k = 0u; k < d.z; k++) {
+            let ph = select(0u, 1u, k >= d.w);
+            var av = vec4<f32>(0.0);
+            var bq = vec4<f32>(0.0);
+            if (ra.x) { av.x = a_at(u, it, r0 + tr, k, ph, d.w); }
+            if (ra.y) { av.y = a_at(u, it, r0 + tr + 16u, k, ph, d.w); }
+            if (ra.z) { av.z = a_at(u, it, r0 + tr + 32u, k, ph, d.w); }
+            if (ra.w) { av.w = a_at(u, it, r0 + tr + 48u, k, ph, d.w); }
+            if (sb.x) { bq.x = b_at(u, it, k, s0 + ts, ph, d.w); }
+            if (sb.y) { bq.y = b_at(u, it, k, s0 + ts + 16u, ph, d.w); }
+            if (sb.z) { bq.z = b_at(u, it, k, s0 + ts + 32u, ph, d.w); }
+            if (sb.w) { bq.w = b_at(u, it, k, s0 + ts + 48u, ph, d.w); }
+            acc[0] += av.x * bq;
+            acc[1] += av.y * bq;
+            acc[2] += av.z * bq;
+            acc[3] += av.w * bq;
+        }
+    }
+    for (var k0 = 0u; k0 < d.z * STAGED; k0 += KT) {
         let ph = select(0u, 1u, k0 >= d.w);
         let akf = a_kfast(ph);
         let bkf = b_kfast(ph);
@@ -331,14 +361,14 @@ fn ssd_cumsum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let z = lin(wid, nwg, lid);
     if (z >= u.Z) { return; }
     var it: Item;
-    it.h = z % u.H;
-    it.b = z / (u.H * u.NC);
-    it.c = (z / u.H) % u.NC;
+    it.h = z % H;
+    it.b = z / (H * u.NC);
+    it.c = (z / H) % u.NC;
     let A = -exp(s_small[it.h]);
     var s = 0.0;
-    for (var i = 0u; i < u.Q; i++) {
+    for (var i = 0u; i < Q; i++) {
         if (valid(u, it, i)) { s += dtv(u, row(u, it, i), it.h); }
-        s_small[u.o_acs + z * u.Q + i] = A * s;
+        s_small[u.o_acs + z * Q + i] = A * s;
     }
 }
 
@@ -347,8 +377,8 @@ fn ssd_cumsum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 // One invocation per (b, h, p, n).
 fn pass_item(u: SS, i: u32) -> Item {
     var it: Item;
-    it.b = i / (u.H * u.P * u.N);
-    it.h = (i / (u.P * u.N)) % u.H;
+    it.b = i / (H * P * N);
+    it.h = (i / (P * N)) % H;
     it.c = 0u;
     return it;
 }
@@ -360,9 +390,9 @@ fn ssd_state_pass(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let i = lin(wid, nwg, lid);
     if (i >= u.Z) { return; }
     var it = pass_item(u, i);
-    let pn = i % (u.P * u.N);
+    let pn = i % (P * N);
     let s0 = u.o_out + st(u, it, 0u, it.h, 0u, 0u) + pn;
-    let step = u.H * u.P * u.N;
+    let step = H * P * N;
     var s = 0.0;
     s_out[s0] = 0.0;
     for (var c = 0u; c < u.NC; c++) {
@@ -379,9 +409,9 @@ fn ssd_dstate_pass(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     let i = lin(wid, nwg, lid);
     if (i >= u.Z) { return; }
     var it = pass_item(u, i);
-    let pn = i % (u.P * u.N);
+    let pn = i % (P * N);
     let s0 = u.o_out + st(u, it, 0u, it.h, 0u, 0u) + pn;
-    let step = u.H * u.P * u.N;
+    let step = H * P * N;
     var g = 0.0;
     s_out[s0 + u.NC * step] = 0.0;
     for (var cr = 0u; cr < u.NC; cr++) {
@@ -402,12 +432,12 @@ fn ssd_dlast(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let z = wid.x + wid.y * nwg.x;
     if (z >= u.Z) { return; }
     var it: Item;
-    it.h = z % u.H;
-    it.b = z / (u.H * u.NC);
-    it.c = (z / u.H) % u.NC;
+    it.h = z % H;
+    it.b = z / (H * u.NC);
+    it.c = (z / H) % u.NC;
     let base = st(u, it, it.c + 1u, it.h, 0u, 0u);
     var s = 0.0;
-    for (var e = lid; e < u.P * u.N; e += 256u) {
+    for (var e = lid; e < P * N; e += 256u) {
         s += s_a1[u.o_a1 + base + e] * s_a3[u.o_a3 + base + e];
     }
     red[lid] = s;
@@ -435,20 +465,20 @@ fn ssd_dt_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let z = wid.x + wid.y * nwg.x;
     if (z >= u.Z) { return; }
     var it: Item;
-    it.h = z % u.H;
-    it.b = z / (u.H * u.NC);
-    it.c = (z / u.H) % u.NC;
+    it.h = z % H;
+    it.b = z / (H * u.NC);
+    it.c = (z / H) % u.NC;
     let h = it.h;
-    let Dh = s_small[u.H + h];
+    let Dh = s_small[H + h];
     let i = lid;
     var da = 0.0;
     var r1 = 0.0;
     var dd = 0.0;
-    if (i < u.Q && valid(u, it, i)) {
+    if (i < Q && valid(u, it, i)) {
         let m = row(u, it, i);
         var r2 = 0.0;
-        for (var p = 0u; p < u.P; p++) {
-            let o = m * u.Di + h * u.P + p;
+        for (var p = 0u; p < P; p++) {
+            let o = m * Di + h * P + p;
             let dy = s_a2[u.o_a2 + o];
             let x = xv(u, m, h, p);
             r1 += s_a1[u.o_a1 + o];
@@ -457,7 +487,7 @@ fn ssd_dt_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         }
         da = r2 - dtv(u, m, h) * r1;
     }
-    if (i + 1u == u.Q) { da += s_small[u.o_dl + z]; }
+    if (i + 1u == Q) { da += s_small[u.o_dl + z]; }
     wda[lid] = da;
     wr1[lid] = r1;
     wdd[lid] = dd;
@@ -468,15 +498,15 @@ fn ssd_dt_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         var cum = 0.0;
         var dA = 0.0;
         var dD = 0.0;
-        for (var k = 0u; k < u.Q; k++) {
+        for (var k = 0u; k < Q; k++) {
             if (valid(u, it, k)) { cum += dtv(u, row(u, it, k), h); }
             dA += wda[k] * cum;
             dD += wdd[k];
         }
-        for (var kr = 0u; kr < u.Q; kr++) {
-            let k = u.Q - 1u - kr;
+        for (var kr = 0u; kr < Q; kr++) {
+            let k = Q - 1u - kr;
             rev += wda[k];
-            if (valid(u, it, k)) { s_out[u.o_out + row(u, it, k) * u.H + h] = wr1[k] + A * rev; }
+            if (valid(u, it, k)) { s_out[u.o_out + row(u, it, k) * H + h] = wr1[k] + A * rev; }
         }
         s_small[u.o_pa + z] = A * dA;
         s_small[u.o_pd + z] = dD;

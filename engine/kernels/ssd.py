@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import struct
 
+from memengine.engine.kernels.lanes import is_cpu
 from memengine.engine.runtime import Recorder, Tensor, bound, cdiv, rows, span, split
 
 Q = 64          # steps per chunk of the SSD (its matrix form within, its state passed between)
@@ -141,6 +142,7 @@ class _Scan:
         self.Di = H * P
         self.C = self.Di + 2 * G * N
         self.b = {k: bound(self.rt, t) for k, t in views.items()}
+        self.shape = {"H": H, "P": P, "N": N, "G": G, "Q": Q}   # the shader's pipeline constants
         self.small = self.rt.scratch("ssd_small", (_small_len(nb, self.NC, H),))
         self.dummy = self.rt.scratch("ssd_dummy", (4,))
         z = nb * self.NC * H
@@ -154,9 +156,8 @@ class _Scan:
 
     def _uniform(self, Z, ntile, out=None, a1=None, a2=None, a3=None, out2=None) -> bytes:
         off = lambda k: self.b[k][1] if k is not None else 0
-        return struct.pack("24I", self.nb, self.L, self.H, self.P, self.N, self.G, Q, self.NC, self.C, self.Di,
-                           Z, ntile, off(out), off("xbc"), off("dt"), off(a1), off(a2), off(a3), off(out2),
-                           self.o_acs, self.o_dl, self.o_pa, self.o_pd, 0)
+        return struct.pack("20I", self.nb, self.L, self.NC, Z, ntile, off(out), off("xbc"), off("dt"), off(a1),
+                           off(a2), off(a3), off(out2), self.o_acs, self.o_dl, self.o_pa, self.o_pd, 0, 0, 0, 0)
 
     def _bind(self, out, a1, a2, a3, out2) -> dict:
         t = lambda k, alt: self.b[k][0] if k is not None else alt
@@ -172,13 +173,13 @@ class _Scan:
         ntile = cdiv(R, T) * cdiv(S, T)
         u = self.rt.uniform(self._uniform(Z, ntile, out, a1, a2, a3, out2))
         self.rec.dispatch("ssd_scan", "ssd_product", {**self._bind(out, a1, a2, a3, out2), 8: u}, ntile * Z,
-                          {"MODE": mode})
+                          {**self.shape, "MODE": mode, "STAGED": int(not is_cpu(self.rt))})
 
     def small_kernel(self, entry: str, Z: int, groups: int, out=None, a1=None, a2=None, a3=None,
                      slots=()) -> None:
         u = self.rt.uniform(self._uniform(Z, 1, out, a1, a2, a3))
         b = {**self._bind(out, a1, a2, a3, None), 8: u}
-        self.rec.dispatch("ssd_scan", entry, {k: b[k] for k in slots + (3, 8)}, groups)
+        self.rec.dispatch("ssd_scan", entry, {k: b[k] for k in slots + (3, 8)}, groups, self.shape)
 
     def cumsum(self) -> None:
         Z = self.nb * self.NC * self.H
