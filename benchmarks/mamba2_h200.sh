@@ -14,9 +14,9 @@ mkdir -p "$OUT"
 source benchmarks/device_setup.sh
 mkdir -p /tmp/peers && tar xzf .peers/mamba_ssm-2.3.2.post1.tar.gz -C /tmp/peers
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt"
-PYTHONPATH=/tmp/peers/mamba_ssm-2.3.2.post1:$PYTHONPATH python3 benchmarks/bench.py --suite train \
-    --shapes mamba2-130m --seq 2048 --batch 8 --lora-rank 0 --profile --out "$OUT/bench_mamba2.json" 2>&1 \
-    | grep -v "^\[transformers\]" | tee "$OUT/bench_mamba2.log"
+PYTHONPATH=/tmp/peers/mamba_ssm-2.3.2.post1:$PYTHONPATH timeout "${BENCH_S:-480}" python3 benchmarks/bench.py \
+    --suite train --shapes mamba2-130m --seq 2048 --batch 8 --steps 3 --peer-steps 3 --lora-rank 0 --profile \
+    --out "$OUT/bench_mamba2.json" 2>&1 | grep --line-buffered -v "^\[transformers\]" | tee "$OUT/bench_mamba2.log"
 python3 -m pytest -q -p no:cacheprovider tests/test_mamba2.py 2>&1 | tail -3 | tee "$OUT/tests_mamba2.txt"
 if [ "${CODESTRAL:-0}" = 1 ]; then
   python3 -m memengine.cli.main info mamba-codestral-7b --seq-len 2048 --batch-size 1 > "$OUT/codestral_info.txt" 2>&1

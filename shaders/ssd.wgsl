@@ -58,7 +58,8 @@ fn ssd_dt_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
 }
 
 // ---------------------------------------------------------------- sums of partials
-// out[j] (+)= sum_{r < nrows} sum_{q < P} in[o1 + r * W + j * P + q], j < C (acc: add)
+// out[b * C + j] (+)= sum_{r in block b of G rows, r < nrows} sum_{q < P} in[o1 + r * W + j * P + q],
+// j < C, blocks b < N (acc: add); one invocation per (b, j)
 @group(0) @binding(0) var<storage, read_write> r_out: array<f32>;
 @group(0) @binding(1) var<storage, read> r_in: array<f32>;
 @group(0) @binding(2) var<uniform> UR: SP;
@@ -67,15 +68,18 @@ fn ssd_dt_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
 fn ssd_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
     let u = UR;
-    let j = lin(wid, nwg, lid);
-    if (j >= u.C) { return; }
+    let i = lin(wid, nwg, lid);
+    if (i >= u.C * u.N) { return; }
+    let j = i % u.C;
+    let blk = i / u.C;
     var s = 0.0;
-    for (var r = 0u; r < u.nrows; r++) {
+    let r1 = min(u.nrows, (blk + 1u) * u.G);
+    for (var r = blk * u.G; r < r1; r++) {
         let base = u.o1 + r * u.W + j * u.P;
         for (var q = 0u; q < u.P; q++) { s += r_in[base + q]; }
     }
-    if (u.acc != 0u) { s += r_out[u.o0 + j]; }
-    r_out[u.o0 + j] = s;
+    if (u.acc != 0u) { s += r_out[u.o0 + i]; }
+    r_out[u.o0 + i] = s;
 }
 
 // ---------------------------------------------------------------- gated RMS norm per group

@@ -35,6 +35,7 @@ Q = 64          # steps per chunk of the SSD (its matrix form within, its state 
 T = 64          # ssd_product's output tile side
 REDUCE_TERMS = 16384   # the most terms one invocation of ssd_reduce sums (lavapipe stops an
                        # invocation's loops after 65535 iterations in all)
+REDUCE_ROWS = 64       # rows one invocation sums in a column sum's first pass
 MAX_N = None    # no limit on the state size
 WG = 256
 # the products of shaders/ssd_scan.wgsl (its MODE pipeline constant)
@@ -116,15 +117,40 @@ def dt_backward(rec: Recorder, dzxbcdt: Tensor, ddt_bias: Tensor | None, ddt: Te
 
 def reduce(rec: Recorder, out: Tensor, x: Tensor, *, J: int, R: int, stride: int, P: int, acc: bool,
            offset: int = 0) -> None:
-    """out[j] (+)= sum_{r<R, q<P} x[offset + r*stride + j*P + q] for j < J (in blocks of rows,
-    so that no invocation loops more than REDUCE_TERMS times)."""
+    """out[j] (+)= sum_{r<R, q<P} x[offset + r*stride + j*P + q] for j < J: blocks of rows summed
+    side by side, then the blocks' sums (no invocation loops more than REDUCE_TERMS times)."""
+    rt = rec.rt
+    rows_per = max(1, min(REDUCE_ROWS, REDUCE_TERMS // max(P, 1)))
+    nblk = cdiv(max(R, 1), rows_per)
+    if nblk == 1 or J * nblk * 4 > rt.max_binding:
+        step = max(1, REDUCE_TERMS // max(P, 1))
+        for r0 in range(0, max(R, 1), step):
+            _reduce_pass(rec, out, x, J=J, R=min(step, R - r0), rows_per=step, nblk=1, stride=stride, P=P,
+                         acc=acc or r0 > 0, offset=offset + r0 * stride)
+        return
+    part = rt.scratch("ssd_reduce_blocks", (J * nblk,))
+    _reduce_pass(rec, part, x, J=J, R=R, rows_per=rows_per, nblk=nblk, stride=stride, P=P, acc=False,
+                 offset=offset)
+    reduce(rec, out, part, J=J, R=nblk, stride=J, P=1, acc=acc)
+
+
+def reduce_scratch(J: int, R: int, P: int, max_binding: int) -> set:
+    """The element counts of the block-sum scratch `reduce` takes for one call."""
+    out = set()
+    while True:
+        rows_per = max(1, min(REDUCE_ROWS, REDUCE_TERMS // max(P, 1)))
+        nblk = cdiv(max(R, 1), rows_per)
+        if nblk == 1 or J * nblk * 4 > max_binding:
+            return out
+        out.add(J * nblk)
+        R, P = nblk, 1
+
+
+def _reduce_pass(rec, out, x, *, J, R, rows_per, nblk, stride, P, acc, offset) -> None:
     rt = rec.rt
     (bo, oo), (bi, oi) = bound(rt, out), bound(rt, x)
-    step = max(1, REDUCE_TERMS // max(P, 1))
-    for r0 in range(0, max(R, 1), step):
-        u = rt.uniform(_u(C=J, W=stride, P=P, nrows=min(step, R - r0), offs=(oo, oi + offset + r0 * stride),
-                          acc=int(acc or r0 > 0)))
-        rec.dispatch("ssd", "ssd_reduce", {0: bo, 1: bi, 2: u}, cdiv(J, WG))
+    u = rt.uniform(_u(C=J, N=nblk, G=rows_per, W=stride, P=P, nrows=R, offs=(oo, oi + offset), acc=int(acc)))
+    rec.dispatch("ssd", "ssd_reduce", {0: bo, 1: bi, 2: u}, cdiv(J * nblk, WG))
 
 
 def _seq(t: Tensor, b0: int, nb: int, per: int) -> Tensor:

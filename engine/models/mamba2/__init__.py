@@ -125,6 +125,10 @@ class Mamba2(Architecture):
         if not grad:
             return total
         total += _buf(4 * B * L * Di)  # the gated norm's weight-gradient terms
+        blocks = set()   # the column sums' block sums (dt_bias, the gated norm, A_log and D)
+        for J, R in [(H, B * L), (Di, B * L)] + [(H, nb * ssd.n_chunks(L)) for _, nb in seqs]:
+            blocks |= ssd.reduce_scratch(J, R, 1, lim.max_binding)
+        total += sum(_buf(4 * n) for n in blocks)
         if kind == "train":
             nch = conv1d.partial_rows(B, L)
             total += _buf(4 * nch * C * (K + 1)) + _buf(4 * C * K) + _buf(4 * C)
