@@ -24,13 +24,14 @@ from memengine.engine.app.options import AdaptOptions, EvalOptions, GenerateOpti
 from memengine.engine.app.setup import open_model, open_runtime, open_tokenizer, tokenizer_file
 from memengine.engine.errors import Interrupted, MemengineError, NonFiniteError
 from memengine.engine.io import staging
-from memengine.engine.io.data import make_batches, make_windows, read_sources, token_stream
+from memengine.engine.io import tokens
+from memengine.engine.io.data import Batches, Windows, window_count
 from memengine.engine.io.resolve import public_path, resolve_checkpoint
 from memengine.engine.listener import Listener
 from memengine.engine.train import adapt as wsla
 from memengine.engine.train import distributed, optim_state, snapshots
 from memengine.engine.train.loop import LoopState, TrainingLoop, reads_apart
-from memengine.engine.train.sampler import split_windows
+from memengine.engine.train.sampler import held_out
 from memengine.engine.train.trainer import EvalResult, Trainer, evaluate
 
 STATE_VERSION = 1
@@ -54,13 +55,14 @@ class EvalReport:
                 "difference": {k: b[k] - a[k] for k in a if k != "tokens"}}
 
 
-def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, verbose: bool,
+def _evaluate_checkpoint(ref, sources, o: EvalOptions, listener: Listener, verbose: bool,
                          phase: str, base: Optional[str] = None) -> tuple[EvalResult, str]:
     opened = lora.open_source(ref, base=base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning)
     c = opened.ckpt
     tok = open_tokenizer(c, lora.adapter_tokenizer(opened.adapter, o.tokenizer))
-    stream = token_stream(docs, source, tok, c.config.vocab_size)
-    batches = make_batches(make_windows(stream.ids, o.seq_len), o.batch_size, o.seq_len)
+    stream = tokens.token_file(sources, tok, c.config.vocab_size, prompt_loss=o.prompt_loss,
+                               on_task=listener.on_task)
+    batches = Batches(Windows(stream.ids, o.seq_len, stream.mask), o.batch_size, o.seq_len)
     rt = open_runtime(o.device, verbose)
     listener.on_device(rt.describe())
     ad = opened.adapter
@@ -76,6 +78,14 @@ def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, 
         return evaluate(model, batches, on_progress=progress), rt.describe()
 
 
+def _eval_data(paths: list) -> list:
+    """--data of eval: a directory's test.jsonl, else its valid.jsonl."""
+    d = tokens.data_dir(paths)
+    if d is None:
+        return list(paths)
+    return [tokens.split_file(d, "test", required=False) or tokens.split_file(d, "valid")]
+
+
 def run_eval(o: EvalOptions, listener: Listener | None = None, *, verbose: bool = False) -> EvalReport:
     """Loss, perplexity, bits per token and top-1/top-5 accuracy of a checkpoint on some
     text; with `compare`, of a second checkpoint on the same text too."""
@@ -87,11 +97,11 @@ def run_eval(o: EvalOptions, listener: Listener | None = None, *, verbose: bool 
     b = None
     if o.compare is not None:
         b = o.compare if lora.is_adapter(o.compare) else resolve_checkpoint(o.compare, None, o.model_type)
-    docs, source = read_sources(o.data)
-    res, device = _evaluate_checkpoint(a, docs, source, o, listener, verbose, str(o.ckpt), o.base)
+    sources = tokens.resolve_sources(_eval_data(o.data), on_task=listener.on_task)   # stdin is read once
+    res, device = _evaluate_checkpoint(a, sources, o, listener, verbose, str(o.ckpt), o.base)
     rep = EvalReport(str(o.ckpt), res, device)
     if b is not None:
-        other, _ = _evaluate_checkpoint(b, docs, source, o, listener, verbose, str(o.compare))
+        other, _ = _evaluate_checkpoint(b, sources, o, listener, verbose, str(o.compare))
         if other.tokens != res.tokens:
             listener.on_warning(f"the two checkpoints tokenize the data differently ({res.tokens:,} vs "
                                 f"{other.tokens:,} tokens): per-token figures are not comparable")
@@ -224,8 +234,7 @@ class _Run:
         return {"event": "dry_run", "kind": o.KIND, "input": self.input, "output": public_path(self.out),
                 "resume": None if self.snap is None else {"from": public_path(self.snap.dir), "step": start},
                 "options": self.recorded_options(), "data": self.data_info,
-                "windows": {"train": len(self.windows), "held_out": sum(b.n_windows for b in self.val_batches)
-                            if self.val_batches else 0},
+                "windows": {"train": len(self.windows), "held_out": window_count(self.val_batches)},
                 "steps": {"per_epoch": per_epoch, "total": total_steps(o, per_epoch), "from": start},
                 "checkpoints": {"every": o.save_every, "keep_last": o.keep_last, "keep_best": o.keep_best},
                 "device": self.device, "memory": plan.to_dict()}
@@ -351,31 +360,49 @@ class _Run:
         return opt_state, opt_file
 
     def _read_data(self) -> None:
-        """The tokenizer, --data (and --val-data or the --val-fraction split) as windows."""
-        o, snap = self.o, self.snap
+        """The tokenizer, --data (and --val-data, a directory's valid.jsonl or the --val-fraction
+        split) as windows read from token files (engine/io/tokens.py)."""
+        o, snap, lis = self.o, self.snap, self.listener
         self.tok = open_tokenizer(self.ckpt, lora.adapter_tokenizer(self.run_lora and self.run_lora.source,
                                                                     o.tokenizer))
         vocab = self.ckpt.config.vocab_size
-        docs, desc = read_sources(o.data)
-        self.stream = token_stream(docs, desc, self.tok, vocab)
-        windows = make_windows(self.stream.ids, o.seq_len)
+        data, val = list(o.data), list(o.val_data)
+        d = tokens.data_dir(data)
+        if d is not None:
+            data = [tokens.split_file(d, "train")]
+            valid = tokens.split_file(d, "valid", required=False)
+            if valid is not None and not val:
+                val = [valid]
+                if o.val_fraction > 0:
+                    lis.on_note(f"validating on {valid} (--val-fraction is not used when --data's directory holds "
+                                "valid.jsonl)")
+
+        def stream(paths, flag):
+            src = tokens.resolve_sources(paths, flag, on_task=lis.on_task)
+            return tokens.token_file(src, self.tok, vocab, prompt_loss=o.prompt_loss, on_task=lis.on_task)
+
+        self.stream = stream(data, "--data")
+        windows = Windows(self.stream.ids, o.seq_len, self.stream.mask)
         self.all_windows = windows
-        val_windows = []
+        val_windows = None
         self.val_stream = None
-        if o.val_data:
-            vdocs, vdesc = read_sources(o.val_data, "--val-data")
-            self.val_stream = token_stream(vdocs, vdesc, self.tok, vocab, "--val-data")
-            val_windows = make_windows(self.val_stream.ids, o.seq_len)
+        if val:
+            self.val_stream = stream(val, "--val-data")
+            val_windows = Windows(self.val_stream.ids, o.seq_len, self.val_stream.mask)
         elif o.val_fraction > 0:
-            train_idx, val_idx = split_windows(len(windows), o.val_fraction, o.seed)
-            val_windows = [windows[i] for i in val_idx]
-            windows = [windows[i] for i in train_idx]
+            held = held_out(len(windows), o.val_fraction, o.seed)
+            val_windows = windows.only(held)
+            windows = windows.without(held)
         self.windows = windows
-        self.val_batches = make_batches(val_windows, o.batch_size, o.seq_len) if val_windows else None
-        self.data_info = {"sha256": self.stream.fingerprint(), "tokens": int(self.stream.ids.size),
+        self.val_batches = Batches(val_windows, o.batch_size, o.seq_len) if val_windows is not None else None
+        self.data_info = {"sha256": self.stream.fingerprint(), "tokens": self.stream.size,
                           "documents": self.stream.documents, "windows": len(self.all_windows)}
+        if self.stream.mask_sha256 is not None:
+            self.data_info["mask_sha256"] = self.stream.mask_sha256
         if self.val_stream is not None:
             self.data_info["val_sha256"] = self.val_stream.fingerprint()
+            if self.val_stream.mask_sha256 is not None:
+                self.data_info["val_mask_sha256"] = self.val_stream.mask_sha256
         if snap is not None:
             self._check_same_data(snap.state.get("data") or {})
 
@@ -442,8 +469,8 @@ class _Run:
                     f"{len(self.trainer.names)} tensors, {n:,} parameters; the base is frozen)")
         elif run_lora is not None:
             what += f" with the adapter {run_lora.source.path} applied"
-        val = f", {sum(b.n_windows for b in lp.val_batches)} held out" if lp.val_batches else ""
-        lis.on_note(f"{what} on {self.stream.ids.size:,} tokens ({len(self.windows)} windows{val}; "
+        val = f", {window_count(lp.val_batches)} held out" if lp.val_batches else ""
+        lis.on_note(f"{what} on {self.stream.size:,} tokens ({len(self.windows)} windows{val}; "
                     f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
                     + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else ""))
 
@@ -487,6 +514,11 @@ class _Run:
                 raise MemengineError(
                     f"--resume: {flag} is not the data the run was trained on (its tokens differ); a resumed "
                     "run continues on the same data (start a new run from the checkpoint to train on other data)")
+        for key in ("mask_sha256", "val_mask_sha256"):
+            if rec.get(key) != self.data_info.get(key):
+                raise MemengineError(
+                    "--resume: the tokens the loss is on differ from the resumed run's (--train-on-prompt, or the "
+                    "data's prompts); a resumed run keeps them")
 
     # ------------------------------------------------------------------ writing
     def trainer_state(self) -> dict:
@@ -665,7 +697,7 @@ def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: boo
 
 
 def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
-    batches = make_batches(r.all_windows, o.batch_size, o.seq_len)
+    batches = Batches(r.all_windows, o.batch_size, o.seq_len)
 
     def measure(phase: str) -> EvalResult:
         def progress(i, n):
