@@ -62,6 +62,7 @@ FORMAT = 1
 PIECE = 4 << 20                      # bytes read (and text tokenized) at a time
 MAX_RECORD_BYTES = 256 << 20         # one .jsonl line
 DEFAULT_STREAM_CAP = 16 << 30        # stdin / FIFO bytes, unless MEMENGINE_MAX_STREAM_BYTES says otherwise
+RESERVE = 256 << 20                  # disk space a token file leaves free
 SPLITS = {"train": "train.jsonl", "valid": "valid.jsonl", "test": "test.jsonl"}
 RECORD_SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
 
@@ -252,6 +253,11 @@ def resolve_sources(paths: list, flag: str = "--data", *, stdin: Optional[Binary
             continue
         if not stat.S_ISREG(st.st_mode):
             raise MemengineError(f"data file '{p}' is {file_kind(st.st_mode)}, not a text file")
+        root = _ensure(cache_root())
+        if st.st_size > _free_bytes(root):  # a token file takes at least a byte per token
+            raise MemengineError(f"data file '{p}' ({st.st_size:,} bytes): its token file would not fit the "
+                                 f"{_free_bytes(root):,} bytes free in the token cache {root}; is it the right "
+                                 "file? (MEMENGINE_CACHE_DIR puts the cache on a larger disk)")
         items.append(Source(p, path, path.suffix.lower() == ".jsonl", st.st_size,
                             _hash_file(path, p, st.st_size, on_task)))
     return Sources(items, flag)
@@ -450,6 +456,9 @@ class _Writer:
                                          for p, m in zip(self.parts, self.masks)]).tobytes())
         self.n += ids.size
         self.parts, self.masks, self.pending = [], [], 0
+        if _free_bytes(self.d) < RESERVE:
+            raise MemengineError(f"the token cache {self.d.parent} is out of disk space (less than "
+                                 f"{RESERVE >> 20} MiB free); set MEMENGINE_CACHE_DIR to a larger disk")
 
     def close(self) -> Optional[str]:
         self.flush()
@@ -605,11 +614,6 @@ def token_file(sources: Sources, tok, vocab_size: int, *, prompt_loss: bool = Fa
             shutil.rmtree(final, ignore_errors=True)  # an incomplete or damaged entry of ours
         limit = int(getattr(tok, "vocab_size", 1 << 31))
         dtype = _dtype(limit)
-        need = sum(s.size for s in sources.items) * (np.dtype(dtype).itemsize + 1)
-        free = _free_bytes(root)
-        if need > free:
-            raise MemengineError(f"{flag} {desc}: its token file needs up to {need:,} bytes and the token cache "
-                                 f"{root} has {free:,} free; set MEMENGINE_CACHE_DIR to a larger disk")
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
         try:
             with interrupts.staging_dir(tmp):
