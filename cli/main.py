@@ -1,6 +1,6 @@
 """The `memengine` command line (Typer).
 
-Commands: init, info, eval, train, adapt, merge, quantize, export, generate, demo.  Human output goes to stderr
+Commands: init, info, eval, train, adapt, merge, quantize, export, generate, plot, demo.  Human output goes to stderr
 through `cli.ui.UI`; `--json` puts JSON lines (and nothing else) on stdout.  Exit status:
 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back, 130 interrupted.
 
@@ -395,6 +395,39 @@ def merge(
                                                ("merged tensors", len(rep.merged)), ("dtype", rep.dtype)])
         ui.emit({"event": "summary", "output": str(output), "base": rep.base, "r": rep.r, "scaling": rep.scaling,
                  "merged": rep.merged, "dtype": rep.dtype})
+
+
+# =========================================================================== plot
+@app.command(epilog=_examples(
+    "memengine plot out                      # writes out/loss.png",
+    "memengine plot run-a run-b -o both.png  # two runs in one picture",
+    "memengine plot out/checkpoints/step-200",
+))
+def plot(
+    runs: Annotated[list[Path], typer.Argument(metavar="OUT...", help="Run directories (OUT of train or adapt) or "
+                                               "their checkpoints.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", rich_help_panel="Output", dir_okay=False,
+                                                   help="The PNG to write (default: OUT/loss.png of the first "
+                                                        "run).")] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+):
+    """Draw the training and validation loss, learning rate and gradient norm of one or several runs against the step (a PNG; matplotlib, the 'plot' extra)."""
+    ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
+    with guard(ui):
+        from memengine.engine.app import curves
+
+        hist = []
+        for r in runs:
+            h = curves.history_of(r)
+            if not any(e.get("event") in ("step", "epoch") for e in h):
+                raise MemengineError(f"{r}: its history holds no step yet")
+            hist.append((str(r), h))
+        path = output if output is not None else Path(runs[0]) / curves.PNG_FILE
+        curves.plot(hist, path, title=None if len(runs) > 1 else f"{runs[0]}")
+        ui.note(f"wrote {path} ({curves.SIZE[0]}x{curves.SIZE[1]}, {len(runs)} run(s))")
+        ui.emit({"event": "summary", "output": str(path), "runs": [str(r) for r in runs]})
 
 
 # =========================================================================== quantize

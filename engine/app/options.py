@@ -390,6 +390,10 @@ class TrainOptions(Options):
     eval_every: int = opt(0, panel=EVALUATION, check=at_least(0),
                           help="Evaluate every this many steps (0: only at each epoch's end and after "
                                "the last step).")
+    report_to: str = opt("none", panel=OUTPUT, check=one_of("none", "tensorboard"), metavar="none|tensorboard",
+                         help="tensorboard: write the step, evaluation and epoch figures as TensorBoard event "
+                              "files into OUT/runs/ as they come (tensorboardX, the 'tensorboard' extra; OUT is "
+                              "made when the run starts).")
     log_every: int = opt(10, panel=OUTPUT, check=at_least(1),
                          help="Read the loss back every this many steps: a JSON step event, and a "
                               "non-finite loss stops the run within this many steps.")

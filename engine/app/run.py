@@ -454,6 +454,8 @@ class _Run:
         self.claimed = self.in_place
         self.extra_state: dict = dict(snap.state.get("extra") or {}) if snap is not None else {}
         title = f"{'adapt (WSLA)' if o.WSLA else 'train'} {o.ckpt if snap is None else snap.dir} -> {self.out}"
+        if o.report_to == "tensorboard" and self.writer:
+            lis = self._tensorboard(lis)
         self.loop = TrainingLoop(self.trainer, self.windows, o, val_batches=self.val_batches, listener=lis,
                                  state=self.state, on_save=self.save_step, title=title)
         if self.in_place and o.force and self.writer:
@@ -473,6 +475,19 @@ class _Run:
         lis.on_note(f"{what} on {self.stream.size:,} tokens ({len(self.windows)} windows{val}; "
                     f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
                     + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else ""))
+
+    def _tensorboard(self, lis: Listener) -> Listener:
+        """--report-to tensorboard: OUT is the run's directory from the start (as with
+        checkpoints), its runs/<time>/ the event files of this invocation."""
+        from memengine.engine.app import curves
+
+        if not self.claimed:
+            staging.claim_dir(self.out, self.o.force)
+            self.claimed = True
+        logdir = self.out / curves.RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
+        board = curves.TensorBoard(logdir)
+        lis.on_note(f"TensorBoard event files: {logdir} (tensorboard --logdir {self.out / curves.RUNS_DIR})")
+        return curves.Reporting(lis, [board])
 
     def recorded_options(self) -> dict:
         """The options as the run record and trainer_state.json keep them: a LoRA run's
@@ -552,6 +567,7 @@ class _Run:
             state["extra"] = {**state["extra"], "lora": {
                 "base_relative": None if self.ref.repo_id else snapshots.relative_to_run(str(self.ref.path), final)}}
             staging.write_json(directory / snapshots.STATE_FILE, state)
+            self._curves(directory)
             return
         if run_lora is not None:
             tensors = lora.merged_tensors(tensors, run_lora.source)
@@ -561,6 +577,13 @@ class _Run:
                         max_shard_size=self.o.max_shard_bytes)
         optim_state.save(directory, self._moments())
         staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
+        self._curves(directory)
+
+    def _curves(self, directory: Path) -> None:
+        """loss.png of the history so far (engine/app/curves.py; nothing without matplotlib)."""
+        from memengine.engine.app import curves
+
+        curves.write_png(directory, self.state.history, f"{self.o.KIND} {self.input} -> {public_path(self.out)}")
 
     def _moments(self) -> dict:
         """The trainer's optimizer state; with --shard-moments gathered from every rank (each
