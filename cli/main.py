@@ -110,9 +110,12 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
     staging.check_output(output, force, inputs=inputs, on_note=ui.note)
     cfg = models.load_config(config)
     arch = models.of(cfg)
-    tensors = arch.init_weights(cfg, seed)
+    from memengine.engine.listener import TaskMeter
+
+    with TaskMeter(ui.on_task, f"initialising {config}", None):
+        tensors = arch.init_weights(cfg, seed)
     n_params = int(sum(int(a.size) for a in tensors.values()))
-    with staging.staged_output(output, force) as tmp:
+    with staging.staged_output(output, force) as tmp, TaskMeter(ui.on_task, f"writing {output}", None):
         save_checkpoint(tmp, cfg, tensors, dtype="F32", max_shard_size=max_shard_size,
                         metadata={"producer": f"memengine {engine_version()}", "seed": str(seed)})
     ui.kv(f"initialised {output}", [
@@ -477,14 +480,18 @@ def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate:
         raise MemengineError("--output is required (or use --dry-run)")
     if not dry_run:
         staging.check_output(output, force, inputs=[("the input checkpoint", ref.path)], on_note=ui.note)
-    c = open_checkpoint(ref, ui.warn)
+    from memengine.engine.listener import TaskMeter
+
+    with TaskMeter(ui.on_task, f"reading {src}", None):
+        c = open_checkpoint(ref, ui.warn)
     if dry_run:
         report = quantize_checkpoint(c, None if output is None else Path(output), dtype=dtype,
-                                     saturate=saturate, dry_run=True)
+                                     saturate=saturate, dry_run=True, on_task=ui.on_task)
     else:
         with staging.staged_output(output, force) as tmp:
             report = quantize_checkpoint(c, tmp, dtype=dtype, saturate=saturate, dry_run=False,
-                                         source_name=ref.public_name, max_shard_size=max_shard_size)
+                                         source_name=ref.public_name, max_shard_size=max_shard_size,
+                                         on_task=ui.on_task)
     table = [(t.name, t.dtype_before, t.dtype_after, f"{t.bytes_before:,}", f"{t.bytes_after:,}",
               f"{8 * t.bytes_after / max(1, math.prod(t.shape)):.1f}", t.max_abs_error,
               "yes" if t.saturated else "") for t in report.tensors]

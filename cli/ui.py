@@ -97,6 +97,8 @@ def eta(done: float, total: float | None, elapsed: float) -> str | None:
 def task_text(t) -> str:
     """One line of an operation's progress: 'tokenizing d.txt  1.2 GB of 3.2 GB (37%), 40.1 MB/s, ETA 50s'."""
     rate = t.done / t.elapsed_s if t.elapsed_s > 0 else 0.0
+    if not t.total and not t.done:
+        return t.name
     if t.total:
         text = f"{t.name}  {_size(t.done, t.unit)} of {_size(t.total, t.unit)} ({100 * t.done / t.total:.0f}%)"
     else:
@@ -121,12 +123,30 @@ class TaskView:
         self.progress: Progress | None = None
         self.bars: dict = {}
         self.shown: dict = {}
+        self.latest: dict = {}
+        self.timers: dict = {}
+
+    def _late(self, name: str) -> None:
+        """A task still running SHOW_AFTER seconds after it started gets its line."""
+        t = self.latest.get(name)
+        if t is not None and name not in self.shown:
+            self.shown[name] = time.monotonic()
+            self.ui.note("  " + task_text(t) + ("" if t.total or t.done else " ..."))
 
     def __call__(self, t) -> None:
         ui = self.ui
         if ui.quiet:
             return
+        self.latest[t.name] = t
+        if not ui.tty and not t.finished and t.name not in self.timers:
+            timer = self.timers[t.name] = threading.Timer(self.SHOW_AFTER, self._late, (t.name,))
+            timer.daemon = True
+            timer.start()
         if t.finished:
+            timer = self.timers.pop(t.name, None)
+            if timer is not None:
+                timer.cancel()
+            self.latest.pop(t.name, None)
             self._close(t)
             if t.elapsed_s >= self.SHOW_AFTER:
                 done = f"{_size(t.done, t.unit)} " if t.done else ""

@@ -80,6 +80,8 @@ class TaskMeter:
         self.last = 0.0
         self.done = 0.0
         self.closed = False
+        if callback is not None:   # started: a display may show it once it has run a while
+            callback(Task(name, 0, total, unit, 0.0))
 
     def update(self, done: float) -> None:
         self.done = done

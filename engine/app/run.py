@@ -27,7 +27,7 @@ from memengine.engine.io import staging
 from memengine.engine.io import tokens
 from memengine.engine.io.data import Batches, Windows, window_count
 from memengine.engine.io.resolve import public_path, resolve_checkpoint
-from memengine.engine.listener import Listener
+from memengine.engine.listener import Listener, TaskMeter
 from memengine.engine.train import adapt as wsla
 from memengine.engine.train import distributed, optim_state, snapshots
 from memengine.engine.train.loop import LoopState, TrainingLoop, reads_apart
@@ -66,9 +66,11 @@ def _evaluate_checkpoint(ref, sources, o: EvalOptions, listener: Listener, verbo
     rt = open_runtime(o.device, verbose)
     listener.on_device(rt.describe())
     ad = opened.adapter
-    model = open_model(rt, c, "eval", o.batch_size, o.seq_len, eval_passes=(len(batches),),
-                       adapter=None if ad is None else lora.plan_sizes(c.config, ad.spec, ad.tensors, train=False),
-                       make_lora=None if ad is None else (lambda rt: lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)))
+    with TaskMeter(listener.on_task, f"loading {phase} onto the GPU", None):
+        model = open_model(rt, c, "eval", o.batch_size, o.seq_len, eval_passes=(len(batches),),
+                           adapter=None if ad is None else lora.plan_sizes(c.config, ad.spec, ad.tensors, train=False),
+                           make_lora=None if ad is None else (
+                               lambda rt: lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)))
 
     def progress(i, n):
         listener.on_eval_progress(phase, i, n)
@@ -428,12 +430,14 @@ class _Run:
         o, run_lora = self.o, self.run_lora
         self.rt = self._open_device(verbose)
         kind, evals, trace, adapter = self._plan_request()
-        self.model = open_model(self.rt, self.ckpt, kind, o.batch_size, o.seq_len, eval_passes=evals,
-                                trace_steps=trace, adapter=adapter,
-                                make_lora=None if run_lora is None else (
-                                    lambda rt: lora.LoraAdapter(rt, self.ckpt.config, run_lora.spec, run_lora.tensors,
-                                                                seed=o.seed, train=run_lora.train)),
-                                precision=o.precision)
+        with TaskMeter(self.listener.on_task, "loading the model onto the GPU", None):
+            self.model = open_model(self.rt, self.ckpt, kind, o.batch_size, o.seq_len, eval_passes=evals,
+                                    trace_steps=trace, adapter=adapter,
+                                    make_lora=None if run_lora is None else (
+                                        lambda rt: lora.LoraAdapter(rt, self.ckpt.config, run_lora.spec,
+                                                                    run_lora.tensors, seed=o.seed,
+                                                                    train=run_lora.train)),
+                                    precision=o.precision)
 
     def _build_loop(self, opt_state, opt_file) -> None:
         """The trainer (AdamW with the moments read), the loop's state, and the loop."""
