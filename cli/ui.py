@@ -131,7 +131,10 @@ class TaskView:
         t = self.latest.get(name)
         if t is not None and name not in self.shown:
             self.shown[name] = time.monotonic()
-            self.ui.note("  " + task_text(t) + ("" if t.total or t.done else " ..."))
+            try:
+                self.ui.note("  " + task_text(t) + ("" if t.total or t.done else " ..."))
+            except (ValueError, OSError):  # stderr closed meanwhile (the command is over)
+                pass
 
     def __call__(self, t) -> None:
         ui = self.ui
@@ -179,6 +182,9 @@ class TaskView:
             self.progress = None
 
     def close(self) -> None:
+        for timer in self.timers.values():
+            timer.cancel()
+        self.timers.clear()
         self.bars.clear()
         if self.progress is not None:
             self.progress.__exit__(None, None, None)

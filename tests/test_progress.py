@@ -55,6 +55,7 @@ def test_an_operation_over_two_seconds_gets_a_line_and_a_closing_line(monkeypatc
 def test_tokenizing_quantize_and_init_report_progress(tiny_ckpt_ro, tmp_path, monkeypatch):
     from memengine.engine.listener import Listener
 
+    monkeypatch.setenv("MEMENGINE_CACHE_DIR", str(tmp_path / "cache"))   # tokenized here, not reused
     seen = []
     monkeypatch.setattr(Listener, "on_task", lambda self, t: seen.append(t))
     from memengine.cli.ui import UI
