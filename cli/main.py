@@ -1,6 +1,6 @@
 """The `memengine` command line (Typer).
 
-Commands: init, info, eval, train, adapt, merge, quantize, export, generate, demo.  Human output goes to stderr
+Commands: init, info, eval, train, adapt, merge, quantize, export, generate, plot, demo.  Human output goes to stderr
 through `cli.ui.UI`; `--json` puts JSON lines (and nothing else) on stdout.  Exit status:
 0 ok, 1 internal error, 2 bad input or usage, 3 adapt rolled back, 130 interrupted.
 
@@ -110,9 +110,12 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
     staging.check_output(output, force, inputs=inputs, on_note=ui.note)
     cfg = models.load_config(config)
     arch = models.of(cfg)
-    tensors = arch.init_weights(cfg, seed)
+    from memengine.engine.listener import TaskMeter
+
+    with TaskMeter(ui.on_task, f"initialising {config}", None):
+        tensors = arch.init_weights(cfg, seed)
     n_params = int(sum(int(a.size) for a in tensors.values()))
-    with staging.staged_output(output, force) as tmp:
+    with staging.staged_output(output, force) as tmp, TaskMeter(ui.on_task, f"writing {output}", None):
         save_checkpoint(tmp, cfg, tensors, dtype="F32", max_shard_size=max_shard_size,
                         metadata={"producer": f"memengine {engine_version()}", "seed": str(seed)})
     ui.kv(f"initialised {output}", [
@@ -397,6 +400,39 @@ def merge(
                  "merged": rep.merged, "dtype": rep.dtype})
 
 
+# =========================================================================== plot
+@app.command(epilog=_examples(
+    "memengine plot out                      # writes out/loss.png",
+    "memengine plot run-a run-b -o both.png  # two runs in one picture",
+    "memengine plot out/checkpoints/step-200",
+))
+def plot(
+    runs: Annotated[list[Path], typer.Argument(metavar="OUT...", help="Run directories (OUT of train or adapt) or "
+                                               "their checkpoints.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", rich_help_panel="Output", dir_okay=False,
+                                                   help="The PNG to write (default: OUT/loss.png of the first "
+                                                        "run).")] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+):
+    """Draw the training and validation loss, learning rate and gradient norm of one or several runs against the step (a PNG; matplotlib, the 'plot' extra)."""
+    ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
+    with guard(ui):
+        from memengine.engine.app import curves
+
+        hist = []
+        for r in runs:
+            h = curves.history_of(r)
+            if not any(e.get("event") in ("step", "epoch") for e in h):
+                raise MemengineError(f"{r}: its history holds no step yet")
+            hist.append((str(r), h))
+        path = output if output is not None else Path(runs[0]) / curves.PNG_FILE
+        curves.plot(hist, path, title=None if len(runs) > 1 else f"{runs[0]}")
+        ui.note(f"wrote {path} ({curves.SIZE[0]}x{curves.SIZE[1]}, {len(runs)} run(s))")
+        ui.emit({"event": "summary", "output": str(path), "runs": [str(r) for r in runs]})
+
+
 # =========================================================================== quantize
 @app.command(epilog=_examples(
     "memengine quantize tiny-trained -o tiny-f16",
@@ -444,14 +480,18 @@ def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate:
         raise MemengineError("--output is required (or use --dry-run)")
     if not dry_run:
         staging.check_output(output, force, inputs=[("the input checkpoint", ref.path)], on_note=ui.note)
-    c = open_checkpoint(ref, ui.warn)
+    from memengine.engine.listener import TaskMeter
+
+    with TaskMeter(ui.on_task, f"reading {src}", None):
+        c = open_checkpoint(ref, ui.warn)
     if dry_run:
         report = quantize_checkpoint(c, None if output is None else Path(output), dtype=dtype,
-                                     saturate=saturate, dry_run=True)
+                                     saturate=saturate, dry_run=True, on_task=ui.on_task)
     else:
         with staging.staged_output(output, force) as tmp:
             report = quantize_checkpoint(c, tmp, dtype=dtype, saturate=saturate, dry_run=False,
-                                         source_name=ref.public_name, max_shard_size=max_shard_size)
+                                         source_name=ref.public_name, max_shard_size=max_shard_size,
+                                         on_task=ui.on_task)
     table = [(t.name, t.dtype_before, t.dtype_after, f"{t.bytes_before:,}", f"{t.bytes_after:,}",
               f"{8 * t.bytes_after / max(1, math.prod(t.shape)):.1f}", t.max_abs_error,
               "yes" if t.saturated else "") for t in report.tensors]

@@ -68,6 +68,129 @@ def _json_float(v):
     return v
 
 
+def _size(n: float, unit: str) -> str:
+    if unit == "bytes":
+        for u, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if n >= k:
+                return f"{n / k:.1f} {u}"
+        return f"{n:.0f} B"
+    return f"{n:,.0f}{' ' + unit if unit else ''}"
+
+
+def duration(s: float) -> str:
+    """12s, 3m05s, 2h07m."""
+    s = max(0.0, float(s))
+    if s < 60:
+        return f"{s:.0f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def eta(done: float, total: float | None, elapsed: float) -> str | None:
+    """The time left at the rate so far (None before anything is done)."""
+    if not total or done <= 0 or elapsed <= 0:
+        return None
+    return duration(elapsed * (total - done) / done)
+
+
+def task_text(t) -> str:
+    """One line of an operation's progress: 'tokenizing d.txt  1.2 GB of 3.2 GB (37%), 40.1 MB/s, ETA 50s'."""
+    rate = t.done / t.elapsed_s if t.elapsed_s > 0 else 0.0
+    if not t.total and not t.done:
+        return t.name
+    if t.total:
+        text = f"{t.name}  {_size(t.done, t.unit)} of {_size(t.total, t.unit)} ({100 * t.done / t.total:.0f}%)"
+    else:
+        text = f"{t.name}  {_size(t.done, t.unit)}"
+    if rate > 0:
+        text += f", {_size(rate, t.unit)}/s"
+    left = eta(t.done, t.total, t.elapsed_s)
+    if left is not None and not t.finished:
+        text += f", ETA {left}"
+    return text
+
+
+class TaskView:
+    """Operations outside the training loop (engine/listener.py `Task`): on a terminal a
+    transient bar; otherwise a line once one has run for `SHOW_AFTER` seconds, then one
+    every `ui.progress_interval`; and a closing line for one that took that long."""
+
+    SHOW_AFTER = 2.0
+
+    def __init__(self, ui: "UI"):
+        self.ui = ui
+        self.progress: Progress | None = None
+        self.bars: dict = {}
+        self.shown: dict = {}
+        self.latest: dict = {}
+        self.timers: dict = {}
+
+    def _late(self, name: str) -> None:
+        """A task still running SHOW_AFTER seconds after it started gets its line."""
+        t = self.latest.get(name)
+        if t is not None and name not in self.shown:
+            self.shown[name] = time.monotonic()
+            try:
+                self.ui.note("  " + task_text(t) + ("" if t.total or t.done else " ..."))
+            except (ValueError, OSError):  # stderr closed meanwhile (the command is over)
+                pass
+
+    def __call__(self, t) -> None:
+        ui = self.ui
+        if ui.quiet:
+            return
+        self.latest[t.name] = t
+        if not ui.tty and not t.finished and t.name not in self.timers:
+            timer = self.timers[t.name] = threading.Timer(self.SHOW_AFTER, self._late, (t.name,))
+            timer.daemon = True
+            timer.start()
+        if t.finished:
+            timer = self.timers.pop(t.name, None)
+            if timer is not None:
+                timer.cancel()
+            self.latest.pop(t.name, None)
+            self._close(t)
+            if t.elapsed_s >= self.SHOW_AFTER:
+                done = f"{_size(t.done, t.unit)} " if t.done else ""
+                ui.note(f"  {t.name}: {done}in {duration(t.elapsed_s)}")
+            return
+        if ui.tty:
+            if self.progress is None:
+                self.progress = Progress(TextColumn("  {task.description}"), BarColumn(),
+                                         TextColumn("{task.fields[detail]}"), console=ui.console, transient=True)
+                self.progress.__enter__()
+            bar = self.bars.get(t.name)
+            detail = task_text(t)[len(t.name):].strip()
+            if bar is None:
+                bar = self.bars[t.name] = self.progress.add_task(t.name, total=t.total, detail=detail)
+            self.progress.update(bar, completed=t.done, total=t.total, detail=detail)
+            return
+        last = self.shown.get(t.name)
+        now = time.monotonic()
+        if (last is None and t.elapsed_s >= self.SHOW_AFTER) or (last is not None and now - last >= ui.progress_interval):
+            self.shown[t.name] = now
+            ui.note("  " + task_text(t))
+
+    def _close(self, t) -> None:
+        self.shown.pop(t.name, None)
+        bar = self.bars.pop(t.name, None)
+        if bar is not None and self.progress is not None:
+            self.progress.remove_task(bar)
+        if not self.bars and self.progress is not None:
+            self.progress.__exit__(None, None, None)
+            self.progress = None
+
+    def close(self) -> None:
+        for timer in self.timers.values():
+            timer.cancel()
+        self.timers.clear()
+        self.bars.clear()
+        if self.progress is not None:
+            self.progress.__exit__(None, None, None)
+            self.progress = None
+
+
 class RunView(Listener):
     """Renders a training run from the engine's callbacks (engine/listener.py).
 
@@ -147,8 +270,15 @@ class RunView(Listener):
     def on_warning(self, message: str) -> None:
         self.ui.warn(message)
 
+    def on_task(self, task) -> None:
+        self._beat()
+        if not task.finished:
+            self.status = task_text(task)
+        self.ui.on_task(task)
+
     def on_start(self, plan) -> None:
         self._close_eval_bars()
+        self.ui.tasks.close()
         self.plan = plan
         self._val = plan.val_windows > 0
         self.title = plan.title
@@ -178,8 +308,23 @@ class RunView(Listener):
 
     def on_progress(self, p) -> None:
         loss = "" if p.last_loss is None else f"  loss {_fmt(float(p.last_loss))}"
-        self.status = f"step {p.step}/{p.total_steps}  epoch {p.epoch}{loss}  lr {p.lr:.3g}"
-        self._bar(f"step {p.step}/{p.total_steps}{loss}", p.step_in_epoch, p.steps_per_epoch)
+        speed = self.speed(p)
+        self.status = f"step {p.step}/{p.total_steps}  epoch {p.epoch}{loss}  lr {p.lr:.3g}{speed}"
+        self._bar(f"step {p.step}/{p.total_steps}{loss}{speed}", p.step_in_epoch, p.steps_per_epoch)
+
+    def speed(self, p) -> str:
+        """'  1,234 tokens/s  ETA epoch 1m05s, run 12m30s' (this invocation's rate so far)."""
+        first = self.plan.first_step if self.plan is not None else 0
+        done = p.step - first
+        if done <= 0 or p.elapsed_s <= 0:
+            return ""
+        per_step = p.elapsed_s / done
+        text = f"  {p.tokens / p.elapsed_s:,.0f} tokens/s" if p.tokens else ""
+        left_epoch = max(0, p.steps_per_epoch - p.step_in_epoch)
+        left_run = max(0, p.total_steps - p.step)
+        if left_run:
+            text += f"  ETA epoch {duration(per_step * min(left_epoch, left_run))}, run {duration(per_step * left_run)}"
+        return text
 
     def on_step(self, event: dict) -> None:
         self.ui.emit(event)
@@ -295,9 +440,14 @@ class UI:
             out_tty = bool(self.stdout.isatty())
         except Exception:
             out_tty = False
+        self.tasks = TaskView(self)
         self.result_console = self.console if json_mode else Console(
             file=self.stdout, force_terminal=out_tty, no_color=bool(os.environ.get("NO_COLOR")) or not out_tty,
             highlight=out_tty, soft_wrap=not out_tty, width=None if out_tty else 200)
+
+    def on_task(self, task) -> None:
+        """An operation's progress (engine/listener.py Task): a bar or lines (TaskView)."""
+        self.tasks(task)
 
     # -- machine output
     def emit(self, obj: dict) -> None:

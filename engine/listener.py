@@ -9,13 +9,19 @@ once, where the engine builds them:
     {"event": "epoch", "epoch", "step", "loss", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
     {"event": "checkpoint", "step", "path"}
 
+Operations that may take a while outside the loop (hashing and tokenizing data, loading a
+checkpoint, initialising or quantizing one) report through `on_task(Task)`: repeatedly
+while they run (at most ten times a second, `TaskMeter`), and once with `finished`.
+
 `step` counts optimizer steps from 1 over the whole run (resumes continue the count);
 "loss" and "grad_norm" of a step event are means over the steps since the previous one.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 
 @dataclass
@@ -42,6 +48,66 @@ class Progress:
     steps_per_epoch: int
     lr: float
     last_loss: float | None
+    tokens: int = 0             # input tokens trained on by this invocation so far
+    elapsed_s: float = 0.0      # since this invocation's first step (evaluations and saves left out)
+
+
+@dataclass
+class Task:
+    """An operation that may take a while: `done` of `total` (None: unknown) `unit`s
+    ("bytes", "tensors")."""
+
+    name: str
+    done: float
+    total: Optional[float]
+    unit: str = ""
+    elapsed_s: float = 0.0
+    finished: bool = False
+
+
+class TaskMeter:
+    """Reports a Task to `callback` (a Listener's on_task, or None): `update(done)` as it
+    goes (rate-limited), `finish()` at the end (also on an error: the display closes)."""
+
+    INTERVAL = 0.1
+
+    def __init__(self, callback: Optional[Callable], name: str, total: Optional[float], unit: str = ""):
+        self.callback = callback
+        self.name = name
+        self.total = total
+        self.unit = unit
+        self.t0 = time.monotonic()
+        self.last = 0.0
+        self.done = 0.0
+        self.closed = False
+        if callback is not None:   # started: a display may show it once it has run a while
+            callback(Task(name, 0, total, unit, 0.0))
+
+    def update(self, done: float) -> None:
+        self.done = done
+        if self.callback is None:
+            return
+        now = time.monotonic()
+        if now - self.last >= self.INTERVAL:
+            self.last = now
+            self.callback(Task(self.name, done, self.total, self.unit, now - self.t0))
+
+    def advance(self, n: float = 1) -> None:
+        self.update(self.done + n)
+
+    def finish(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.callback is not None:
+            self.callback(Task(self.name, self.done, self.total, self.unit, time.monotonic() - self.t0, True))
+
+    def __enter__(self) -> "TaskMeter":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.finish()
+        return False
 
 
 class Listener:
@@ -76,6 +142,9 @@ class Listener:
 
     def on_checkpoint(self, event: dict) -> None:
         pass
+
+    def on_task(self, task: Task) -> None:
+        """An operation's progress (see Task)."""
 
     def on_finish(self) -> None:
         """The training loop ended (normally or not); live displays of it can close."""

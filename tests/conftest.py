@@ -8,6 +8,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle never downloads anything
 import shutil
+import tempfile
+
+# token files (engine/io/tokens.py) go to a cache of the test session, not the user's
+os.environ.setdefault("MEMENGINE_CACHE_DIR", tempfile.mkdtemp(prefix="memengine-cache-"))
 from pathlib import Path
 
 import pytest

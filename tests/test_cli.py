@@ -19,7 +19,7 @@ from conftest import SAMPLE_TEXT, make_checkpoint
 from memengine.cli.main import app
 from typer.testing import CliRunner
 
-COMMANDS = ["init", "info", "eval", "train", "adapt", "merge", "quantize", "export", "generate", "demo", "devices"]
+COMMANDS = ["init", "info", "eval", "train", "adapt", "merge", "quantize", "export", "generate", "demo", "devices", "plot"]
 EVAL_KEYS = {"loss", "perplexity", "tokens", "bits_per_token", "top1_accuracy", "top5_accuracy"}
 
 

@@ -233,9 +233,18 @@ def _model_type() -> Any:
 
 def _data(help_extra: str = "") -> Any:
     return opt(factory=list, flags=("--data", "-d"), panel=DATA, show_default=False, metavar="PATH", path=True,
-               help="UTF-8 text, .jsonl with a \"text\" field, or - for stdin (repeatable; the documents "
-                    "of a .jsonl and files given together are separated by the tokenizer's end-of-text "
-                    "token)." + help_extra)
+               help="UTF-8 text, .jsonl (each line {{\"text\"}}, {{\"prompt\", \"completion\"}} or "
+                    "{{\"messages\"}}, the last rendered with the tokenizer's chat template), a directory of "
+                    "train.jsonl / valid.jsonl / test.jsonl, or - for stdin (repeatable; documents are "
+                    "separated by the tokenizer's end-of-text token; tokenized once into a token file in "
+                    "the cache, MEMENGINE_CACHE_DIR)." + help_extra)
+
+
+def _prompt_loss(flag: str, what: str) -> Any:
+    return opt(False, flags=(flag,), panel=DATA,
+               help=what + " the prompt's tokens too: of {{\"prompt\", \"completion\"}} records (default: the "
+                    "completion only) and the non-assistant turns of {{\"messages\"}} records (default: the "
+                    "assistant's only).")
 
 
 def _seq_len(default: int) -> Any:
@@ -303,6 +312,7 @@ class EvalOptions(Options):
     data: list = _data()
     seq_len: int = _seq_len(512)
     batch_size: int = _batch_size(1)
+    prompt_loss: bool = _prompt_loss("--score-prompt", "Score")
     compare: Optional[str] = opt(None, panel=EVALUATION, metavar="B", path=True,
                                  help="A second checkpoint (a path or a model id): evaluate both on the same "
                                       "data and report each and the difference (B minus CKPT).")
@@ -346,6 +356,7 @@ class TrainOptions(Options):
                           help="Micro-batches per optimizer step: the step equals one at --batch-size "
                                "B x this, with the memory of B.")
     seq_len: int = _seq_len(512)
+    prompt_loss: bool = _prompt_loss("--train-on-prompt", "Train on")
     max_grad_norm: float = opt(1.0, check=not_negative(),
                                help="Clip the global gradient L2 norm to this (0 = off).")
     precision: str = opt("fp32", panel=RUNTIME, check=one_of("fp32", "mixed"), metavar="fp32|mixed",
@@ -379,6 +390,10 @@ class TrainOptions(Options):
     eval_every: int = opt(0, panel=EVALUATION, check=at_least(0),
                           help="Evaluate every this many steps (0: only at each epoch's end and after "
                                "the last step).")
+    report_to: str = opt("none", panel=OUTPUT, check=one_of("none", "tensorboard"), metavar="none|tensorboard",
+                         help="tensorboard: write the step, evaluation and epoch figures as TensorBoard event "
+                              "files into OUT/runs/ as they come (tensorboardX, the 'tensorboard' extra; OUT is "
+                              "made when the run starts).")
     log_every: int = opt(10, panel=OUTPUT, check=at_least(1),
                          help="Read the loss back every this many steps: a JSON step event, and a "
                               "non-finite loss stops the run within this many steps.")

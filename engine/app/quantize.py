@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from memengine.engine.errors import MemengineError
+from memengine.engine.listener import TaskMeter
 from memengine.engine.io.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, side_files
 from memengine.engine.io.codec import ENCODERS, decode, encode, normalize_dtype, overflows
 from memengine.engine.io.resolve import public_path
@@ -87,18 +88,20 @@ class QuantizeReport:
 
 def quantize_checkpoint(src, out_dir, dtype: str = "f16", saturate: bool = False,
                         dry_run: bool = False, *, source_name: str | None = None,
-                        max_shard_size: int | str | None = None) -> QuantizeReport:
+                        max_shard_size: int | str | None = None, on_task=None) -> QuantizeReport:
     """Write every tensor of checkpoint `src` (a path, or a loaded Checkpoint) as `dtype`
     (f16 | bf16) into `out_dir`, sharded beyond `max_shard_size` as save_checkpoint does.
 
     config.json, the tokenizer and the side files (generation and tokenizer configs) come
     along; each file is written atomically; `src` is never modified. `source_name` is what the
     output's metadata records as the source (default: the path if relative, else its base
-    name). With `dry_run`, everything is computed and checked but nothing written."""
+    name). With `dry_run`, everything is computed and checked but nothing written.
+    `on_task`: a Listener's on_task (the tensors converted so far, engine/listener.py)."""
     dt = normalize_dtype(dtype)
     if dt not in ENCODERS:
         raise MemengineError(f"--dtype: quantize writes f16 or bf16, not {dtype!r}")
-    ckpt = src if isinstance(src, Checkpoint) else load_checkpoint(src)
+    with TaskMeter(on_task, f"reading {src}", None):
+        ckpt = src if isinstance(src, Checkpoint) else load_checkpoint(src)
     out = Path(out_dir) if out_dir is not None else None
     if out is None and not dry_run:
         raise MemengineError("-o/--out: an output directory is needed")
@@ -111,7 +114,9 @@ def quantize_checkpoint(src, out_dir, dtype: str = "f16", saturate: bool = False
 
     report = QuantizeReport(src=ckpt.path, out_dir=out, dtype=dt, dry_run=dry_run)
     encoded: dict[str, np.ndarray] = {}
+    meter = TaskMeter(on_task, f"converting to {dt}", len(ckpt.tensors), "tensors")
     for name, x in ckpt.tensors.items():
+        meter.advance()
         bits = encode(x, dt, name=name, saturate=saturate)
         overflow = overflows(x, dt)
         back = decode(bits, dt)
@@ -123,6 +128,7 @@ def quantize_checkpoint(src, out_dir, dtype: str = "f16", saturate: bool = False
             max_abs_error=err, saturated=int(overflow.sum()),
         ))
         encoded[name] = back  # exactly representable in dt: save_checkpoint re-encodes losslessly
+    meter.finish()
     if not dry_run:
         tok = ckpt.tokenizer_path
         save_checkpoint(out, ckpt.config, encoded, dtype=dt, tokenizer_path=tok,

@@ -24,13 +24,14 @@ from memengine.engine.app.options import AdaptOptions, EvalOptions, GenerateOpti
 from memengine.engine.app.setup import open_model, open_runtime, open_tokenizer, tokenizer_file
 from memengine.engine.errors import Interrupted, MemengineError, NonFiniteError
 from memengine.engine.io import staging
-from memengine.engine.io.data import make_batches, make_windows, read_sources, token_stream
+from memengine.engine.io import tokens
+from memengine.engine.io.data import Batches, Windows, window_count
 from memengine.engine.io.resolve import public_path, resolve_checkpoint
-from memengine.engine.listener import Listener
+from memengine.engine.listener import Listener, TaskMeter
 from memengine.engine.train import adapt as wsla
 from memengine.engine.train import distributed, optim_state, snapshots
 from memengine.engine.train.loop import LoopState, TrainingLoop, reads_apart
-from memengine.engine.train.sampler import split_windows
+from memengine.engine.train.sampler import held_out
 from memengine.engine.train.trainer import EvalResult, Trainer, evaluate
 
 STATE_VERSION = 1
@@ -54,19 +55,22 @@ class EvalReport:
                 "difference": {k: b[k] - a[k] for k in a if k != "tokens"}}
 
 
-def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, verbose: bool,
+def _evaluate_checkpoint(ref, sources, o: EvalOptions, listener: Listener, verbose: bool,
                          phase: str, base: Optional[str] = None) -> tuple[EvalResult, str]:
     opened = lora.open_source(ref, base=base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning)
     c = opened.ckpt
     tok = open_tokenizer(c, lora.adapter_tokenizer(opened.adapter, o.tokenizer))
-    stream = token_stream(docs, source, tok, c.config.vocab_size)
-    batches = make_batches(make_windows(stream.ids, o.seq_len), o.batch_size, o.seq_len)
+    stream = tokens.token_file(sources, tok, c.config.vocab_size, prompt_loss=o.prompt_loss,
+                               on_task=listener.on_task)
+    batches = Batches(Windows(stream.ids, o.seq_len, stream.mask), o.batch_size, o.seq_len)
     rt = open_runtime(o.device, verbose)
     listener.on_device(rt.describe())
     ad = opened.adapter
-    model = open_model(rt, c, "eval", o.batch_size, o.seq_len, eval_passes=(len(batches),),
-                       adapter=None if ad is None else lora.plan_sizes(c.config, ad.spec, ad.tensors, train=False),
-                       make_lora=None if ad is None else (lambda rt: lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)))
+    with TaskMeter(listener.on_task, f"loading {phase} onto the GPU", None):
+        model = open_model(rt, c, "eval", o.batch_size, o.seq_len, eval_passes=(len(batches),),
+                           adapter=None if ad is None else lora.plan_sizes(c.config, ad.spec, ad.tensors, train=False),
+                           make_lora=None if ad is None else (
+                               lambda rt: lora.LoraAdapter(rt, c.config, ad.spec, ad.tensors)))
 
     def progress(i, n):
         listener.on_eval_progress(phase, i, n)
@@ -74,6 +78,14 @@ def _evaluate_checkpoint(ref, docs, source, o: EvalOptions, listener: Listener, 
 
     with interrupts.deferred():
         return evaluate(model, batches, on_progress=progress), rt.describe()
+
+
+def _eval_data(paths: list) -> list:
+    """--data of eval: a directory's test.jsonl, else its valid.jsonl."""
+    d = tokens.data_dir(paths)
+    if d is None:
+        return list(paths)
+    return [tokens.split_file(d, "test", required=False) or tokens.split_file(d, "valid")]
 
 
 def run_eval(o: EvalOptions, listener: Listener | None = None, *, verbose: bool = False) -> EvalReport:
@@ -87,11 +99,11 @@ def run_eval(o: EvalOptions, listener: Listener | None = None, *, verbose: bool 
     b = None
     if o.compare is not None:
         b = o.compare if lora.is_adapter(o.compare) else resolve_checkpoint(o.compare, None, o.model_type)
-    docs, source = read_sources(o.data)
-    res, device = _evaluate_checkpoint(a, docs, source, o, listener, verbose, str(o.ckpt), o.base)
+    sources = tokens.resolve_sources(_eval_data(o.data), on_task=listener.on_task)   # stdin is read once
+    res, device = _evaluate_checkpoint(a, sources, o, listener, verbose, str(o.ckpt), o.base)
     rep = EvalReport(str(o.ckpt), res, device)
     if b is not None:
-        other, _ = _evaluate_checkpoint(b, docs, source, o, listener, verbose, str(o.compare))
+        other, _ = _evaluate_checkpoint(b, sources, o, listener, verbose, str(o.compare))
         if other.tokens != res.tokens:
             listener.on_warning(f"the two checkpoints tokenize the data differently ({res.tokens:,} vs "
                                 f"{other.tokens:,} tokens): per-token figures are not comparable")
@@ -224,8 +236,7 @@ class _Run:
         return {"event": "dry_run", "kind": o.KIND, "input": self.input, "output": public_path(self.out),
                 "resume": None if self.snap is None else {"from": public_path(self.snap.dir), "step": start},
                 "options": self.recorded_options(), "data": self.data_info,
-                "windows": {"train": len(self.windows), "held_out": sum(b.n_windows for b in self.val_batches)
-                            if self.val_batches else 0},
+                "windows": {"train": len(self.windows), "held_out": window_count(self.val_batches)},
                 "steps": {"per_epoch": per_epoch, "total": total_steps(o, per_epoch), "from": start},
                 "checkpoints": {"every": o.save_every, "keep_last": o.keep_last, "keep_best": o.keep_best},
                 "device": self.device, "memory": plan.to_dict()}
@@ -351,31 +362,49 @@ class _Run:
         return opt_state, opt_file
 
     def _read_data(self) -> None:
-        """The tokenizer, --data (and --val-data or the --val-fraction split) as windows."""
-        o, snap = self.o, self.snap
+        """The tokenizer, --data (and --val-data, a directory's valid.jsonl or the --val-fraction
+        split) as windows read from token files (engine/io/tokens.py)."""
+        o, snap, lis = self.o, self.snap, self.listener
         self.tok = open_tokenizer(self.ckpt, lora.adapter_tokenizer(self.run_lora and self.run_lora.source,
                                                                     o.tokenizer))
         vocab = self.ckpt.config.vocab_size
-        docs, desc = read_sources(o.data)
-        self.stream = token_stream(docs, desc, self.tok, vocab)
-        windows = make_windows(self.stream.ids, o.seq_len)
+        data, val = list(o.data), list(o.val_data)
+        d = tokens.data_dir(data)
+        if d is not None:
+            data = [tokens.split_file(d, "train")]
+            valid = tokens.split_file(d, "valid", required=False)
+            if valid is not None and not val:
+                val = [valid]
+                if o.val_fraction > 0:
+                    lis.on_note(f"validating on {valid} (--val-fraction is not used when --data's directory holds "
+                                "valid.jsonl)")
+
+        def stream(paths, flag):
+            src = tokens.resolve_sources(paths, flag, on_task=lis.on_task)
+            return tokens.token_file(src, self.tok, vocab, prompt_loss=o.prompt_loss, on_task=lis.on_task)
+
+        self.stream = stream(data, "--data")
+        windows = Windows(self.stream.ids, o.seq_len, self.stream.mask)
         self.all_windows = windows
-        val_windows = []
+        val_windows = None
         self.val_stream = None
-        if o.val_data:
-            vdocs, vdesc = read_sources(o.val_data, "--val-data")
-            self.val_stream = token_stream(vdocs, vdesc, self.tok, vocab, "--val-data")
-            val_windows = make_windows(self.val_stream.ids, o.seq_len)
+        if val:
+            self.val_stream = stream(val, "--val-data")
+            val_windows = Windows(self.val_stream.ids, o.seq_len, self.val_stream.mask)
         elif o.val_fraction > 0:
-            train_idx, val_idx = split_windows(len(windows), o.val_fraction, o.seed)
-            val_windows = [windows[i] for i in val_idx]
-            windows = [windows[i] for i in train_idx]
+            held = held_out(len(windows), o.val_fraction, o.seed)
+            val_windows = windows.only(held)
+            windows = windows.without(held)
         self.windows = windows
-        self.val_batches = make_batches(val_windows, o.batch_size, o.seq_len) if val_windows else None
-        self.data_info = {"sha256": self.stream.fingerprint(), "tokens": int(self.stream.ids.size),
+        self.val_batches = Batches(val_windows, o.batch_size, o.seq_len) if val_windows is not None else None
+        self.data_info = {"sha256": self.stream.fingerprint(), "tokens": self.stream.size,
                           "documents": self.stream.documents, "windows": len(self.all_windows)}
+        if self.stream.mask_sha256 is not None:
+            self.data_info["mask_sha256"] = self.stream.mask_sha256
         if self.val_stream is not None:
             self.data_info["val_sha256"] = self.val_stream.fingerprint()
+            if self.val_stream.mask_sha256 is not None:
+                self.data_info["val_mask_sha256"] = self.val_stream.mask_sha256
         if snap is not None:
             self._check_same_data(snap.state.get("data") or {})
 
@@ -401,12 +430,14 @@ class _Run:
         o, run_lora = self.o, self.run_lora
         self.rt = self._open_device(verbose)
         kind, evals, trace, adapter = self._plan_request()
-        self.model = open_model(self.rt, self.ckpt, kind, o.batch_size, o.seq_len, eval_passes=evals,
-                                trace_steps=trace, adapter=adapter,
-                                make_lora=None if run_lora is None else (
-                                    lambda rt: lora.LoraAdapter(rt, self.ckpt.config, run_lora.spec, run_lora.tensors,
-                                                                seed=o.seed, train=run_lora.train)),
-                                precision=o.precision)
+        with TaskMeter(self.listener.on_task, "loading the model onto the GPU", None):
+            self.model = open_model(self.rt, self.ckpt, kind, o.batch_size, o.seq_len, eval_passes=evals,
+                                    trace_steps=trace, adapter=adapter,
+                                    make_lora=None if run_lora is None else (
+                                        lambda rt: lora.LoraAdapter(rt, self.ckpt.config, run_lora.spec,
+                                                                    run_lora.tensors, seed=o.seed,
+                                                                    train=run_lora.train)),
+                                    precision=o.precision)
 
     def _build_loop(self, opt_state, opt_file) -> None:
         """The trainer (AdamW with the moments read), the loop's state, and the loop."""
@@ -427,6 +458,8 @@ class _Run:
         self.claimed = self.in_place
         self.extra_state: dict = dict(snap.state.get("extra") or {}) if snap is not None else {}
         title = f"{'adapt (WSLA)' if o.WSLA else 'train'} {o.ckpt if snap is None else snap.dir} -> {self.out}"
+        if o.report_to == "tensorboard" and self.writer:
+            lis = self._tensorboard(lis)
         self.loop = TrainingLoop(self.trainer, self.windows, o, val_batches=self.val_batches, listener=lis,
                                  state=self.state, on_save=self.save_step, title=title)
         if self.in_place and o.force and self.writer:
@@ -442,10 +475,23 @@ class _Run:
                     f"{len(self.trainer.names)} tensors, {n:,} parameters; the base is frozen)")
         elif run_lora is not None:
             what += f" with the adapter {run_lora.source.path} applied"
-        val = f", {sum(b.n_windows for b in lp.val_batches)} held out" if lp.val_batches else ""
-        lis.on_note(f"{what} on {self.stream.ids.size:,} tokens ({len(self.windows)} windows{val}; "
+        val = f", {window_count(lp.val_batches)} held out" if lp.val_batches else ""
+        lis.on_note(f"{what} on {self.stream.size:,} tokens ({len(self.windows)} windows{val}; "
                     f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
                     + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else ""))
+
+    def _tensorboard(self, lis: Listener) -> Listener:
+        """--report-to tensorboard: OUT is the run's directory from the start (as with
+        checkpoints), its runs/<time>/ the event files of this invocation."""
+        from memengine.engine.app import curves
+
+        if not self.claimed:
+            staging.claim_dir(self.out, self.o.force)
+            self.claimed = True
+        logdir = self.out / curves.RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
+        board = curves.TensorBoard(logdir)
+        lis.on_note(f"TensorBoard event files: {logdir} (tensorboard --logdir {self.out / curves.RUNS_DIR})")
+        return curves.Reporting(lis, [board])
 
     def recorded_options(self) -> dict:
         """The options as the run record and trainer_state.json keep them: a LoRA run's
@@ -487,6 +533,11 @@ class _Run:
                 raise MemengineError(
                     f"--resume: {flag} is not the data the run was trained on (its tokens differ); a resumed "
                     "run continues on the same data (start a new run from the checkpoint to train on other data)")
+        for key in ("mask_sha256", "val_mask_sha256"):
+            if rec.get(key) != self.data_info.get(key):
+                raise MemengineError(
+                    "--resume: the tokens the loss is on differ from the resumed run's (--train-on-prompt, or the "
+                    "data's prompts); a resumed run keeps them")
 
     # ------------------------------------------------------------------ writing
     def trainer_state(self) -> dict:
@@ -520,6 +571,7 @@ class _Run:
             state["extra"] = {**state["extra"], "lora": {
                 "base_relative": None if self.ref.repo_id else snapshots.relative_to_run(str(self.ref.path), final)}}
             staging.write_json(directory / snapshots.STATE_FILE, state)
+            self._curves(directory)
             return
         if run_lora is not None:
             tensors = lora.merged_tensors(tensors, run_lora.source)
@@ -529,6 +581,13 @@ class _Run:
                         max_shard_size=self.o.max_shard_bytes)
         optim_state.save(directory, self._moments())
         staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
+        self._curves(directory)
+
+    def _curves(self, directory: Path) -> None:
+        """loss.png of the history so far (engine/app/curves.py; nothing without matplotlib)."""
+        from memengine.engine.app import curves
+
+        curves.write_png(directory, self.state.history, f"{self.o.KIND} {self.input} -> {public_path(self.out)}")
 
     def _moments(self) -> dict:
         """The trainer's optimizer state; with --shard-moments gathered from every rank (each
@@ -665,7 +724,7 @@ def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: boo
 
 
 def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
-    batches = make_batches(r.all_windows, o.batch_size, o.seq_len)
+    batches = Batches(r.all_windows, o.batch_size, o.seq_len)
 
     def measure(phase: str) -> EvalResult:
         def progress(i, n):

@@ -207,6 +207,103 @@ def make_batches(windows: list[tuple[np.ndarray, np.ndarray]], batch_size: int, 
                 raise ValueError(f"window {start + r}: {len(x)} inputs / {len(y)} targets do not fit seq_len {L}")
             ids[r, :len(x)] = x
             tg[r, :len(y)] = y
-            n += len(y)
-        batches.append(Batch(ids=ids, targets=tg, n_targets=n, n_tokens=n, n_windows=len(group)))
+            n += len(x)
+        batches.append(Batch(ids=ids, targets=tg, n_targets=int((tg >= 0).sum()), n_tokens=n,
+                             n_windows=len(group)))
     return batches
+
+
+def targets_of(windows) -> int:
+    """Targets that count (not IGNORE) in a list of (inputs, targets) windows."""
+    return sum(int((np.asarray(y) >= 0).sum()) for _, y in windows)
+
+
+class Windows:
+    """The windows of a token stream (`make_windows`' cut) read on demand from `ids` (a
+    memory map of a token file, or any array): window k is inputs ids[kL : kL+L] and targets
+    ids[kL+1 : kL+L+1], a target whose token `mask` marks 0 being IGNORE (a prompt's tokens).
+    `held`: the sorted window numbers a view leaves out (the training side of
+    --val-fraction); `index`: the window numbers a view keeps (its held-out side)."""
+
+    def __init__(self, ids, seq_len: int, mask=None, *, held=None, index=None):
+        self.ids, self.mask, self.L = ids, mask, int(seq_len)
+        n_ids = int(np.shape(ids)[0])
+        if n_ids < 2:
+            raise MemengineError(
+                f"the data holds {n_ids} token(s); at least 2 are needed (an input and its next-token target)")
+        self.total = -(-(n_ids - 1) // self.L)
+        self.held = None if held is None else np.asarray(held, np.int64)
+        self.index = None if index is None else np.asarray(index, np.int64)
+        self._gaps = None if self.held is None else self.held - np.arange(self.held.size)
+
+    def __len__(self) -> int:
+        if self.index is not None:
+            return int(self.index.size)
+        return self.total - (0 if self.held is None else int(self.held.size))
+
+    def number(self, i: int) -> int:
+        """The window number (in the whole stream) of this view's i-th window."""
+        if self.index is not None:
+            return int(self.index[i])
+        if self.held is None:
+            return int(i)
+        return int(i) + int(np.searchsorted(self._gaps, i, side="right"))
+
+    def __getitem__(self, i):
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = self.number(i)
+        s = k * self.L
+        n = min(self.L, int(np.shape(self.ids)[0]) - 1 - s)
+        x = np.asarray(self.ids[s:s + n], dtype=np.int32)
+        y = np.asarray(self.ids[s + 1:s + 1 + n], dtype=np.int32)
+        if self.mask is not None:
+            y = y.copy()
+            y[np.asarray(self.mask[s + 1:s + 1 + n]) == 0] = IGNORE
+        return x, y
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def without(self, held) -> "Windows":
+        return Windows(self.ids, self.L, self.mask, held=np.sort(np.asarray(held, np.int64)))
+
+    def only(self, index) -> "Windows":
+        return Windows(self.ids, self.L, self.mask, index=np.asarray(index, np.int64))
+
+
+class Batches:
+    """`make_batches` of a window sequence, made as they are read (a pass over a large
+    corpus holds one batch at a time)."""
+
+    def __init__(self, windows, batch_size: int, seq_len: int):
+        self.windows, self.B, self.L = windows, int(batch_size), int(seq_len)
+        self.shape = (self.B, self.L)
+        self.n_windows = len(windows)
+
+    def __len__(self) -> int:
+        return -(-self.n_windows // self.B)
+
+    def __getitem__(self, k: int) -> Batch:
+        k = int(k)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        s = k * self.B
+        return make_batches([self.windows[j] for j in range(s, min(s + self.B, self.n_windows))], self.B, self.L)[0]
+
+    def __iter__(self):
+        for k in range(len(self)):
+            yield self[k]
+
+
+def window_count(batches) -> int:
+    """Real windows in a list of batches or a `Batches`."""
+    if batches is None:
+        return 0
+    if isinstance(batches, Batches):
+        return batches.n_windows
+    return sum(b.n_windows for b in batches)

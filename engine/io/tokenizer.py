@@ -102,6 +102,14 @@ class HFTokenizer:
                                  "token ids; this tokenizer cannot serve a memengine model")
         return ids.astype(np.int32)
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, list]:
+        """(ids, [(start, end)] character offsets of each token in `text`)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        if ids.size and int(ids.max()) > MAX_ID:
+            return self.encode(text), []  # raises, naming the id
+        return ids, list(enc.offsets)
+
     def decode(self, ids) -> str:
         a = np.asarray(ids, dtype=np.int64).reshape(-1)
         return self._tok.decode([int(i) for i in a], skip_special_tokens=False)

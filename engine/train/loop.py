@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 from memengine.engine import interrupts
 from memengine.engine.errors import NonFiniteError
-from memengine.engine.io.data import IGNORE, Batch, make_batches
+from memengine.engine.io.data import IGNORE, Batch, make_batches, targets_of, window_count
 from memengine.engine.listener import Listener, Plan, Progress
 from memengine.engine.train.sampler import WindowOrder
 from memengine.engine.train.schedule import Schedule
@@ -98,6 +98,7 @@ class TrainingLoop:
         self.schedule = Schedule(options.lr_schedule, options.lr, options.warmup_steps, self.total, options.min_lr)
         self._tokens: list[int] = []   # tokens of the steps not read back yet
         self._mark = time.perf_counter()
+        self._excluded = 0.0
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -121,8 +122,10 @@ class TrainingLoop:
         o, st, lis = self.o, self.state, self.listener
         lis.on_start(Plan(title=self.title, total_steps=self.total, steps_per_epoch=self.steps_per_epoch,
                           epochs=o.epoch_limit, first_step=st.step, windows=len(self.windows),
-                          val_windows=sum(b.n_windows for b in self.val_batches or ())))
+                          val_windows=window_count(self.val_batches)))
         self._mark = time.perf_counter()
+        t0, run_tokens = self._mark, 0
+        self._excluded = 0.0   # evaluation and checkpoint time: not training time
         B, L = o.batch_size, o.seq_len
         while st.step < self.total:
             epoch, k, idx = self.order.next()
@@ -136,9 +139,12 @@ class TrainingLoop:
                 micro, n_total, tokens = self._rank_share(idx)
                 self.trainer.step(micro, lr, n_total=n_total)
                 self._tokens.append(tokens)
+            run_tokens += self._tokens[-1]
             st.step += 1
             lis.on_progress(Progress(step=st.step, total_steps=self.total, epoch=epoch, step_in_epoch=k,
-                                     steps_per_epoch=self.steps_per_epoch, lr=lr, last_loss=st.last_loss))
+                                     steps_per_epoch=self.steps_per_epoch, lr=lr, last_loss=st.last_loss,
+                                     tokens=run_tokens,
+                                     elapsed_s=time.perf_counter() - t0 - self._excluded))
             interrupts.check()
 
             epoch_end = self.order.epoch_done
@@ -171,7 +177,7 @@ class TrainingLoop:
             micro.append(make_batches(mine, B, L)[0] if mine else
                          Batch(ids=np.zeros((B, L), np.int32), targets=np.full((B, L), IGNORE, np.int32),
                                n_targets=0, n_tokens=0, n_windows=0))
-        return micro, sum(len(y) for _, y in chosen), sum(len(x) for x, _ in chosen)
+        return micro, targets_of(chosen), sum(len(x) for x, _ in chosen)
 
     def _read(self, epoch: int) -> None:
         st = self.state
@@ -223,6 +229,13 @@ class TrainingLoop:
         self.listener.on_epoch(self._record(ev))
 
     def _evaluate(self) -> None:
+        t = time.perf_counter()
+        try:
+            self._evaluate_now()
+        finally:
+            self._excluded += time.perf_counter() - t
+
+    def _evaluate_now(self) -> None:
         def progress(i, n):
             self.listener.on_eval_progress("val", i, n)
             interrupts.check()
@@ -234,6 +247,13 @@ class TrainingLoop:
         self._mark = time.perf_counter()  # evaluation time is not training time
 
     def _save(self) -> None:
+        t = time.perf_counter()
+        try:
+            self._save_now()
+        finally:
+            self._excluded += time.perf_counter() - t
+
+    def _save_now(self) -> None:
         st = self.state
         if self.o.keep_best and st.last_eval is not None and st.last_eval["step"] == st.step:
             v = st.last_eval["val_loss"]

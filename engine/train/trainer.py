@@ -57,8 +57,10 @@ def shard_owners(sizes: dict, world: int) -> dict:
 
 
 def batch_shape(batches) -> tuple[int, int]:
-    if not batches:
+    if not len(batches):
         raise MemengineError("no data: the text is too short to form one window of 2 tokens")
+    if getattr(batches, "shape", None) is not None:  # engine/io/data.Batches: one shape by construction
+        return tuple(batches.shape)
     shapes = {tuple(b.ids.shape) for b in batches}
     if len(shapes) != 1:
         raise ValueError(f"batches must share one shape, got {sorted(shapes)}")
@@ -295,7 +297,9 @@ def evaluate(model: LanguageModel, batches: list, on_progress: Callable | None =
     n_targets = 0
     total = len(batches)
     fence = fence or StepFence(rt)
+    windows = np.zeros(total, np.int64)
     for i, batch in enumerate(batches):
+        windows[i] = int(batch.n_windows)
         fence.wait()
         n_targets += model.write_batch(ws, batch.ids, batch.targets)
         model.record_forward(rec, ws)
@@ -310,7 +314,7 @@ def evaluate(model: LanguageModel, batches: list, on_progress: Callable | None =
         if on_progress is not None:
             on_progress(i + 1, total)
     per = rt.read(sums).astype(np.float64).reshape(len(batches), 3, B)
-    by_window = np.concatenate([per[i, :, :int(b.n_windows)] for i, b in enumerate(batches)], axis=1)
+    by_window = np.concatenate([per[i, :, :int(windows[i])] for i in range(total)], axis=1)
     s = by_window.sum(axis=1)  # in window order: the same for any batching
     n = max(n_targets, 1)
     loss = float(s[0] / n)
