@@ -29,6 +29,23 @@ from memengine.engine.train.loop import fit  # noqa: E402
 
 LIMITS = ["adapter", "forced"]
 
+
+@pytest.fixture(scope="module", autouse=True)
+def oracle_groups_the_gated_norm():
+    """The oracle must normalise the gated RMS norm per group of Di/G channels, as mamba-ssm
+    does (transformers' MambaRMSNormGated with a group_size); an older transformers that
+    normalises over all of Di would fail every G > 1 case here for its own reason."""
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    try:
+        norm = MambaRMSNormGated(8, group_size=4)
+    except TypeError:
+        pytest.fail(f"transformers {transformers.__version__} normalises Mamba-2's gated norm over all of Di, "
+                    "not per group: these oracle tests need a transformers whose MambaRMSNormGated groups")
+    x = torch.tensor([[1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0]])
+    y = norm(x).detach()
+    assert torch.allclose(y, torch.ones_like(y), atol=1e-3), ("the oracle's gated norm does not group", y)
+
 # (name, config kwargs, batch, seq_len); Di = num_heads * head_dim = expand * hidden_size
 CASES = [
     ("g2-tied-chunk3", dict(vocab_size=67, hidden_size=16, num_heads=4, head_dim=8, n_groups=2, state_size=5,
