@@ -175,20 +175,22 @@ def _info(o: InfoOptions, ui: UI) -> None:
         ui.emit(d)
         return
     cfg, caps, plan = rep.config, d["gpu"], d["plan"]
-    ui.kv(f"checkpoint {o.ckpt}", [
+    shape = d.get("shape") is not None   # a built-in shape of configs/: no files
+    ui.kv(f"{'shape' if shape else 'checkpoint'} {o.ckpt}", [
         ("model type", cfg.model_type),
-        ("weights", rep.weight_files[0] if len(rep.weight_files) == 1 else
-         f"{len(rep.weight_files)} shards ({rep.model_file})"),
+        ("weights", f"none (a built-in shape: `memengine init {o.ckpt} -o DIR` makes them)" if shape else
+         rep.weight_files[0] if len(rep.weight_files) == 1 else f"{len(rep.weight_files)} shards ({rep.model_file})"),
         *([("local path", rep.local_path)] if rep.local_path is not None else []),
         *models.of(cfg).describe(cfg),
         ("tensors", len(d["tensors"])),
         ("parameters", f"{d['parameters']:,}"),
         ("dtypes", ", ".join(f"{k}x{v}" for k, v in sorted(d["dtypes"].items()))),
-        ("size on disk", f"{d['bytes']:,} bytes" if not rep.remote else
-         f"{d['bytes']:,} bytes (the weights' tensor data on the Hub; not downloaded)"),
-        ("tokenizer", d["tokenizer"] or "byte-level (built-in)"),
-        ("optimizer state", "yes" if rep.optimizer_state else
-         "not looked for (not downloaded)" if rep.remote else "no"),
+        *([] if shape else [
+            ("size on disk", f"{d['bytes']:,} bytes" if not rep.remote else
+             f"{d['bytes']:,} bytes (the weights' tensor data on the Hub; not downloaded)"),
+            ("tokenizer", d["tokenizer"] or "byte-level (built-in)"),
+            ("optimizer state", "yes" if rep.optimizer_state else
+             "not looked for (not downloaded)" if rep.remote else "no")]),
         ("adapter", d["adapter"]),
         ("GPU features", "n/a" if caps is None else
          f"{', '.join(caps['features']) or 'none'}; largest binding "
@@ -199,9 +201,10 @@ def _info(o: InfoOptions, ui: UI) -> None:
         ui.table(f"memory plan for batch {o.batch_size} x {o.seq_len} (largest buffer "
                  f"{mplan.fmt_bytes(lim['max_buffer_bytes'])}, binding {mplan.fmt_bytes(lim['max_binding_bytes'])}"
                  f", memory {'unknown' if lim['memory_bytes'] is None else mplan.fmt_bytes(lim['memory_bytes'])})",
-                 ["", *mplan.KINDS], mplan.report_rows(plan), right=[False, True, True, True], result=True)
+                 ["", *mplan.KINDS, f"lora (r {plan['lora_rank']})"], mplan.report_rows(plan),
+                 right=[False, True, True, True, True], result=True)
         ui.note(f"memory budget: {lim['memory_source']}")
-        for kind in mplan.KINDS:
+        for kind in mplan.REPORT_KINDS:
             if not plan[kind]["ok"]:
                 ui.note(f"{kind}: {plan[kind]['problem']}; {plan[kind]['advice']}")
     ui.emit(d)
@@ -213,6 +216,7 @@ The plan estimates what eval, train and adapt need for --batch-size x --seq-len 
     "memengine info tiny-model",
     "memengine info model/model.safetensors --json | jq .parameters",
     "memengine info state-spaces/mamba-1.4b-hf                # a model id: its weights' headers only, no download",
+    "memengine info mamba-codestral-7b --seq-len 2048 --batch-size 1   # a built-in shape: its plan",
     "memengine info my-org/my-mamba --revision v1.0            # a tag, branch or commit",
     "memengine info weights.safetensors --model-type falcon_mamba",
     "memengine info mamba-130m --seq-len 2048 --batch-size 4    # will train fit this adapter?",

@@ -690,3 +690,25 @@ def test_ssd_kernels_against_torch(rt, B, L, H, P, N, G):
     # dA_log sums a chunk's terms da_i * sum_{k<=i} dt_k, each the difference of two larger
     # ones (the output's and the decay's share): a few f32 roundings more than the rest
     assert errs.pop("dA_log") < 3e-5 and max(errs.values()) < 1e-5, errs
+
+
+def test_info_of_a_built_in_shape_prints_the_plans_of_every_kind():
+    """`info mamba-codestral-7b --seq-len 2048 --batch-size 1`: no files, the shape's
+    parameters and the plans of eval, full training, adapt and a LoRA adapter."""
+    import json
+
+    from test_cli import run
+
+    r = run("info", "mamba-codestral-7b", "--seq-len", 2048, "--batch-size", 1, "--json")
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    cfg = models.load_config("mamba-codestral-7b")
+    assert d["model_type"] == "mamba2" and d["weight_files"] == [] and d["shape"] == "mamba-codestral-7b"
+    assert d["parameters"] == sum(int(np.prod(s)) for _, s in models.of(cfg).iter_shapes(cfg)) == 7_285_403_648
+    p = d["plan"]
+    assert p["batch_size"] == 1 and p["seq_len"] == 2048
+    for kind in ("eval", "train", "adapt", "lora"):
+        assert p[kind]["total_bytes"] > 27 * 2**30, kind   # at least the f32 weights
+    assert p["lora"]["total_bytes"] < p["adapt"]["total_bytes"] < p["train"]["total_bytes"]
+    human = run("info", "mamba-codestral-7b", "--seq-len", 2048, "--batch-size", 1)
+    assert human.exit_code == 0 and "lora (r 8)" in human.stdout and "memengine init" in human.stdout

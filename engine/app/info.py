@@ -40,6 +40,9 @@ def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
     if lora.is_adapter(o.ckpt):
         d = lora.describe(o.ckpt)
         return InfoReport(data=d, lora=d)
+    named = _named_shape(o.ckpt)
+    if named is not None:   # a built-in shape of configs/ (as `init` takes): its config and plan, no files
+        return _shape_report(o, named, verbose)
     ref = resolve_checkpoint(o.ckpt, o.revision, o.model_type, weights=False)   # an uncached id: headers from the Hub
     c = open_checkpoint(ref, warn, read_tensors=False)   # the headers: no weight is read
     cfg = c.config
@@ -53,17 +56,7 @@ def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
     nbytes = int(sum(p.stat().st_size for p in files))
     if ref.headers:   # the weights stayed on the Hub: their tensor data, by the headers
         nbytes += sum(h.file_size for h in ref.headers)
-    plan = None
-    try:
-        from memengine.engine.runtime import get_runtime
-
-        rt = get_runtime(o.device or None, verbose=verbose)
-        device, caps = rt.describe(), rt.capabilities()
-        plan = mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt))
-    except MemengineError as e:
-        if o.device not in (None, "", "auto"):  # a device asked for by name that is not there: as eval says
-            raise
-        device, caps = f"none ({e})", None
+    device, caps, plan = _device_and_plan(o, cfg, verbose)
     tok = getattr(c, "tokenizer_path", None)
     data = {
         "path": str(o.ckpt),
@@ -87,3 +80,49 @@ def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
                       model_file=None if model_file is None else model_file.name,
                       local_path=str(ref.path) if ref.repo_id else None, remote=bool(ref.headers),
                       optimizer_state=bool(c.extra.get("optimizer_path")))
+
+
+def _device_and_plan(o: InfoOptions, cfg, verbose: bool):
+    """(the adapter's description, its capabilities, the memory plan) or, with no adapter,
+    (none and why, None, None)."""
+    from memengine.engine.app import plan as mplan
+
+    try:
+        from memengine.engine.runtime import get_runtime
+
+        rt = get_runtime(o.device or None, verbose=verbose)
+        return rt.describe(), rt.capabilities(), mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt))
+    except MemengineError as e:
+        if o.device not in (None, "", "auto"):  # a device asked for by name that is not there: as eval says
+            raise
+        return f"none ({e})", None, None
+
+
+def _named_shape(name) -> Optional[str]:
+    """`name` when it is no path but one of configs/' built-in shapes (mamba2-130m,
+    mamba-codestral-7b, ...), else None."""
+    from pathlib import Path
+
+    from memengine.engine import models
+
+    s = str(name)
+    if "/" in s or Path(s).exists() or s not in models.available_configs():
+        return None
+    return s
+
+
+def _shape_report(o: InfoOptions, name: str, verbose: bool) -> InfoReport:
+    import math
+
+    from memengine.engine import models
+
+    cfg = models.load_config(name)
+    shapes = {n: tuple(shape) for n, shape in models.of(cfg).iter_shapes(cfg)}
+    device, caps, plan = _device_and_plan(o, cfg, verbose)
+    data = {
+        "path": name, "shape": name, "local_path": None, "model_type": cfg.model_type, "weight_files": [],
+        "config": cfg.to_hf_dict(), "parameters": int(sum(math.prod(s) for s in shapes.values())),
+        "tensors": {n: {"shape": list(s), "dtype": "F32"} for n, s in shapes.items()}, "dtypes": {"F32": len(shapes)},
+        "bytes": 0, "weights_downloaded": False, "tokenizer": None, "adapter": device, "gpu": caps, "plan": plan,
+    }
+    return InfoReport(data=data, config=cfg)

@@ -352,11 +352,21 @@ def min_binding(cfg, batch_size: int, seq_len: int, kind: str = "train") -> int:
 PLAN_ROWS = ("parameters", "gradients", "moments", "activations", "logits chunk", "scratch")
 
 
+REPORT_KINDS = KINDS + ("lora",)
+REPORT_LORA_RANK = 8   # the adapter of info's "lora" column: rank 8 on the architecture's default targets
+
+
 def report(cfg, batch_size: int, seq_len: int, lim: Limits) -> dict:
-    """The plans of eval, train and adapt for one shape (what `memengine info` shows)."""
-    out = {"batch_size": int(batch_size), "seq_len": int(seq_len), "limits": lim.to_dict()}
-    for kind in KINDS:
-        p = estimate(cfg, batch_size, seq_len, kind, lim)
+    """The plans of eval, train, adapt and a LoRA run (rank REPORT_LORA_RANK) for one shape
+    (what `memengine info` shows)."""
+    from memengine.engine import lora
+
+    out = {"batch_size": int(batch_size), "seq_len": int(seq_len), "limits": lim.to_dict(),
+           "lora_rank": REPORT_LORA_RANK}
+    spec = lora.LoraSpec(r=REPORT_LORA_RANK, alpha=2 * REPORT_LORA_RANK, targets=models.of(cfg).lora_targets)
+    adapter = lora.plan_sizes(cfg, spec, lora.init_tensors(cfg, spec, 0), train=True)
+    for kind in REPORT_KINDS:
+        p = estimate(cfg, batch_size, seq_len, kind, lim, adapter=adapter if kind == "lora" else None)
         d = p.to_dict()
         d["advice"] = None if p.ok else advice(cfg, p, lim)
         out[kind] = d
@@ -364,8 +374,9 @@ def report(cfg, batch_size: int, seq_len: int, lim: Limits) -> dict:
 
 
 def report_rows(rep: dict) -> list:
-    """Rows (item, eval, train, adapt) of a `report` for a table."""
-    rows = [(k, *(fmt_bytes(rep[kind]["bytes"][k]) for kind in KINDS)) for k in PLAN_ROWS]
-    rows.append(("total", *(fmt_bytes(rep[kind]["total_bytes"]) for kind in KINDS)))
-    rows.append(("fits", *("yes" if rep[kind]["ok"] else "no" for kind in KINDS)))
+    """Rows (item, eval, train, adapt, lora) of a `report` for a table."""
+    kinds = [k for k in REPORT_KINDS if k in rep]
+    rows = [(k, *(fmt_bytes(rep[kind]["bytes"][k]) for kind in kinds)) for k in PLAN_ROWS]
+    rows.append(("total", *(fmt_bytes(rep[kind]["total_bytes"]) for kind in kinds)))
+    rows.append(("fits", *("yes" if rep[kind]["ok"] else "no" for kind in kinds)))
     return rows
