@@ -162,6 +162,16 @@ def devices_cmd(
 
 
 # =========================================================================== info
+def short_tensor_name(name: str) -> str:
+    """A checkpoint tensor's name for an 80-column table: the layer number first, the
+    prefixes every layer shares left out ("backbone.layers.3.mixer.in_proj.weight" ->
+    "3.in_proj.weight", "backbone.embeddings.weight" -> "embeddings.weight")."""
+    n = name[len("backbone."):] if name.startswith("backbone.") else name
+    if n.startswith("layers."):
+        n = n[len("layers."):]
+    return n.replace(".mixer.", ".", 1)
+
+
 def _info(o: InfoOptions, ui: UI) -> None:
     from memengine.engine import models
     from memengine.engine.app import plan as mplan
@@ -496,13 +506,16 @@ def do_quantize(ui: UI, ckpt_path, output: Optional[Path], dtype: str, saturate:
             report = quantize_checkpoint(c, tmp, dtype=dtype, saturate=saturate, dry_run=False,
                                          source_name=ref.public_name, max_shard_size=max_shard_size,
                                          on_task=ui.on_task)
-    table = [(t.name, t.dtype_before, t.dtype_after, f"{t.bytes_before:,}", f"{t.bytes_after:,}",
-              f"{8 * t.bytes_after / max(1, math.prod(t.shape)):.1f}", t.max_abs_error,
+    from memengine.engine.runtime import fmt_bytes
+
+    table = [(short_tensor_name(t.name), t.dtype_before, fmt_bytes(t.bytes_before), fmt_bytes(t.bytes_after),
+              f"{8 * t.bytes_after / max(1, math.prod(t.shape)):.1f}", f"{t.max_abs_error:.3g}",
               "yes" if t.saturated else "") for t in report.tensors]
     tot_before, tot_after, worst = report.bytes_before, report.bytes_after, report.max_abs_error
-    ui.table(f"quantize {src} -> {'(dry run)' if dry_run else output} ({dtype})",
-             ["tensor", "from", "to", "bytes before", "bytes after", "bits/weight", "max abs error", "saturated"],
-             table, right=[False, False, False, True, True, True, True, False], result=True)
+    ui.table(f"quantize {src} -> {'(dry run)' if dry_run else output} ({dtype}; tensors as layer.name, "
+             "--json for the full names)",
+             ["tensor", "from", "before", "after", "bits", "max error", "sat."],
+             table, right=[False, False, True, True, True, True, False], result=True)
     ratio = (tot_after / tot_before) if tot_before else float("nan")
     ui.note(f"total {tot_before:,} -> {tot_after:,} bytes ({ratio:.2%}); largest abs error {worst:.3g}"
             + ("; dry run, nothing written" if dry_run else f"; wrote {output}"))

@@ -171,7 +171,7 @@ def test_results_go_to_stdout_and_progress_to_stderr(tiny_ckpt_ro, text, tmp_pat
     r = run("eval", tiny_ckpt_ro, "--data", text, "--seq-len", "32")
     assert r.exit_code == 0 and "perplexity" in r.stdout
     r = run("quantize", tiny_ckpt_ro, "-o", tmp_path / "q")
-    assert r.exit_code == 0 and "max abs error" in r.stdout and "wrote" in r.stderr
+    assert r.exit_code == 0 and "max error" in r.stdout and "wrote" in r.stderr
     r = run("info", tiny_ckpt_ro, "--json")   # --json: stdout is the JSON alone
     assert r.exit_code == 0 and json.loads(r.stdout)["parameters"] > 0
 
@@ -219,3 +219,19 @@ def test_shell_completion():
     r = subprocess.run([sys.executable, "-m", "memengine.cli.main"], env=env, capture_output=True, text=True,
                        timeout=60)
     assert "train" in r.stdout.split()
+
+
+def test_quantize_table_fits_80_columns_with_the_layer_numbers(tiny_ckpt_ro, tmp_path):
+    """quantize's table (on stdout) fits 80 columns: names as layer.name (the prefix every
+    layer shares left out, the layer number kept), sizes in KiB/MiB, errors to 3 digits."""
+    from memengine.cli.main import short_tensor_name
+
+    assert short_tensor_name("backbone.layers.23.mixer.out_proj.weight") == "23.out_proj.weight"
+    assert short_tensor_name("backbone.embeddings.weight") == "embeddings.weight"
+    assert short_tensor_name("lm_head.weight") == "lm_head.weight"
+    r = run("quantize", tiny_ckpt_ro, "-o", tmp_path / "q", "--dtype", "f16")
+    assert r.exit_code == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()][1:]   # (the title, which wraps, names paths)
+    assert len(lines) > 10 and max(len(ln) for ln in lines) <= 80, max(lines, key=len)
+    names = [ln.split()[0] for ln in lines if ln.lstrip()[:1].isdigit()]
+    assert names and len(set(names)) == len(names) and "0" in {n.split(".")[0] for n in names}

@@ -100,8 +100,11 @@ def quantize_checkpoint(src, out_dir, dtype: str = "f16", saturate: bool = False
     dt = normalize_dtype(dtype)
     if dt not in ENCODERS:
         raise MemengineError(f"--dtype: quantize writes f16 or bf16, not {dtype!r}")
-    with TaskMeter(on_task, f"reading {src}", None):
-        ckpt = src if isinstance(src, Checkpoint) else load_checkpoint(src)
+    if isinstance(src, Checkpoint):   # read already (the caller showed that)
+        ckpt = src
+    else:
+        with TaskMeter(on_task, f"reading {src}", None):
+            ckpt = load_checkpoint(src)
     out = Path(out_dir) if out_dir is not None else None
     if out is None and not dry_run:
         raise MemengineError("-o/--out: an output directory is needed")
