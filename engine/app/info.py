@@ -57,13 +57,13 @@ def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
     try:
         from memengine.engine.runtime import get_runtime
 
-        rt = get_runtime(o.device or None, verbose=verbose)
-        device, caps = rt.describe(), rt.capabilities()
+        rt = get_runtime(o.device or None, verbose=verbose, backend=o.backend)
+        device, caps, backend = rt.describe(), rt.capabilities(), rt.backend_name
         plan = mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt))
     except MemengineError as e:
-        if o.device not in (None, "", "auto"):  # a device asked for by name that is not there: as eval says
-            raise
-        device, caps = f"none ({e})", None
+        if o.device not in (None, "", "auto") or o.backend not in (None, "", "auto"):
+            raise   # a device or a backend asked for by name that is not there: as eval says
+        device, caps, backend = f"none ({e})", None, None
     tok = getattr(c, "tokenizer_path", None)
     data = {
         "path": str(o.ckpt),
@@ -79,6 +79,7 @@ def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
         "weights_downloaded": not ref.headers,
         "tokenizer": str(tok) if tok else None,
         "adapter": device,   # the GPU adapter
+        "backend": backend,  # the WebGPU implementation (wgpu, dawn)
         "gpu": caps,
         "plan": plan,
     }
