@@ -11,15 +11,16 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-# the Dawn pass (about 6 minutes on 2 cores): the backends' own tests (selection, records, every
+# the Dawn pass (about 5 minutes on 2 cores): the backends' own tests (selection, records, every
 # shader under naga and Tint), the transformers oracles of Mamba-1 / Falcon-Mamba (test_oracle)
 # and Mamba-2 (logits, loss, every gradient), the kernels' oracles (matmul, scan, row ops,
-# reductions, AdamW, copies, mixed precision). Left out: the products whose 128-row tiles take
+# reductions, AdamW, copies, mixed precision), decoding against transformers' generate, and
+# LoRA against PEFT. Left out: the products whose 128-row tiles take
 # lavapipe 1.5-3 minutes each to compile from Tint's SPIR-V (the same kernels' other tiles and
 # shapes run), and the tests marked slow.
 DAWN_TESTS ?= tests/test_backend.py tests/test_oracle.py tests/test_mamba2.py tests/test_matmul.py \
 	tests/test_scan.py tests/test_ops_elementwise.py tests/test_reduce.py tests/test_optim.py \
-	tests/test_copy.py tests/test_mixed.py
+	tests/test_copy.py tests/test_mixed.py tests/test_generate.py tests/test_lora.py
 DAWN_DESELECT ?= \
 	--deselect "tests/test_matmul.py::test_every_tile_configuration_matches_numpy[128x64x16-0]" \
 	--deselect "tests/test_matmul.py::test_every_tile_configuration_matches_numpy[128x64x16-1]" \
