@@ -16,7 +16,7 @@ set -euo pipefail
 dir="${1:-${MEMENGINE_MESA25_DIR:-$(cd "$(dirname "$0")/.." && pwd)/.cache/mesa25}}"
 mkdir -p "$dir"
 dir="$(cd "$dir" && pwd)"
-MESA_VERSION="25.0.7-2~bpo12+1"
+SUITE="bookworm-backports"   # mesa-vulkan-drivers 25.0.7-2~bpo12+1 when this was written
 LIBDIR="$dir/root/usr/lib/x86_64-linux-gnu"
 ICD="$dir/lvp_icd.json"
 
@@ -37,7 +37,7 @@ fi
 SUDO=""
 [ "$(id -u)" != 0 ] && SUDO="sudo"
 
-if ! apt-cache policy mesa-vulkan-drivers 2>/dev/null | grep -qF "$MESA_VERSION"; then
+if ! apt-cache policy mesa-vulkan-drivers 2>/dev/null | grep -qF "$SUITE"; then
   if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
     echo "adding Debian's bookworm-backports apt source (for Mesa 25's lavapipe) ..." >&2
     $SUDO tee /etc/apt/sources.list.d/bookworm-backports.sources >/dev/null <<'EOF'
@@ -51,12 +51,12 @@ EOF
   $SUDO apt-get update -qq >/dev/null 2>&1 || true
 fi
 
-echo "unpacking Mesa $MESA_VERSION's lavapipe into $dir (the system's Mesa stays as it is) ..." >&2
+echo "unpacking $SUITE's Mesa lavapipe into $dir (the system's Mesa stays as it is) ..." >&2
 debs="$dir/debs"
 rm -rf "$debs" "$dir/root" "$dir/.ready"
 mkdir -p "$debs"
-(cd "$debs" && apt-get download -qq -o APT::Sandbox::User=root "mesa-vulkan-drivers=$MESA_VERSION" \
-  libdrm2/bookworm-backports libdrm-amdgpu1/bookworm-backports >/dev/null)
+(cd "$debs" && apt-get download -qq -o APT::Sandbox::User=root "mesa-vulkan-drivers/$SUITE" \
+  "libdrm2/$SUITE" "libdrm-amdgpu1/$SUITE" >/dev/null)
 for deb in "$debs"/*.deb; do
   dpkg -x "$deb" "$dir/root"
 done
@@ -72,16 +72,9 @@ if LD_LIBRARY_PATH="$LIBDIR" ldd "$LIBDIR/libvulkan_lvp.so" | grep "not found" >
   exit 1
 fi
 
-# the package's manifest names the system path of the driver: this one names ours
-cat > "$ICD" <<EOF
-{
-    "ICD": {
-        "api_version": "1.4.305",
-        "library_path": "$LIBDIR/libvulkan_lvp.so"
-    },
-    "file_format_version": "1.0.1"
-}
-EOF
+# the package's manifest names the driver by its file name alone: this one names ours by its path
+src="$(ls "$dir"/root/usr/share/vulkan/icd.d/lvp_icd*.json | head -n 1)"
+sed 's|"library_path": *"[^"]*"|"library_path": "'"$LIBDIR"'/libvulkan_lvp.so"|' "$src" > "$ICD"
 rm -rf "$debs"
 touch "$dir/.ready"
 emit
