@@ -5,10 +5,30 @@
 #   make test   the whole test suite (the oracle is transformers' MambaForCausalLM)
 #   make test-slow  the tests marked slow (minutes on a software adapter: real model sizes, and
 #                   llama.cpp running exported GGUF files)
+#   make test-dawn  the GPU tests again through the Dawn backend (MEMENGINE_BACKEND=dawn), on Mesa
+#                   25's lavapipe where there is no GPU (.ci/mesa25.sh unpacks it into .cache/mesa25;
+#                   the system's Mesa, which the other targets use, stays as it is)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-slow setup setup-test setup-slow bench
+# the Dawn pass (about 5 minutes on 2 cores): the backends' own tests (selection, records, every
+# shader under naga and Tint), the transformers oracles of Mamba-1 / Falcon-Mamba (test_oracle)
+# and Mamba-2 (logits, loss, every gradient), the kernels' oracles (matmul, scan, row ops,
+# reductions, AdamW, copies, mixed precision), decoding against transformers' generate, and
+# LoRA against PEFT. Left out: the products whose 128-row tiles take
+# lavapipe 1.5-3 minutes each to compile from Tint's SPIR-V (the same kernels' other tiles and
+# shapes run), and the tests marked slow.
+DAWN_TESTS ?= tests/test_backend.py tests/test_oracle.py tests/test_mamba2.py tests/test_matmul.py \
+	tests/test_scan.py tests/test_ops_elementwise.py tests/test_reduce.py tests/test_optim.py \
+	tests/test_copy.py tests/test_mixed.py tests/test_generate.py tests/test_lora.py
+DAWN_DESELECT ?= \
+	--deselect "tests/test_matmul.py::test_every_tile_configuration_matches_numpy[128x64x16-0]" \
+	--deselect "tests/test_matmul.py::test_every_tile_configuration_matches_numpy[128x64x16-1]" \
+	--deselect "tests/test_matmul.py::test_every_tile_configuration_matches_numpy[64x128x16-1]" \
+	--deselect tests/test_matmul.py::test_modules_with_and_without_naga_checks_give_the_same_bits \
+	--deselect "tests/test_mixed.py::test_matmul_f16_within_the_rounding_bound[False-False-132-76-68]"
+
+.PHONY: demo test test-slow test-dawn setup setup-test setup-slow bench
 
 # stamps: reinstall only when the project's metadata changes
 $(VENV)/.installed: pyproject.toml .ci/venv.sh
@@ -37,6 +57,9 @@ demo: setup
 
 test: setup-test
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+test-dawn: setup-test
+	@eval "$$(bash .ci/mesa25.sh)" && MEMENGINE_BACKEND=dawn HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(DAWN_TESTS) $(DAWN_DESELECT)
 
 test-slow: setup-slow
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow

@@ -51,6 +51,7 @@ ModelTypeOpt = param(EvalOptions, "model_type")[0]
 BaseOpt = param(EvalOptions, "base")[0]
 MaxShardSizeOpt = param(TrainOptions, "max_shard_size")[0]
 DeviceOpt = param(EvalOptions, "device")[0]
+BackendOpt = param(EvalOptions, "backend")[0]
 SeqLenOpt = param(TrainOptions, "seq_len")[0]
 BatchOpt = param(TrainOptions, "batch_size")[0]
 LrOpt = param(TrainOptions, "lr")[0]
@@ -131,11 +132,12 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
 
 
 # =========================================================================== devices
-@app.command("devices", help="""List the GPU adapters memengine can run on, with the limits and features runs depend on.
+@app.command("devices", help="""List the GPU adapters memengine can run on, through each backend (wgpu-native and Dawn), with the limits and features runs depend on.
 
-The adapter marked auto is the one --device auto takes; --device NAME takes the first whose name contains NAME.""",
+The adapter marked * is the one --device auto takes (with --backend, default auto: Dawn where the adapter has f16 subgroup matrices, else wgpu-native); --device NAME takes the first whose name contains NAME.""",
              epilog=_examples("memengine devices", "memengine devices --json | jq -r '.devices[].name'"))
 def devices_cmd(
+    backend: BackendOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
@@ -144,21 +146,25 @@ def devices_cmd(
 
     ui = UI(json_mode=json_out, quiet=quiet, verbose=verbose)
     with guard(ui):
-        found = list_devices(verbose=verbose)
-        rows = []
+        EvalOptions(backend=backend)   # --backend's check
+        found = list_devices(verbose=verbose, backend=backend)
+        rows, adapters, unavailable = [], [], []
         for d in found:
             if "error" in d:
-                ui.warn(f"backend {d['backend']}: {d['error']}")
+                ui.note(f"backend {d['backend']}: {d['error']}")
+                unavailable.append(d)
                 continue
+            adapters.append(d)
             lim = d["limits"]
-            rows.append((("* " if d["auto"] else "  ") + d["name"], d["type"], d["api"],
+            feats = [f for f in d["features"] if f in ("shader-f16", "subgroup", "subgroups", "timestamp-query")]
+            if d.get("subgroup_matrices"):
+                feats.append("f16 subgroup matrices")
+            rows.append((("* " if d["auto"] else "  ") + d["name"], d["backend"], d["type"], d["api"],
                          f"{lim.get('max-storage-buffer-binding-size', 0) / 2**20:,.0f} MiB",
-                         f"{lim.get('max-buffer-size', 0) / 2**20:,.0f} MiB",
-                         ", ".join(f for f in d["features"] if f in ("shader-f16", "subgroup", "subgroups",
-                                                                      "timestamp-query")) or "-"))
-        ui.table("GPU adapters (* = what --device auto takes)", ["adapter", "type", "api", "binding", "buffer",
-                                                                 "features"], rows, result=True)
-        ui.emit({"devices": found})
+                         f"{lim.get('max-buffer-size', 0) / 2**20:,.0f} MiB", ", ".join(feats) or "-"))
+        ui.table("GPU adapters (* = what --device auto takes)", ["adapter", "backend", "type", "api", "binding",
+                                                                 "buffer", "features"], rows, result=True)
+        ui.emit({"devices": adapters, "unavailable": unavailable})
 
 
 # =========================================================================== info
@@ -202,6 +208,7 @@ def _info(o: InfoOptions, ui: UI) -> None:
             ("optimizer state", "yes" if rep.optimizer_state else
              "not looked for (not downloaded)" if rep.remote else "no")]),
         ("adapter", d["adapter"]),
+        ("backend", d["backend"] or "n/a"),
         ("GPU features", "n/a" if caps is None else
          f"{', '.join(caps['features']) or 'none'}; largest binding "
          f"{caps['max_storage_binding_bytes'] / 2**20:,.0f} MiB"),
@@ -599,6 +606,7 @@ def demo(
     batch_size: BatchOpt = 4,
     lr: LrOpt = 3e-3,
     device: DeviceOpt = None,
+    backend: BackendOpt = None,
     force: ForceOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
@@ -609,7 +617,8 @@ def demo(
     """
     ui = UI(json_mode=False, quiet=quiet, verbose=verbose, stdout=sys.stderr)   # a tour: all of it on stderr
     with guard(ui):
-        do_demo(ui, workdir, shape, epochs, chars, seq_len, batch_size, lr, device, force, verbose)
+        EvalOptions(backend=backend)   # --backend's check, before any work
+        do_demo(ui, workdir, shape, epochs, chars, seq_len, batch_size, lr, device, force, verbose, backend)
 
 
 def demo_text(chars: int) -> str:
@@ -623,7 +632,7 @@ def demo_text(chars: int) -> str:
 
 
 def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: int, seq_len: int,
-            batch_size: int, lr: float, device, force: bool, verbose: bool) -> None:
+            batch_size: int, lr: float, device, force: bool, verbose: bool, backend=None) -> None:
     text = demo_text(chars)
     cleanup = None
     if workdir is None:
@@ -649,12 +658,12 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
 
         ui.step(f"2/6  train on {len(text):,} characters of the bundled text")
         _train(TrainOptions(ckpt=base, data=[str(sample)], output=trained, epochs=epochs, lr=lr,
-                            batch_size=batch_size, seq_len=seq_len, device=device, force=True), ui)
+                            batch_size=batch_size, seq_len=seq_len, device=device, backend=backend, force=True), ui)
 
         ui.step("3/6  adapt (WSLA: x_proj only) on a new sentence")
         ui.note(f"  \"{DEMO_SENTENCE.split('. ')[0]}.\"")
         code = _adapt(AdaptOptions(ckpt=trained, data=[str(note)], output=adapted, lr=lr, batch_size=1,
-                                   seq_len=seq_len, device=device, force=True), ui)
+                                   seq_len=seq_len, device=device, backend=backend, force=True), ui)
         if code:
             ui.warn("the demo's adaptation rolled back (the trained model is kept); continuing")
 
@@ -671,7 +680,8 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         for label, path in ((f"{final.name} (fp32)", final), (f"{final.name} (fp16)", f16)):
             for what, src in (("bundled text", sample), ("new sentence", note)):
                 with ui.run_view() as view:
-                    r = run_eval(EvalOptions(ckpt=path, data=[str(src)], seq_len=seq_len, device=device),
+                    r = run_eval(EvalOptions(ckpt=path, data=[str(src)], seq_len=seq_len, device=device,
+                                             backend=backend),
                                  view, verbose=verbose).result
                 rows.append((label, what, float(r.loss), float(r.perplexity), int(r.tokens)))
         ui.table("fp32 vs fp16", ["model", "data", "loss", "perplexity", "tokens"], rows,
@@ -681,7 +691,7 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         rows = []
         for label, path in ((trained.name, trained), (adapted.name, adapted))[:2 if code == 0 else 1]:
             res = gen.run(GenerateOptions(ckpt=path, prompt=DEMO_PROMPT, max_new_tokens=80, temperature=0,
-                                          stop=["\n"], device=device), ui, stream=False)
+                                          stop=["\n"], device=device, backend=backend), ui, stream=False)
             rows.append((label, DEMO_PROMPT + res.text, f"{res.tokens_per_s:,.0f}"))
         ui.table(f"continuations of \"{DEMO_PROMPT}\"", ["model", "text", "tokens/s"], rows,
                  right=[False, False, True])

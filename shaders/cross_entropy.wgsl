@@ -38,7 +38,7 @@ fn ce_row(row: u32, l: u32, want_grad: bool, want_rank: bool) -> f32 {
     // one pass: per-invocation online (max, sum exp(v - max)), then merged across the group;
     // four of the invocation's columns a turn, loaded before any is used (here and in the
     // gradient's pass: a step's cross-entropy backward on the H200 4.66 -> 3.92 ms)
-    var m = -3.4028235e38;
+    var m = -0x1.fffffep+127f;   // -FLT_MAX (Tint refuses -3.4028235e38: it rounds past the f32 range)
     var se = 0.0;
     var i = l;
     for (; i + 3u * WG < P.V; i = i + 4u * WG) {

@@ -834,8 +834,9 @@ fn scan_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 // The output gate's gradients taken in the step loop (dy' = dy*silu(z), dy*silu'(z): dy read
 // from du just before the step's du is written, z from xz), with the saved states copied
 // into work at off_st: du, ddelta WRITE; dxz[:, Di..] WRITE; dBm/dCm partial sums of the 8
-// channels -> pbc (`work` bound again as vec4, from off_pbc) [2][M][nblk][N]; dA_log (over A), dt_bias
-// and D partials of (b, d) into work.
+// channels -> pbc4 (`work` from off_pbc on, bound as vec4; binding 6 then ends at off_pbc:
+// WebGPU forbids writable bindings whose ranges overlap, which Dawn checks) [2][M][nblk][N];
+// dA_log (over A), dt_bias and D partials of (b, d) into work.
 // states 4q..4q+3 of a saved state row at `base` of work (zeros past NS)
 fn load4(base: u32, q: u32) -> vec4<f32> {
     if (4u * q >= NS) { return vec4<f32>(0.0); }
@@ -943,7 +944,7 @@ fn scan_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             let pb = (m * p.nblk + ln.blk) * NS;
             if (4u * (l % 4u) < NS) {
                 let isc = l >= 4u;
-                pbc4[(p.off_pbc + select(0u, p.pbc_half, isc) + pb) / 4u + l % 4u] = select(
+                pbc4[(select(0u, p.pbc_half, isc) + pb) / 4u + l % 4u] = select(
                     lane_quad(j0.rb, j1.rb, j2.rb, j3.rb, l), lane_quad(j0.rc, j1.rc, j2.rc, j3.rc, l), isc);
             }
         }

@@ -3,7 +3,8 @@ count too: they hide a circle rather than remove it):
 
 - the engine imports neither rich nor typer;
 - engine modules import each other without circles;
-- only engine/backend/ imports wgpu (or wgpudawn);
+- only the backend modules of engine/backend/ import a WebGPU binding, each its own
+  (wgpu_native.py wgpu, dawn.py wgpudawn; the package's __init__ neither);
 - only engine/train/distributed.py imports torch, and only inside its functions (lazily);
 - an architecture folder under engine/models/ imports no other architecture;
 - options are frozen once resolved (a write into one raises);
@@ -110,17 +111,28 @@ def test_engine_modules_have_no_import_circle():
     assert "io.codec" in graph["io.safetensors_io"] and "io.checkpoint" in graph["app.quantize"]
 
 
+BINDINGS = {"wgpu_native.py": "wgpu", "dawn.py": "wgpudawn"}
+
+
 def test_only_the_backend_imports_wgpu():
     backend = ENGINE / "backend"
-    for p in ENGINE.rglob("*.py"):
+    for p in [*ENGINE.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        ext = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        ext |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+        own = {BINDINGS[p.name]} if p.parent == backend and p.name in BINDINGS else set()
+        assert ({"wgpu", "wgpudawn"} & ext) == own, p
         if backend in p.parents:
             continue
-        _, ext = _imports(p)
-        assert not ({"wgpu", "wgpudawn"} & ext), p
         # nor reaches the binding through an attribute (`rt.wgpu.BufferUsage`)
-        assert not re.search(r"\.wgpu\b", p.read_text(encoding="utf-8")), p
+        assert not re.search(r"\.wgpu(dawn)?\b", p.read_text(encoding="utf-8")), p
     # the check sees real imports (it can fail)
     assert "wgpu" in _imports(backend / "wgpu_native.py")[1]
+    assert "wgpudawn" in _imports(backend / "dawn.py")[1]
+    # every registered backend is one of these modules
+    from memengine.engine.backend import REGISTRY
+
+    assert {m.rsplit(".", 1)[1] + ".py" for m in REGISTRY.values()} == set(BINDINGS)
 
 
 def test_only_the_distributed_module_imports_torch_and_lazily():
@@ -229,3 +241,15 @@ def test_options_are_validated_once():
             assert not _validate_calls(p), f"{p.relative_to(ROOT)}:{_validate_calls(p)} validates options again"
     src = options.read_text(encoding="utf-8")
     assert "def __post_init__" in src and "self._check_values()" in src
+
+
+def test_every_package_is_in_pyproject():
+    """A non-editable install ships exactly the packages pyproject.toml lists: each folder of
+    cli/ and engine/ with an __init__.py must be there."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"memengine." + ".".join(p.parent.relative_to(root).parts) for d in ("cli", "engine")
+             for p in (root / d).rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

@@ -56,7 +56,7 @@ def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
     nbytes = int(sum(p.stat().st_size for p in files))
     if ref.headers:   # the weights stayed on the Hub: their tensor data, by the headers
         nbytes += sum(h.file_size for h in ref.headers)
-    device, caps, plan = _device_and_plan(o, cfg, verbose)
+    device, caps, plan, backend = _device_and_plan(o, cfg, verbose)
     tok = getattr(c, "tokenizer_path", None)
     data = {
         "path": str(o.ckpt),
@@ -72,6 +72,7 @@ def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
         "weights_downloaded": not ref.headers,
         "tokenizer": str(tok) if tok else None,
         "adapter": device,   # the GPU adapter
+        "backend": backend,  # the WebGPU implementation (wgpu, dawn)
         "gpu": caps,
         "plan": plan,
     }
@@ -83,19 +84,20 @@ def info_report(o: InfoOptions, warn: Optional[Callable[[str], None]] = None, *,
 
 
 def _device_and_plan(o: InfoOptions, cfg, verbose: bool):
-    """(the adapter's description, its capabilities, the memory plan) or, with no adapter,
-    (none and why, None, None)."""
+    """(the adapter's description, its capabilities, the memory plan, the backend) or, with
+    no adapter, (none and why, None, None, None)."""
     from memengine.engine.app import plan as mplan
 
     try:
         from memengine.engine.runtime import get_runtime
 
-        rt = get_runtime(o.device or None, verbose=verbose)
-        return rt.describe(), rt.capabilities(), mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt))
+        rt = get_runtime(o.device or None, verbose=verbose, backend=o.backend)
+        return (rt.describe(), rt.capabilities(), mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt)),
+                rt.backend_name)
     except MemengineError as e:
-        if o.device not in (None, "", "auto"):  # a device asked for by name that is not there: as eval says
-            raise
-        return f"none ({e})", None, None
+        if o.device not in (None, "", "auto") or o.backend not in (None, "", "auto"):
+            raise   # a device or a backend asked for by name that is not there: as eval says
+        return f"none ({e})", None, None, None
 
 
 def _named_shape(name) -> Optional[str]:
@@ -118,9 +120,10 @@ def _shape_report(o: InfoOptions, name: str, verbose: bool) -> InfoReport:
 
     cfg = models.load_config(name)
     shapes = {n: tuple(shape) for n, shape in models.of(cfg).iter_shapes(cfg)}
-    device, caps, plan = _device_and_plan(o, cfg, verbose)
+    device, caps, plan, backend = _device_and_plan(o, cfg, verbose)
     data = {
-        "path": name, "shape": name, "local_path": None, "model_type": cfg.model_type, "weight_files": [],
+        "path": name, "shape": name, "backend": backend, "local_path": None, "model_type": cfg.model_type,
+        "weight_files": [],
         "config": cfg.to_hf_dict(), "parameters": int(sum(math.prod(s) for s in shapes.values())),
         "tensors": {n: {"shape": list(s), "dtype": "F32"} for n, s in shapes.items()}, "dtypes": {"F32": len(shapes)},
         "bytes": 0, "weights_downloaded": False, "tokenizer": None, "adapter": device, "gpu": caps, "plan": plan,

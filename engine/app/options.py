@@ -24,6 +24,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
+from memengine.engine.backend import BACKENDS, ENV_BACKEND
 from memengine.engine.errors import MemengineError
 from memengine.engine.io.inputs import read_config_data
 from memengine.engine.io.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
@@ -276,6 +277,14 @@ def _device() -> Any:
                help="WebGPU adapter: auto, gpu, cpu, or a substring of the adapter's name.")
 
 
+def _backend() -> Any:
+    return opt(None, panel=RUNTIME, envvar=ENV_BACKEND, restore=False, metavar="|".join(BACKENDS),
+               show_default="auto", check=one_of(*BACKENDS),
+               help="WebGPU implementation: auto (Dawn where wgpudawn is installed and the adapter has f16 "
+                    "subgroup matrices, else wgpu-native), wgpu (wgpu-native) or dawn (Dawn: "
+                    "pip install 'memengine[dawn]').")
+
+
 def _tokenizer() -> Any:
     return opt(None, panel=RUNTIME, restore=False, path=True,
                help="A tokenizer.json (or its directory) to use instead of the one beside the checkpoint; "
@@ -297,6 +306,7 @@ class InfoOptions(Options):
     revision: Optional[str] = _revision()
     model_type: Optional[str] = _model_type()
     device: Optional[str] = _device()
+    backend: Optional[str] = _backend()
 
     def check_inputs(self) -> None:
         if self.ckpt is None:
@@ -320,6 +330,7 @@ class EvalOptions(Options):
     model_type: Optional[str] = _model_type()
     base: Optional[str] = _base()
     device: Optional[str] = _device()
+    backend: Optional[str] = _backend()
     tokenizer: Optional[str] = _tokenizer()
 
     def check_inputs(self) -> None:
@@ -434,6 +445,7 @@ class TrainOptions(Options):
     model_type: Optional[str] = _model_type()
     base: Optional[str] = _base()
     device: Optional[str] = _device()
+    backend: Optional[str] = _backend()
     nproc_per_node: int = opt(1, panel=RUNTIME, check=at_least(1), restore=False, metavar="N",
                               help="Train data-parallel on N ranks of this host (torch.distributed, gloo; "
                                    "needs torch, the distributed extra): each rank takes the GPU of its local rank "
@@ -561,6 +573,7 @@ class GenerateOptions(SamplingOptions):
     revision: Optional[str] = _revision()
     model_type: Optional[str] = _model_type()
     device: Optional[str] = _device()
+    backend: Optional[str] = _backend()
     base: Optional[str] = _base()
     tokenizer: Optional[str] = _tokenizer()
 

@@ -18,15 +18,16 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def segment(device: str, resumed_from: str | None, first_step: int) -> dict:
+def segment(device: str, resumed_from: str | None, first_step: int, backend: str | None = None) -> dict:
     """One invocation of a run (appended to the trainer state's segments when it starts);
-    `device`: the GPU adapter it runs on (the record's "adapter")."""
+    `device`: the GPU adapter it runs on (the record's "adapter"), `backend` the WebGPU
+    implementation (wgpu, dawn)."""
     return {"started": now(), "finished": None, "memengine_version": version(), "adapter": device,
-            "resumed_from": resumed_from, "first_step": first_step, "last_step": None}
+            "backend": backend, "resumed_from": resumed_from, "first_step": first_step, "last_step": None}
 
 
 def run_record(kind: str, options: dict, *, input_path: str | None, device: str, segments: list,
-               history: list, result: dict, extra: dict | None = None) -> dict:
+               history: list, result: dict, extra: dict | None = None, backend: str | None = None) -> dict:
     return {
         "memengine_version": version(),
         "command": kind,
@@ -34,6 +35,7 @@ def run_record(kind: str, options: dict, *, input_path: str | None, device: str,
         "data": options.get("data"),
         "options": options,
         "adapter": device,   # the GPU adapter
+        "backend": backend,  # the WebGPU implementation it was reached through (wgpu, dawn)
         "created": now(),
         "result": result,
         **(extra or {}),

@@ -63,7 +63,7 @@ def _evaluate_checkpoint(ref, sources, o: EvalOptions, listener: Listener, verbo
     stream = tokens.token_file(sources, tok, c.config.vocab_size, prompt_loss=o.prompt_loss,
                                on_task=listener.on_task)
     batches = Batches(Windows(stream.ids, o.seq_len, stream.mask), o.batch_size, o.seq_len)
-    rt = open_runtime(o.device, verbose)
+    rt = open_runtime(o.device, verbose, o.backend)
     listener.on_device(rt.describe())
     ad = opened.adapter
     with TaskMeter(listener.on_task, f"loading {phase} onto the GPU", None):
@@ -135,7 +135,7 @@ def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbos
     c, ad = opened.ckpt, opened.adapter
     tok = open_tokenizer(c, lora.adapter_tokenizer(ad, o.tokenizer))
     ids = prompt_ids(tok, text, c.config.vocab_size)
-    rt = open_runtime(o.device, verbose)
+    rt = open_runtime(o.device, verbose, o.backend)
     listener.on_device(rt.describe())
     check_prompt_fits(rt, c.config, ids.size)
     # an adapter is applied on the GPU, not merged (prompt pass and every decoding step)
@@ -410,8 +410,9 @@ class _Run:
 
     def _open_device(self, verbose: bool):
         """The runtime of this rank's device, shown to the listener."""
-        rt = open_runtime(distributed.device_request(self.o.device, self.group), verbose)
+        rt = open_runtime(distributed.device_request(self.o.device, self.group), verbose, self.o.backend)
         self.device = rt.describe()
+        self.backend = rt.backend_name
         self.listener.on_device(self.device)
         return rt
 
@@ -450,7 +451,7 @@ class _Run:
         if snap is not None:
             self._finished_times(snap.run_dir)
         self.segments.append(records.segment(self.device, None if snap is None else public_path(snap.dir),
-                                             self.state.step))
+                                             self.state.step, backend=self.backend))
         if snap is not None:
             lis.on_note(f"resuming {snap.dir} at step {snap.step}")
         self.trainer = Trainer(self.model, o, opt_state, wsla=o.WSLA,
@@ -645,7 +646,7 @@ class _Run:
             if self.world > 1:
                 extra["world_size"] = self.world
             rec = records.run_record(self.o.KIND, self.recorded_options(), input_path=self.input,
-                                     device=self.device,
+                                     device=self.device, backend=self.backend,
                                      segments=segs, history=st.history, result=result,
                                      extra=extra or None)
             staging.write_json(tmp / staging.RECORD_FILE, rec)

@@ -35,12 +35,12 @@ def tokenizer_file(tok) -> Optional[Path]:
     return Path(p) if p else None
 
 
-def open_runtime(device: Optional[str], verbose: bool):
-    """The runtime for --device, its caches emptied: each command builds its own model, so
-    what an earlier one in this process (the demo runs several) left can go."""
+def open_runtime(device: Optional[str], verbose: bool, backend: Optional[str] = None):
+    """The runtime for --device and --backend, its caches emptied: each command builds its
+    own model, so what an earlier one in this process (the demo runs several) left can go."""
     from memengine.engine.runtime import get_runtime
 
-    rt = get_runtime(device or None, verbose=verbose)
+    rt = get_runtime(device or None, verbose=verbose, backend=backend)
     rt.trim()
     return rt
 

@@ -12,8 +12,10 @@ read_mapped / unmap`, `encoder.begin_compute_pass()` ...); a backend over anothe
 wraps its objects to match.
 
 `get_backend(name)` returns the backend registered under `name` ("wgpu": wgpu-native
-through wgpu-py, `wgpu_native.py`); only the modules of this package import a WebGPU
-binding.
+through wgpu-py, `wgpu_native.py`; "dawn": Dawn through wgpudawn, `dawn.py`, an extra:
+`memengine[dawn]`); `open_adapter(request, device)` resolves `--backend auto|wgpu|dawn`
+(MEMENGINE_BACKEND) to a backend and one of its adapters.  Only the modules of this
+package import a WebGPU binding.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from memengine.engine.errors import NoAdapterError
 
 # the runtime's names of the optional features it asks for (see Backend.FEATURES)
 TIMESTAMPS, SUBGROUPS, SHADER_F16 = "timestamp-query", "subgroups", "shader-f16"
+# --backend's values (MEMENGINE_BACKEND); auto: Dawn where wgpudawn is installed and the
+# adapter has f16 subgroup matrices (tensor cores from WGSL), else wgpu-native
+AUTO = "auto"
+BACKENDS = (AUTO, "wgpu", "dawn")
+ENV_BACKEND = "MEMENGINE_BACKEND"
 # a wait on the GPU is cut into slices this long with an interrupt check between them
 WAIT_SLICE_S = 0.05
 
@@ -68,6 +75,9 @@ class Backend:
     attributes and implements the methods that raise NotImplementedError here."""
 
     name = ""
+    label = ""  # how the run's adapter line names it ("... via Dawn")
+    # the one line a request for an adapter of this backend gets when there is none
+    NO_ADAPTER_HINT = NO_ADAPTER_HINT
     # buffer usage flags (combined with |) and the read map mode, in the binding's values
     STORAGE = UNIFORM = COPY_SRC = COPY_DST = MAP_READ = QUERY_RESOLVE = 0
     MAP_MODE_READ = 0
@@ -123,7 +133,7 @@ class Backend:
                 if verbose:
                     logging.getLogger("memengine").warning("adapter enumeration failed: %s", e)
         if not adapters:
-            raise NoAdapterError(NO_ADAPTER_HINT)
+            raise NoAdapterError(self.NO_ADAPTER_HINT)
         infos = {id(a): self.adapter_info(a) for a in adapters}
 
         def score(a):
@@ -164,8 +174,15 @@ class Backend:
         return max(cands, key=score)
 
     # ---------------------------------------------------------------- device
-    def request_device(self, adapter, features: list, limits: dict, verbose: bool = False):
-        """A device with `features` (this backend's spelling) and `limits` (kebab-case)."""
+    def has_f16_subgroup_matrices(self, adapter) -> bool:
+        """Whether the adapter multiplies f16 subgroup matrices into f32 ones (tensor cores
+        from WGSL; what `--backend auto` takes Dawn for)."""
+        return False
+
+    def request_device(self, adapter, features: list, limits: dict, verbose: bool = False, checks: bool = False):
+        """A device with `features` (this backend's spelling) and `limits` (kebab-case);
+        `checks`: its shader modules keep the WGSL compiler's run-time checks (see
+        create_module; a backend that sets them per device does it here)."""
         raise NotImplementedError
 
     def device_limits(self, device) -> dict:
@@ -202,8 +219,10 @@ class Backend:
 
 # name -> module whose `BACKEND` class implements it (imported when first asked for, so
 # that importing this package loads no binding)
-REGISTRY = {"wgpu": "memengine.engine.backend.wgpu_native"}
+REGISTRY = {"wgpu": "memengine.engine.backend.wgpu_native", "dawn": "memengine.engine.backend.dawn"}
 DEFAULT = "wgpu"
+# what brings a backend's binding where it is missing
+INSTALL = {"wgpu": "pip install memengine", "dawn": "pip install 'memengine[dawn]' (wgpudawn)"}
 _MADE: dict = {}
 
 
@@ -216,8 +235,43 @@ def get_backend(name: str | None = None) -> Backend:
             raise NoAdapterError(f"unknown GPU backend {name!r} (known: {', '.join(sorted(REGISTRY))})")
         try:
             mod = importlib.import_module(REGISTRY[name])
+        except ImportError as e:
+            raise NoAdapterError(f"the {name} backend is not installed ({e}); {INSTALL.get(name, 'pip install memengine')}"
+                                 ) from e
         except Exception as e:  # pragma: no cover
-            raise NoAdapterError(f"cannot import the {name} backend ({e}); install memengine's dependencies") from e
+            raise NoAdapterError(f"cannot load the {name} backend ({e})") from e
         b = _MADE[name] = mod.BACKEND()
     return b
+
+
+def backend_request(request: str | None = None) -> str:
+    """--backend's value: `request`, else MEMENGINE_BACKEND, else auto (lower case)."""
+    return (request or os.environ.get(ENV_BACKEND, "").strip() or AUTO).strip().lower()
+
+
+def open_adapter(request: str | None = None, device: str = "auto", verbose: bool = False) -> tuple:
+    """(backend, adapter) for `--backend request --device device`.
+
+    auto: Dawn where its binding loads and the adapter it would pick for `device` has f16
+    subgroup matrices, else wgpu-native.  wgpu / dawn: that backend, whose refusal (binding
+    not installed, no adapter it can run on) is one NoAdapterError line naming --backend."""
+    asked = backend_request(request)
+    if asked not in REGISTRY and asked != AUTO:
+        raise NoAdapterError(f"--backend {asked}: must be one of {', '.join(BACKENDS)}")
+    if asked == AUTO:
+        try:
+            dawn = get_backend("dawn")
+            adapter = dawn.choose_adapter(device, verbose)
+            if dawn.has_f16_subgroup_matrices(adapter):
+                return dawn, adapter
+        except Exception:  # not installed, no adapter, or Dawn failing: wgpu-native serves
+            pass
+    name = DEFAULT if asked == AUTO else asked
+    try:
+        b = get_backend(name)
+        return b, b.choose_adapter(device, verbose)
+    except NoAdapterError as e:
+        if asked == AUTO:
+            raise
+        raise NoAdapterError(f"--backend {name}: {e}") from e
 

@@ -16,6 +16,7 @@ from memengine.engine.backend import SHADER_F16, SUBGROUPS, TIMESTAMPS, WAIT_SLI
 
 class WgpuNative(Backend):
     name = "wgpu"
+    label = "wgpu-native"
     STORAGE = wgpu.BufferUsage.STORAGE
     UNIFORM = wgpu.BufferUsage.UNIFORM
     COPY_SRC = wgpu.BufferUsage.COPY_SRC
@@ -44,7 +45,7 @@ class WgpuNative(Backend):
     def adapter_limits(self, adapter) -> dict:
         return adapter.limits
 
-    def request_device(self, adapter, features: list, limits: dict, verbose: bool = False):
+    def request_device(self, adapter, features: list, limits: dict, verbose: bool = False, checks: bool = False):
         with silence_fd2(not verbose):
             return adapter.request_device_sync(required_features=features, required_limits=limits)
 

@@ -221,13 +221,17 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
     work = rt.scratch("selective_scan.bwd_work", (lay["work_size"],))
     _params(rec, work, dt_bias, A_log, D, Di, N)
     # the saved states and the dB/dC partials go into `work` too: the kernels then bind 8
-    # storage buffers (the 8-lane one binds `work` a second time, as vec4, for the partials)
+    # storage buffers (the 8-lane one binds `work` twice, in two ranges that do not overlap, as
+    # WebGPU requires of writable bindings: up to off_pbc as f32, the partials as vec4)
     rec.copy(states, work.view((states.numel,), lay["off_st"]))
     uni = _uniform(rt, B, L, Di, N, R, lay, offs)
     bindings = {2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 5: bt["xz"], 6: work, 8: bt["du"],
                 9: bt["ddelta"], 10: bt["dxz"], 14: uni}
     if lanes:
-        rec.dispatch(SHADER, "scan_lanes_backward", {**bindings, 11: work}, B * lay["nblk"], {"NS": N})
+        head = work.view((lay["off_pbc"],), 0)
+        partials = work.view((2 * lay["pbc_half"],), lay["off_pbc"])
+        rec.dispatch(SHADER, "scan_lanes_backward", {**bindings, 6: head, 11: partials}, B * lay["nblk"],
+                     {"NS": N})
     else:
         rec.dispatch(SHADER, "selective_scan_backward", bindings, B * lay["nblk"], _constants(rt))
     rec.dispatch(SHADER, "selective_scan_backward_dbc", {11: work, 12: bt["dxdbl"], 14: uni}, cdiv(M * N, 256))

@@ -9,7 +9,8 @@ import os
 from importlib import resources
 
 import numpy as np
-from memengine.engine.backend import SHADER_F16, SUBGROUPS, TIMESTAMPS, adapter_kind, get_backend
+from memengine.engine.backend import (ENV_BACKEND, SHADER_F16, SUBGROUPS, TIMESTAMPS, adapter_kind, backend_request,
+                                      open_adapter)
 from memengine.engine.errors import MemengineError
 from memengine.engine.hostmem import fmt_bytes
 from memengine.engine.runtime.pacing import MAX_PIECES, Pacer
@@ -51,8 +52,6 @@ def env_bytes(name: str) -> int | None:
 # MEMENGINE_SHADER_CHECKS=1 keeps the WGSL compiler's run-time checks (index clamping,
 # loop bounding) in every module: a debugging aid for an out-of-range index.
 ENV_SHADER_CHECKS = "MEMENGINE_SHADER_CHECKS"
-# the backend a runtime is made on (engine/backend; unset: "wgpu")
-ENV_BACKEND = "MEMENGINE_BACKEND"
 
 
 def _wgsl_path(name: str):
@@ -63,13 +62,14 @@ class Runtime:
     """One WebGPU device plus caches. Create with `get_runtime()`.
 
     `backend` is the engine/backend implementation the device comes from (its buffer usage
-    flags: `backend.STORAGE` ...); `device` is the device it made, whose objects follow
+    flags: `backend.STORAGE` ...; the `backend` argument is --backend: auto, wgpu, dawn, None
+    for MEMENGINE_BACKEND or auto); `device` is the device it made, whose objects follow
     wgpu-py's API."""
 
     def __init__(self, device: str = "auto", verbose: bool = False, backend: str | None = None):
-        self.backend = b = get_backend(backend or os.environ.get(ENV_BACKEND, "").strip() or None)
+        self.backend, self.adapter = open_adapter(backend, device, verbose)
+        b = self.backend
         self.verbose = verbose
-        self.adapter = b.choose_adapter(device, verbose)
         info = b.adapter_info(self.adapter)
         self.adapter_name = str(info.get("device", "unknown"))
         self.backend_type = str(info.get("backend_type", "unknown"))
@@ -99,7 +99,7 @@ class Runtime:
         if self.has_f16:
             feats.append(b.FEATURES[SHADER_F16])
         self.features = set(adapter_features)  # the adapter's, in the backend's spelling
-        self.device = b.request_device(self.adapter, feats, want, verbose)
+        self.device = b.request_device(self.adapter, feats, want, verbose, checks=self.shader_checks)
         self.limits = b.device_limits(self.device)
         self.storage_align = int(self.limits.get("min-storage-buffer-offset-alignment", 256))
         self.largest_buffer = 0  # the largest storage buffer made (see fits_all)
@@ -162,7 +162,13 @@ class Runtime:
 
     # ------------------------------------------------------------------ description
     def describe(self) -> str:
-        return f"{self.adapter_name} ({self.backend_type}, {self.adapter_type})"
+        """The adapter as a run's header shows it: name (API, type) via the backend."""
+        return f"{self.adapter_name} ({self.backend_type}, {self.adapter_type}) via {self.backend.label}"
+
+    @property
+    def backend_name(self) -> str:
+        """The backend's --backend name (wgpu, dawn): memengine.json's `backend`."""
+        return self.backend.name
 
     # optional adapter features that kernels may use where present (the plain path is the
     # reference); reported by `memengine info` in the backend's spelling
@@ -195,30 +201,36 @@ class Runtime:
     # requires `enable subgroups;`, naga refuses it).
     REQUIRES = "// requires:"
 
+    def module_source(self, name: str, subgroups: bool | None = None) -> str:
+        """The WGSL of shaders/<name>.wgsl as compiled on this device: its enable directives,
+        the preludes it requires, then its own lines (`subgroups`: with the subgroup prelude,
+        not its stand-ins; None: where the device has subgroups)."""
+        path = _wgsl_path(name)
+        try:
+            code = path.read_text()
+        except FileNotFoundError as e:
+            raise RuntimeError(f"shader file not found: shaders/{name}.wgsl") from e
+        prelude = [_wgsl_path("common").read_text()]
+        lines = code.split("\n")
+        uses = False
+        if lines[0].startswith(self.REQUIRES):
+            for req in lines[0][len(self.REQUIRES):].split(","):
+                req = req.strip()
+                if req == "subgroups":
+                    uses = self.has_subgroups if subgroups is None else subgroups
+                    req = "subgroups" if uses else "subgroups_off"
+                prelude.append(_wgsl_path(req).read_text())
+        # `enable ...;` directives (among the leading comments) go in front of everything
+        head = 0
+        while head < len(lines) and lines[head].startswith(("enable ", "//")):
+            head += 1
+        enables = self.backend.enables([ln for ln in lines[:head] if ln.startswith("enable ")], uses)
+        return "\n".join(enables + prelude + [ln for ln in lines if not ln.startswith("enable ")])
+
     def module(self, name: str):
         mod = self._modules.get(name)
         if mod is None:
-            path = _wgsl_path(name)
-            try:
-                code = path.read_text()
-            except FileNotFoundError as e:
-                raise RuntimeError(f"shader file not found: shaders/{name}.wgsl") from e
-            prelude = [_wgsl_path("common").read_text()]
-            lines = code.split("\n")
-            subgroups = False
-            if lines[0].startswith(self.REQUIRES):
-                for req in lines[0][len(self.REQUIRES):].split(","):
-                    req = req.strip()
-                    if req == "subgroups":
-                        subgroups = self.has_subgroups
-                        req = "subgroups" if subgroups else "subgroups_off"
-                    prelude.append(_wgsl_path(req).read_text())
-            # `enable ...;` directives (among the leading comments) go in front of everything
-            head = 0
-            while head < len(lines) and lines[head].startswith(("enable ", "//")):
-                head += 1
-            enables = self.backend.enables([ln for ln in lines[:head] if ln.startswith("enable ")], subgroups)
-            code = "\n".join(enables + prelude + [ln for ln in lines if not ln.startswith("enable ")])
+            code = self.module_source(name)
             try:
                 mod = self.backend.create_module(self.device, name, code, self.shader_checks)
             except Exception as e:
@@ -448,14 +460,15 @@ class Runtime:
 _RUNTIMES: dict = {}
 
 
-def get_runtime(device: str | None = None, verbose: bool = False) -> Runtime:
-    """The process-wide runtime for a device request (MEMENGINE_DEVICE when None) on the
-    backend MEMENGINE_BACKEND names (unset: engine/backend's default)."""
+def get_runtime(device: str | None = None, verbose: bool = False, backend: str | None = None) -> Runtime:
+    """The process-wide runtime for a device request (MEMENGINE_DEVICE when None) on a
+    backend request (--backend auto|wgpu|dawn; None: MEMENGINE_BACKEND, else auto)."""
     request = device or os.environ.get("MEMENGINE_DEVICE", "auto")
-    key = (request, os.environ.get(ENV_BACKEND, "").strip())
+    which = backend_request(backend)
+    key = (request, which)
     rt = _RUNTIMES.get(key)
     if rt is None:
-        rt = Runtime(request, verbose)
+        rt = Runtime(request, verbose, which)
         _RUNTIMES[key] = rt
     else:
         rt.apply_env_limits()
