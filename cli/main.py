@@ -218,10 +218,10 @@ def _info(o: InfoOptions, ui: UI) -> None:
         ui.table(f"memory plan for batch {o.batch_size} x {o.seq_len} (largest buffer "
                  f"{mplan.fmt_bytes(lim['max_buffer_bytes'])}, binding {mplan.fmt_bytes(lim['max_binding_bytes'])}"
                  f", memory {'unknown' if lim['memory_bytes'] is None else mplan.fmt_bytes(lim['memory_bytes'])})",
-                 ["", *mplan.KINDS, f"lora (r {plan['lora_rank']})"], mplan.report_rows(plan),
-                 right=[False, True, True, True, True], result=True)
+                 ["", *mplan.KINDS, *([f"lora (r {plan['lora_rank']})"] if "lora" in plan else [])],
+                 mplan.report_rows(plan), right=[False, True, True, True, True], result=True)
         ui.note(f"memory budget: {lim['memory_source']}")
-        for kind in mplan.REPORT_KINDS:
+        for kind in (k for k in mplan.REPORT_KINDS if k in plan):
             if not plan[kind]["ok"]:
                 ui.note(f"{kind}: {plan[kind]['problem']}; {plan[kind]['advice']}")
     ui.emit(d)

@@ -92,12 +92,24 @@ def _device_and_plan(o: InfoOptions, cfg, verbose: bool):
         from memengine.engine.runtime import get_runtime
 
         rt = get_runtime(o.device or None, verbose=verbose, backend=o.backend)
-        return (rt.describe(), rt.capabilities(), mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt)),
+        return (rt.describe(), rt.capabilities(),
+                mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt), lora=_lora_column(cfg)),
                 rt.backend_name)
     except MemengineError as e:
         if o.device not in (None, "", "auto") or o.backend not in (None, "", "auto"):
             raise   # a device or a backend asked for by name that is not there: as eval says
         return f"none ({e})", None, None, None
+
+
+LORA_RANK = 8   # the adapter of the plan's LoRA column: rank 8 on the architecture's default targets
+
+
+def _lora_column(cfg) -> tuple:
+    """(rank, plan sizes) of the adapter the plan's LoRA column trains."""
+    from memengine.engine import lora, models
+
+    spec = lora.LoraSpec(r=LORA_RANK, alpha=2 * LORA_RANK, targets=models.of(cfg).lora_targets)
+    return LORA_RANK, lora.plan_sizes(cfg, spec, lora.init_tensors(cfg, spec, 0), train=True)
 
 
 def _named_shape(name) -> Optional[str]:

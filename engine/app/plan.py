@@ -353,20 +353,18 @@ PLAN_ROWS = ("parameters", "gradients", "moments", "activations", "logits chunk"
 
 
 REPORT_KINDS = KINDS + ("lora",)
-REPORT_LORA_RANK = 8   # the adapter of info's "lora" column: rank 8 on the architecture's default targets
 
 
-def report(cfg, batch_size: int, seq_len: int, lim: Limits) -> dict:
-    """The plans of eval, train, adapt and a LoRA run (rank REPORT_LORA_RANK) for one shape
-    (what `memengine info` shows)."""
-    from memengine.engine import lora
-
-    out = {"batch_size": int(batch_size), "seq_len": int(seq_len), "limits": lim.to_dict(),
-           "lora_rank": REPORT_LORA_RANK}
-    spec = lora.LoraSpec(r=REPORT_LORA_RANK, alpha=2 * REPORT_LORA_RANK, targets=models.of(cfg).lora_targets)
-    adapter = lora.plan_sizes(cfg, spec, lora.init_tensors(cfg, spec, 0), train=True)
-    for kind in REPORT_KINDS:
-        p = estimate(cfg, batch_size, seq_len, kind, lim, adapter=adapter if kind == "lora" else None)
+def report(cfg, batch_size: int, seq_len: int, lim: Limits, lora: tuple | None = None) -> dict:
+    """The plans of eval, train and adapt for one shape (what `memengine info` shows), and of
+    training a LoRA adapter when `lora` = (its rank, its `lora.plan_sizes`) is given."""
+    out = {"batch_size": int(batch_size), "seq_len": int(seq_len), "limits": lim.to_dict()}
+    kinds = KINDS
+    if lora is not None:
+        out["lora_rank"] = int(lora[0])
+        kinds = REPORT_KINDS
+    for kind in kinds:
+        p = estimate(cfg, batch_size, seq_len, kind, lim, adapter=lora[1] if kind == "lora" else None)
         d = p.to_dict()
         d["advice"] = None if p.ok else advice(cfg, p, lim)
         out[kind] = d
