@@ -121,10 +121,15 @@ def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
     While the body runs, Python-level writes to sys.stdout go to stderr, so only the UI's
     JSON lines reach stdout; SIGINT and SIGTERM unwind like Ctrl-C.
     """
+    from memengine.engine.io import staging
+
     redirect = contextlib.redirect_stdout(sys.stderr) if stdout_pure else contextlib.nullcontext()
     try:
-        with interrupts.handling(report=ui.error), redirect:
-            yield
+        with interrupts.handling(report=ui.error, notice=ui.note), redirect:
+            try:
+                yield
+            finally:
+                staging.release_locks()  # the outputs' locks (engine/io/staging.py) end with the command
     except (typer.Exit, typer.Abort, SystemExit):
         raise
     except KeyboardInterrupt as e:
