@@ -385,6 +385,11 @@ class TrainOptions(Options):
     save_every: int = opt(0, panel=CHECKPOINTS, check=at_least(0),
                           help="Write OUT/checkpoints/step-K every this many steps and after the last "
                                "(0 = off).")
+    save_every_minutes: float = opt(30.0, panel=CHECKPOINTS, check=(lambda v: 0 <= v <= 1e6, "must be in [0, 1e6]"),
+                                    metavar="MIN",
+                                    help="Also write a checkpoint after every this many minutes of training "
+                                         "(0 = off), so that a long run killed without warning keeps its work. "
+                                         "Ctrl-C and SIGTERM write one too, after the step in flight.")
     keep_last: int = opt(0, panel=CHECKPOINTS, check=at_least(0),
                          help="Keep only the newest this many checkpoints (0 = all; the best is kept "
                               "too with --keep-best).")

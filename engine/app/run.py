@@ -28,12 +28,12 @@ from memengine.engine.io.data import make_batches, make_windows, read_sources, t
 from memengine.engine.io.resolve import public_path, resolve_checkpoint
 from memengine.engine.listener import Listener
 from memengine.engine.train import adapt as wsla
-from memengine.engine.train import distributed, optim_state, snapshots
+from memengine.engine.train import distributed, optim_state, snapshots, state_schema
 from memengine.engine.train.loop import LoopState, TrainingLoop, reads_apart
 from memengine.engine.train.sampler import split_windows
 from memengine.engine.train.trainer import EvalResult, Trainer, evaluate
 
-STATE_VERSION = 1
+STATE_VERSION = 2   # 2: with its checksum and the optimizer's step (engine/train/state_schema.py)
 
 
 # =========================================================================== eval
@@ -195,6 +195,24 @@ class _Run:
         o.check_inputs()
         self.o = o
         self.listener = listener
+        try:
+            self._setup(verbose)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give up OUT's lock (the run is over, or never started)."""
+        out = getattr(self, "out", None)
+        if out is not None:
+            staging.release_lock(out)
+        if self.o.resume is not None:
+            run_dir = snapshots.run_dir_of(self.o.resume)
+            if run_dir is not None:
+                staging.release_lock(run_dir)
+
+    def _setup(self, verbose: bool) -> None:
+        o = self.o
         self._join_ranks()
         opened = self._open_source()
         self._check_output(opened)
@@ -227,7 +245,9 @@ class _Run:
                 "windows": {"train": len(self.windows), "held_out": sum(b.n_windows for b in self.val_batches)
                             if self.val_batches else 0},
                 "steps": {"per_epoch": per_epoch, "total": total_steps(o, per_epoch), "from": start},
-                "checkpoints": {"every": o.save_every, "keep_last": o.keep_last, "keep_best": o.keep_best},
+                "checkpoints": {"every": o.save_every, "every_minutes": o.save_every_minutes,
+                                "on_interrupt": self.world == 1, "policy": self.checkpoint_policy(),
+                                "keep_last": o.keep_last, "keep_best": o.keep_best},
                 "device": self.device, "memory": plan.to_dict()}
 
     def _join_ranks(self) -> None:
@@ -246,6 +266,14 @@ class _Run:
     def _open_source(self):
         """The run's checkpoint: CKPT, or the step directory --resume names."""
         o = self.o
+        if o.resume is not None and self.writer:
+            # continuing in place: OUT is locked (one writer) and a commit a killed run left
+            # half-done is finished, before its state is read
+            run_dir = snapshots.run_dir_of(o.resume)
+            if run_dir is not None and (o.output is None or Path(o.output).resolve() == run_dir.resolve()):
+                staging.lock_output(run_dir)
+                for note in staging.recover(run_dir):
+                    self.listener.on_note(note)
         self.snap = snapshots.locate(o.resume) if o.resume is not None else None
         snap = self.snap
         if snap is not None and snap.kind != o.KIND:
@@ -294,6 +322,8 @@ class _Run:
         ref = opened.ref
         inputs = self._inputs(ref.path) + [("the adapter", Path(p)) for p in
                                            (opened.adapter and opened.adapter.path, o.lora_from) if p]
+        if self.in_place:   # the resumed checkpoint lies in OUT by definition
+            inputs = inputs[1:]
         if snap is not None:
             was = int(snap.state.get("world_size", 1))
             if was != self.world:
@@ -424,6 +454,10 @@ class _Run:
             lis.on_note(f"resuming {snap.dir} at step {snap.step}")
         self.trainer = Trainer(self.model, o, opt_state, wsla=o.WSLA,
                                trace_capacity=reads_apart(o, len(self.windows)), group=self.group)
+        if snap is not None:   # the two files of the checkpoint belong together
+            state_schema.check_optimizer_agrees(snap.state, opt_state, list(self.trainer.names),
+                                                f"--resume {snap.dir}", opt_file)
+            state_schema.check_order_rng((snap.state.get("loop") or {}).get("order"), o.seed, f"--resume {snap.dir}")
         self.claimed = self.in_place
         self.extra_state: dict = dict(snap.state.get("extra") or {}) if snap is not None else {}
         title = f"{'adapt (WSLA)' if o.WSLA else 'train'} {o.ckpt if snap is None else snap.dir} -> {self.out}"
@@ -445,7 +479,22 @@ class _Run:
         val = f", {sum(b.n_windows for b in lp.val_batches)} held out" if lp.val_batches else ""
         lis.on_note(f"{what} on {self.stream.ids.size:,} tokens ({len(self.windows)} windows{val}; "
                     f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
-                    + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else ""))
+                    + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else "")
+                    + f"; {self.checkpoint_policy()}")
+
+    def checkpoint_policy(self) -> str:
+        """When the run writes checkpoints, in the words of its plan line."""
+        o = self.o
+        when = []
+        if o.save_every:
+            when.append(f"every {o.save_every} steps (--save-every)")
+        if o.save_every_minutes:
+            when.append(f"every {o.save_every_minutes:g} min (--save-every-minutes)")
+        if self.world == 1:
+            when.append("on Ctrl-C/SIGTERM")
+        if not when:
+            return "no checkpoints until the end"
+        return "checkpoints " + ", ".join(when)
 
     def recorded_options(self) -> dict:
         """The options as the run record and trainer_state.json keep them: a LoRA run's
@@ -487,9 +536,14 @@ class _Run:
                 raise MemengineError(
                     f"--resume: {flag} is not the data the run was trained on (its tokens differ); a resumed "
                     "run continues on the same data (start a new run from the checkpoint to train on other data)")
+        for key in ("tokens", "windows", "documents"):
+            if key in rec and rec[key] != self.data_info.get(key):
+                raise MemengineError(f"--resume {self.snap.dir}: its trainer state says the data has {rec[key]} "
+                                     f"{key}, the data read now {self.data_info.get(key)}; the state does not "
+                                     "belong to this data")
 
     # ------------------------------------------------------------------ writing
-    def trainer_state(self) -> dict:
+    def trainer_state(self, moments: Optional[dict] = None) -> dict:
         segs = [dict(s) for s in self.segments]
         segs[-1]["last_step"] = self.state.step
         options = self.recorded_options()
@@ -498,7 +552,7 @@ class _Run:
         return {"format": snapshots.STATE_FORMAT, "version": STATE_VERSION, "kind": self.o.KIND,
                 "world_size": self.world, "step": self.state.step, "epoch": (self.loop.order.state()["epoch"]), "input": self.input,
                 "options": options, "data": self.data_info, "extra": self.extra_state,
-                "segments": segs, "loop": self.loop.state_dict()}
+                "segments": segs, "optimizer_step": optim_state.step_count(moments), "loop": self.loop.state_dict()}
 
     def write_checkpoint(self, directory: Path, final: Path) -> None:
         """Model (F32) or a LoRA run's adapter, optimizer state and trainer state into
@@ -515,11 +569,12 @@ class _Run:
         tok = tokenizer_file(self.tok)
         if run_lora and run_lora.train:
             lora.write_run_adapter(directory, run_lora, tensors, tok)
-            optim_state.save(directory, self._moments())
-            state = self.trainer_state()
+            moments = self._moments()
+            optim_state.save(directory, moments)
+            state = self.trainer_state(moments)
             state["extra"] = {**state["extra"], "lora": {
                 "base_relative": None if self.ref.repo_id else snapshots.relative_to_run(str(self.ref.path), final)}}
-            staging.write_json(directory / snapshots.STATE_FILE, state)
+            snapshots.write_state(directory, state)
             return
         if run_lora is not None:
             tensors = lora.merged_tensors(tensors, run_lora.source)
@@ -527,8 +582,9 @@ class _Run:
                         extra_files=side_files(self.ckpt.directory, tok.parent if tok else None),
                         metadata={"producer": f"memengine {records.version()}", "step": str(self.state.step)},
                         max_shard_size=self.o.max_shard_bytes)
-        optim_state.save(directory, self._moments())
-        staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
+        moments = self._moments()
+        optim_state.save(directory, moments)
+        snapshots.write_state(directory, self.trainer_state(moments))
 
     def _moments(self) -> dict:
         """The trainer's optimizer state; with --shard-moments gathered from every rank (each
@@ -545,12 +601,18 @@ class _Run:
             self._moments()
         if not self.writer:   # rank 0 writes the run's checkpoints
             return snapshots.step_dir(self.out, self.state.step)
-        if not self.claimed:
-            staging.claim_dir(self.out, self.o.force)
-            self.claimed = True
         d = snapshots.step_dir(self.out, self.state.step)
-        with staging.staged_output(d, force=True, record=False) as tmp:
-            self.write_checkpoint(tmp, d)
+        if not self.claimed:
+            # the first checkpoint makes OUT: staged inside a new OUT and put in place whole, so
+            # an old OUT (--force) stays until the new one holds a complete checkpoint
+            with staging.staged_output(self.out, self.o.force, record=False) as tmp:
+                inner = tmp / snapshots.CHECKPOINTS_DIR / d.name
+                inner.mkdir(parents=True)
+                self.write_checkpoint(inner, d)
+            self.claimed = True
+        else:
+            with staging.staged_output(d, force=True, record=False) as tmp:
+                self.write_checkpoint(tmp, d)
         best = self.state.best["step"] if (self.o.keep_best and self.state.best) else None
         snapshots.prune(self.out, self.o.keep_last, keep=best)
         return d
@@ -605,29 +667,38 @@ class _Run:
             self.group.finish()
 
     def last_checkpoint(self) -> Optional[Path]:
-        steps = snapshots.list_steps(self.out) if self.claimed else []
+        steps = snapshots.list_steps(self.out) if getattr(self, "claimed", False) else []
         return steps[-1][1] if steps else None
 
     def left(self) -> str:
-        """What an interrupted or failed run leaves behind, for its one-line message."""
+        """What an interrupted or failed run leaves behind, for its one-line message: what is
+        on disk now (also asked by the emergency exit of a second Ctrl-C, from its thread)."""
         if not self.writer:
             return "rank 0 writes the run's outputs and says what it leaves"
         if interrupts.was_completed(self.out):
             return f"{self.out} had been written completely and is kept"
-        last = self.last_checkpoint()
-        if last is None:
+        steps = snapshots.list_steps(self.out) if getattr(self, "claimed", False) else []
+        if not steps:
+            if self.out.exists():
+                return f"nothing was written ({self.out} is as it was)"
             return "nothing was written"
-        return f"the last checkpoint is {last} (continue with --resume {self.out})"
+        last = steps[-1][1]
+        n = f"{len(steps)} complete checkpoints, resumable" if len(steps) > 1 else "complete, resumable"
+        return f"the last checkpoint is {last} ({n}; continue with --resume {self.out})"
 
     @contextlib.contextmanager
     def interruptible(self):
-        """A Ctrl-C/SIGTERM in here says what the run leaves behind."""
+        """A Ctrl-C/SIGTERM in here says what the run leaves behind; OUT's lock is given up
+        at the end."""
         try:
-            yield
+            with interrupts.leaving(self.left):
+                yield
         except Interrupted:
             raise
         except KeyboardInterrupt:
             raise Interrupted(f"{interrupts.signal_name()}; {self.left()}") from None
+        finally:
+            self.release()
 
     def train(self) -> None:
         try:
@@ -641,6 +712,7 @@ def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: boo
     --dry-run, the dict of what the run would do instead (nothing trained or written)."""
     r = _Run(o, listener or Listener(), verbose)
     if r.dry is not None:
+        r.release()
         return r.dry
     with r.interruptible():
         t0 = time.perf_counter()
@@ -659,6 +731,7 @@ def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: boo
     lis = listener or Listener()
     r = _Run(o, lis, verbose)
     if r.dry is not None:
+        r.release()
         return r.dry
     with r.interruptible():
         return _adapt(r, o, lis)

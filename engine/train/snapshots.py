@@ -22,11 +22,12 @@ from typing import Optional
 from memengine.engine.errors import MemengineError
 from memengine.engine.hostmem import check_fits
 from memengine.engine.io.inputs import check_regular, read_json
-from memengine.engine.io.staging import remove_dir
+from memengine.engine.io.staging import remove_dir, write_json
+from memengine.engine.train import state_schema
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS_DIR = "checkpoints"
-STATE_FORMAT = "memengine-trainer-state"
+STATE_FORMAT = state_schema.STATE_FORMAT
 # trainer_state.json holds every event of the run: larger than a config, still bounded
 MAX_STATE_BYTES = 2**30
 JSON_EXPANSION = 10  # host bytes per byte of JSON once parsed into Python objects (generous)
@@ -63,9 +64,12 @@ def read_state(directory: Path) -> dict:
         st = read_json(p, "--resume: trainer state", max_bytes=MAX_STATE_BYTES)
     except MemengineError as e:
         raise MemengineError(f"--resume {e}" if str(e).startswith(str(p)) else str(e)) from None
-    if not isinstance(st, dict) or st.get("format") != STATE_FORMAT or not isinstance(st.get("step"), int):
-        raise MemengineError(f"--resume {p}: not a memengine trainer state")
-    return st
+    return state_schema.validate(st, f"--resume {p}")
+
+
+def write_state(directory: Path, state: dict) -> None:
+    """trainer_state.json into `directory`, with its checksum (engine/train/state_schema.py)."""
+    write_json(Path(directory) / STATE_FILE, state_schema.with_checksum(state))
 
 
 @dataclass
@@ -80,6 +84,16 @@ class Snapshot:
     @property
     def kind(self) -> str:
         return str(self.state.get("kind", "train"))
+
+
+def run_dir_of(path) -> Optional[Path]:
+    """The OUT a --resume path belongs to: the path, or the run of a step directory."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    if _STEP.match(p.name) and p.parent.name == CHECKPOINTS_DIR:
+        return p.parent.parent
+    return p
 
 
 def locate(path: Path) -> Snapshot:
