@@ -51,6 +51,11 @@ def _is_input_oserror(e: BaseException) -> bool:
 _REPORTED = {"interrupt": False}
 
 
+def interrupt_reported() -> None:
+    """A command said itself that it was interrupted: the group adds no second line."""
+    _REPORTED["interrupt"] = True
+
+
 class CommandGroup(TyperGroup):
     """The `memengine` group: usage errors (an unknown flag, a missing argument, a value of
     the wrong type) are one `error:` line and exit 2 like every other error, not Typer's

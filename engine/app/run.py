@@ -666,6 +666,16 @@ class _Run:
         if self.group is not None:
             self.group.finish()
 
+    def checkpoint_now(self) -> None:
+        """After an interrupt outside the steps (adapt's perplexity after them): a checkpoint
+        of where the run is, unless the last one is of this step (one process only: ranks stop)."""
+        if self.world != 1 or not self.writer or self.state.step == 0:
+            return
+        steps = snapshots.list_steps(self.out) if self.claimed else []
+        if steps and steps[-1][0] == self.state.step:
+            return
+        self.loop.checkpoint()
+
     def last_checkpoint(self) -> Optional[Path]:
         steps = snapshots.list_steps(self.out) if getattr(self, "claimed", False) else []
         return steps[-1][1] if steps else None
@@ -763,7 +773,11 @@ def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
         r.train()
     except NonFiniteError as e:
         failure = f"non-finite training loss ({e})"
-    after = measure("after") if not failure else None
+    try:
+        after = measure("after") if not failure else None
+    except KeyboardInterrupt:
+        r.checkpoint_now()   # the training is done: a resumed run measures again and decides
+        raise
     elapsed = time.perf_counter() - t0
     ppl_after = after.perplexity if after is not None else float("nan")
     reason = wsla.regression(before["perplexity"], ppl_after, o.tolerance, failure)

@@ -473,6 +473,8 @@ def recover(out: Path) -> list[str]:
     if os.path.lexists(out / COMMIT_MARK):  # killed after its commit, before it removed the mark
         with contextlib.suppress(OSError):
             os.unlink(out / COMMIT_MARK)
+    if os.path.isdir(out / CHECKPOINTS_DIR) and not os.path.islink(out / CHECKPOINTS_DIR):
+        notes += clean_leftovers(out / CHECKPOINTS_DIR)   # a checkpoint a killed run was writing
     _clean_stale_lock(out)
     return notes
 

@@ -266,6 +266,12 @@ class TrainingLoop:
         self.listener.on_eval(self._record(ev))
         self._mark = time.perf_counter()  # evaluation time is not training time
 
+    def checkpoint(self) -> None:
+        """Write a checkpoint of where the run is now (a first signal after the last step)."""
+        if self.trainer.pending:
+            self._read(self.order.epoch)
+        self._save()
+
     def _save(self) -> None:
         st = self.state
         if self.o.keep_best and st.last_eval is not None and st.last_eval["step"] == st.step:

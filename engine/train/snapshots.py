@@ -131,20 +131,26 @@ def relative_to_run(path: str, run_dir: Path) -> str:
     return os.path.relpath(Path(path).resolve(), Path(run_dir).resolve())
 
 
-def recorded_options(path: Path, kind: str) -> dict:
-    """The options of the run --resume continues (after checking it is the same kind)."""
+def recorded_options(path: Path, kind: str) -> tuple[dict, bool, str]:
+    """The options of the run --resume continues (after checking it is the same kind), whether
+    its state is of a version that records all of them, and where they come from."""
     snap = locate(path)
     if snap.kind != kind:
         raise MemengineError(f"--resume {path}: that run was '{snap.kind}'; continue it with "
                              f"memengine {snap.kind} --resume {path}")
     opts = snap.state.get("options")
     opts = dict(opts) if isinstance(opts, dict) else {}
+    where = f"--resume {snap.dir / STATE_FILE}"
     for key in RUN_RELATIVE:
+        v = opts.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) and x and "\x00" not in x for x in v)):
+            raise MemengineError(f"{where}: the run's option '{key}' is {v!r}, not a list of paths; the state is not "
+                                 "one memengine wrote")
         if isinstance(opts.get(key), list):
             if "-" in opts[key]:
                 raise MemengineError(f"--resume {path}: the run read stdin; give --{key.replace('_', '-')} again")
             opts[key] = [os.path.normpath(os.path.join(os.path.abspath(snap.run_dir), d)) for d in opts[key]]
-    return opts
+    return opts, int(snap.state.get("version", 1)) >= 2, where
 
 
 def later_steps(run_dir: Path, step: int) -> list[Path]:
