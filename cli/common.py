@@ -91,8 +91,10 @@ class CommandGroup(TyperGroup):
             sys.exit(interrupts.signal_exit_code())
         if not standalone_mode:
             return rv
-        if rv in (130, 143) and not _REPORTED["interrupt"]:  # Typer's own KeyboardInterrupt handling
-            sys.stderr.write(f"error: {interrupts.signal_name()}; nothing was written\n")
+        if rv in (130, 143):  # Typer's own KeyboardInterrupt handling says 130 whatever the signal
+            if not _REPORTED["interrupt"]:
+                sys.stderr.write(f"error: {interrupts.signal_name()}; nothing was written\n")
+            rv = interrupts.signal_exit_code()
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
