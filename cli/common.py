@@ -143,6 +143,8 @@ def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
         if debug_enabled():
             traceback.print_exc(file=sys.stderr)
         ui.error(getattr(e, "message", None) or f"{interrupts.signal_name()}; {interrupts.outcome()}")
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
         _REPORTED["interrupt"] = True
         raise typer.Exit(interrupts.signal_exit_code())
     except BrokenPipeError:

@@ -171,8 +171,10 @@ def _emergency_exit(signum: int) -> None:
                 os.unlink(path)
         what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
         msg = f"{what} again: stopped at once; {outcome()}"
+        # written raw: the main thread may have been stopped inside the UI's own printing (its
+        # console buffer or lock in any state), and nothing is flushed after os._exit
         with contextlib.suppress(Exception):
-            (_WATCH["report"] or _write_stderr)(msg)
+            _write_stderr(msg)
     finally:
         os._exit(128 + signum)
         if got:  # pragma: no cover
@@ -253,8 +255,9 @@ def exiting() -> None:
 @contextlib.contextmanager
 def handling(report=None, notice=None) -> Iterator[None]:
     """Route SIGINT and SIGTERM to KeyboardInterrupt while inside (main thread only); a
-    second signal ends the process at once (see the module doc), saying so through
-    `report(message)` (default: an `error:` line on stderr).  `notice(message)` hears, at
+    second signal ends the process at once (see the module doc), saying so in an `error:`
+    line written straight to stderr (`report` is kept for callers; the emergency line does
+    not go through it: a UI stopped mid-print may never flush).  `notice(message)` hears, at
     once, that a first signal during a training step will stop the run after it."""
     old = {}
     _STATE.update(pending=False, count=0, delivered=False, finishing=0)
