@@ -184,6 +184,7 @@ def test_train_json_into_head_exits_quietly_and_keeps_its_checkpoint(tiny_ckpt_r
     assert "error" not in err.lower() and "Traceback" not in err
     steps = [d.name for d in (out / "checkpoints").iterdir()]
     assert steps == ["step-2"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no lock file left
     r = run("train", "--resume", out, "--max-steps", "4")   # what it kept is resumable
     assert r.exit_code == 0, r.stderr
 

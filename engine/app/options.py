@@ -33,7 +33,7 @@ from memengine.engine import models
 MAX_ROWS = 2**31 - 1
 # every number option reaches float32 kernels or counts steps: larger is no setting at all
 F32_MAX = float(3.4028234663852886e38)
-MAX_COUNT = 2**53
+MAX_COUNT = 2**64 - 1   # (a 64-bit seed is the largest integer an option holds)
 
 # the largest LoRA alpha taken: alpha / r scales an adapter's update, and far beyond any
 # trained adapter's a float32 product overflows (1e30: a NaN loss, 1e308: an OverflowError)
@@ -173,7 +173,7 @@ class Options:
             if isinstance(v, float) and abs(v) > F32_MAX:
                 raise self.bad(f.name, f"must be at most {F32_MAX:.4g} in size (the GPU computes in float32)")
             if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_COUNT:
-                raise self.bad(f.name, "must be at most 2^53")
+                raise self.bad(f.name, "must be below 2^64")
             check = spec_of(f).check
             if check is not None and v is not None and not check[0](v):
                 raise self.bad(f.name, check[1])

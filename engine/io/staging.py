@@ -499,6 +499,10 @@ def input_files(p) -> list[Path]:
     rp = _real(p)
     out = [rp]
     if not rp.is_dir():
+        if str(p).endswith(".index.json"):   # a sharded checkpoint named by its index: its shards too
+            with contextlib.suppress(OSError):
+                d = Path(os.path.abspath(os.path.expanduser(str(p)))).parent
+                out += [_real(f) for f in sorted(d.iterdir())[:MAX_INPUT_FILES] if f.name.endswith(".safetensors")]
         return out
     todo = [(Path(os.path.abspath(os.path.expanduser(str(p)))), 0)]
     while todo and len(out) < MAX_INPUT_FILES:
