@@ -4,7 +4,26 @@ load (a second or more on a cold start), then runs the Typer app of cli/main.py.
 
 from __future__ import annotations
 
+import os as _os
 import sys
+
+import _signal
+
+
+def _early_exit(signum, frame):  # pragma: no cover - timing: a signal in the first milliseconds
+    what = "terminated (SIGTERM)" if signum == _signal.SIGTERM else "interrupted"
+    _os.write(2, f"error: {what} while starting; nothing was written\n".encode())
+    _os._exit(128 + signum)
+
+
+# The console script (or `python -m memengine.cli...`) imports this package first: from here
+# on, until `main` installs the real handling, a signal is one line and its status, not a
+# traceback from whatever module is loading.  Imported by anything else (tests, a library
+# user), the process's signal handling is left alone.
+if _os.path.basename(sys.argv[0] if sys.argv else "") in ("memengine", "-m") and \
+        _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    for _sig in (_signal.SIGINT, _signal.SIGTERM):
+        _signal.signal(_sig, _early_exit)
 
 
 def main() -> None:

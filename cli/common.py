@@ -51,6 +51,11 @@ def _is_input_oserror(e: BaseException) -> bool:
 _REPORTED = {"interrupt": False}
 
 
+def interrupt_reported() -> None:
+    """A command said itself that it was interrupted: the group adds no second line."""
+    _REPORTED["interrupt"] = True
+
+
 class CommandGroup(TyperGroup):
     """The `memengine` group: usage errors (an unknown flag, a missing argument, a value of
     the wrong type) are one `error:` line and exit 2 like every other error, not Typer's
@@ -86,8 +91,10 @@ class CommandGroup(TyperGroup):
             sys.exit(interrupts.signal_exit_code())
         if not standalone_mode:
             return rv
-        if rv in (130, 143) and not _REPORTED["interrupt"]:  # Typer's own KeyboardInterrupt handling
-            sys.stderr.write(f"error: {interrupts.signal_name()}; nothing was written\n")
+        if rv in (130, 143):  # Typer's own KeyboardInterrupt handling says 130 whatever the signal
+            if not _REPORTED["interrupt"]:
+                sys.stderr.write(f"error: {interrupts.signal_name()}; nothing was written\n")
+            rv = interrupts.signal_exit_code()
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
@@ -121,16 +128,23 @@ def guard(ui: UI, stdout_pure: bool = True) -> Iterator[None]:
     While the body runs, Python-level writes to sys.stdout go to stderr, so only the UI's
     JSON lines reach stdout; SIGINT and SIGTERM unwind like Ctrl-C.
     """
+    from memengine.engine.io import staging
+
     redirect = contextlib.redirect_stdout(sys.stderr) if stdout_pure else contextlib.nullcontext()
     try:
-        with interrupts.handling(report=ui.error), redirect:
-            yield
+        with interrupts.handling(report=ui.error, notice=ui.note), redirect:
+            try:
+                yield
+            finally:
+                staging.release_locks()  # the outputs' locks (engine/io/staging.py) end with the command
     except (typer.Exit, typer.Abort, SystemExit):
         raise
     except KeyboardInterrupt as e:
         if debug_enabled():
             traceback.print_exc(file=sys.stderr)
         ui.error(getattr(e, "message", None) or f"{interrupts.signal_name()}; {interrupts.outcome()}")
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
         _REPORTED["interrupt"] = True
         raise typer.Exit(interrupts.signal_exit_code())
     except BrokenPipeError:

@@ -5,14 +5,16 @@ Human mode: the new text streams to stdout as it is produced (it is the result),
 by a newline; tokens/s, time to the first token and the stop reason go to stderr.
 `--json`: one object on stdout, {"prompt_tokens", "tokens", "text", "stop", "tokens_per_s",
 "ttft_s", "elapsed_s"}.  Ctrl-C ends the text where it is (what was generated stays
-shown, the JSON object says "stop": "interrupted") with exit status 130.
+shown, the JSON object says "stop": "interrupted") with exit status 130 (143 for SIGTERM).
 """
 
 from __future__ import annotations
 
 from memengine.engine.app.options import GenerateOptions
 
-from .common import EXIT_INTERRUPTED
+from memengine.engine import interrupts
+
+from .common import interrupt_reported
 from .ui import UI
 
 HELP = """Continue a prompt with the model: recurrent decoding on the GPU, the text streamed to stdout.
@@ -59,6 +61,8 @@ def command(o: GenerateOptions, ui: UI) -> int:
 
     res = run(o, ui)
     if res.stop == STOP_INTERRUPTED:
-        ui.error(f"interrupted after {len(res.tokens)} tokens")
-        return EXIT_INTERRUPTED
+        # one line, and the status of the signal (130 Ctrl-C, 143 SIGTERM)
+        ui.error(f"{interrupts.signal_name()} after {len(res.tokens)} tokens")
+        interrupt_reported()
+        return interrupts.signal_exit_code()
     return 0

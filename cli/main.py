@@ -631,6 +631,29 @@ def demo_text(chars: int) -> str:
     return text[:chars]
 
 
+DEMO_OUTPUTS = ("base", "trained", "adapted", "model-f16")
+DEMO_FILES = ("text.txt", "new-sentence.txt")
+
+
+def _check_demo_workdir(root: Path) -> None:
+    """--force reuses a demo's work directory: it may hold only what the demo writes (its
+    four checkpoints, each only memengine's files, and its two text files)."""
+    foreign = []
+    for e in sorted(root.iterdir(), key=lambda p: p.name):
+        if e.name in DEMO_OUTPUTS and e.is_dir() and not e.is_symlink():
+            foreign += [f"{e.name}/{f}" for f in staging.foreign_entries(e)]
+        elif e.name in DEMO_FILES and e.is_file() and not e.is_symlink():
+            continue
+        elif not e.name.startswith("."):   # the hidden staging of a killed demo is cleaned by its next run
+            foreign.append(e.name + ("/" if e.is_dir() else ""))
+        elif not any(e.name.startswith(f".{n}.") for n in DEMO_OUTPUTS):
+            foreign.append(e.name + ("/" if e.is_dir() else ""))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise MemengineError(f"--workdir {root}: holds files the demo did not write ({shown}); --force reuses only "
+                             "a demo's own directory: move them away or choose another --workdir")
+
+
 def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: int, seq_len: int,
             batch_size: int, lr: float, device, force: bool, verbose: bool, backend=None) -> None:
     text = demo_text(chars)
@@ -642,8 +665,10 @@ def do_demo(ui: UI, workdir: Optional[Path], config: str, epochs: int, chars: in
         root = Path(workdir)
         if root.exists() and not root.is_dir():
             raise MemengineError(f"--workdir {root}: exists and is not a directory")
-        if root.exists() and root.is_dir() and any(root.iterdir()) and not force:
-            raise MemengineError(f"--workdir {root}: directory exists and is not empty (use --force to reuse it)")
+        if root.exists() and root.is_dir() and any(root.iterdir()):
+            if not force:
+                raise MemengineError(f"--workdir {root}: directory exists and is not empty (use --force to reuse it)")
+            _check_demo_workdir(root)
         root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:

@@ -29,11 +29,13 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-_STATE = {"deferred": 0, "pending": False, "signum": 0, "count": 0, "delivered": False}
+_STATE = {"deferred": 0, "pending": False, "signum": 0, "count": 0, "delivered": False, "finishing": 0}
+_LEFT: list = []                 # callables saying what a run leaves on disk now (innermost last)
 _COMPLETED: list = []            # outputs written completely during this command
 _STAGING: dict = {}              # staging directories in progress -> True
+_LOCK_FILES: set = set()         # lock files this process holds (removed by an emergency exit)
 _CRITICAL = threading.RLock()    # held while an output is swapped into place
-_WATCH: dict = {"thread": None, "r": -1, "w": -1, "old_fd": None, "report": None}
+_WATCH: dict = {"thread": None, "r": -1, "w": -1, "old_fd": None, "report": None, "notice": None}
 
 
 def _on_signal(signum, frame):
@@ -49,10 +51,42 @@ def _on_signal(signum, frame):
 
 
 def check() -> None:
-    """Raise the KeyboardInterrupt a signal deferred (loops and GPU waits call it)."""
-    if _STATE["pending"]:
+    """Raise the KeyboardInterrupt a signal deferred (loops and GPU waits call it); inside
+    `finishing()` the signal stays pending for the loop to act on at its next boundary."""
+    if _STATE["pending"] and not _STATE["finishing"]:
         _STATE["pending"] = False
         raise KeyboardInterrupt
+
+
+def consume() -> bool:
+    """Take a pending signal (True when there was one): the caller acts on it itself."""
+    was = bool(_STATE["pending"])
+    _STATE["pending"] = False
+    return was
+
+
+@contextlib.contextmanager
+def finishing() -> Iterator[None]:
+    """While inside (a training step in flight), a first signal does not interrupt: it stays
+    `pending()` until the loop's next step boundary, where the loop writes a checkpoint and
+    stops.  A second signal still ends the process at once."""
+    _STATE["finishing"] += 1
+    try:
+        yield
+    finally:
+        _STATE["finishing"] -= 1
+
+
+@contextlib.contextmanager
+def leaving(describe) -> Iterator[None]:
+    """While inside, `describe()` says what the command leaves on disk (the emergency exit
+    of a second signal, from the watcher thread, and `outcome()` ask it)."""
+    _LEFT.append(describe)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            _LEFT.remove(describe)
 
 
 def pending() -> bool:
@@ -90,7 +124,11 @@ def was_completed(path) -> bool:
 
 
 def outcome() -> str:
-    """What an interrupted command leaves behind, from what it completed."""
+    """What an interrupted command leaves behind: what its run says is on disk, else what it
+    completed."""
+    if _LEFT:
+        with contextlib.suppress(Exception):
+            return str(_LEFT[-1]())
     if not _COMPLETED:
         return "nothing was written"
     return f"{_COMPLETED[-1]} had been written completely and is kept"
@@ -105,6 +143,11 @@ def staging_dir(path: Path) -> Iterator[None]:
         yield
     finally:
         _STAGING.pop(key, None)
+
+
+def holding_lock(path, held: bool = True) -> None:
+    """Note a lock file this process holds (or gave up): an emergency exit removes it."""
+    (_LOCK_FILES.add if held else _LOCK_FILES.discard)(str(path))
 
 
 @contextlib.contextmanager
@@ -123,10 +166,15 @@ def _emergency_exit(signum: int) -> None:
         for key in list(_STAGING):
             with contextlib.suppress(Exception):
                 shutil.rmtree(key, ignore_errors=True)
+        for path in list(_LOCK_FILES):  # still held: a run that opened it meanwhile sees it gone and retries
+            with contextlib.suppress(Exception):
+                os.unlink(path)
         what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
         msg = f"{what} again: stopped at once; {outcome()}"
+        # written raw: the main thread may have been stopped inside the UI's own printing (its
+        # console buffer or lock in any state), and nothing is flushed after os._exit
         with contextlib.suppress(Exception):
-            (_WATCH["report"] or _write_stderr)(msg)
+            _write_stderr(msg)
     finally:
         os._exit(128 + signum)
         if got:  # pragma: no cover
@@ -150,6 +198,11 @@ def _watch(rfd: int) -> None:
                 _STATE["count"] += 1
                 if _STATE["count"] >= 2:
                     _emergency_exit(int(b))
+                elif _STATE["finishing"] and _WATCH["notice"] is not None:
+                    what = "terminated (SIGTERM)" if b == signal.SIGTERM else "interrupted"
+                    with contextlib.suppress(Exception):
+                        _WATCH["notice"](f"{what}: finishing the step in flight and writing a checkpoint "
+                                         "(Ctrl-C again stops at once)")
 
 
 def _start_watcher() -> None:
@@ -200,14 +253,18 @@ def exiting() -> None:
 
 
 @contextlib.contextmanager
-def handling(report=None) -> Iterator[None]:
+def handling(report=None, notice=None) -> Iterator[None]:
     """Route SIGINT and SIGTERM to KeyboardInterrupt while inside (main thread only); a
-    second signal ends the process at once (see the module doc), saying so through
-    `report(message)` (default: an `error:` line on stderr)."""
+    second signal ends the process at once (see the module doc), saying so in an `error:`
+    line written straight to stderr (`report` is kept for callers; the emergency line does
+    not go through it: a UI stopped mid-print may never flush).  `notice(message)` hears, at
+    once, that a first signal during a training step will stop the run after it."""
     old = {}
-    _STATE.update(pending=False, count=0, delivered=False)
+    _STATE.update(pending=False, count=0, delivered=False, finishing=0)
     _COMPLETED.clear()
+    _LEFT.clear()
     _WATCH["report"] = report
+    _WATCH["notice"] = notice
     main = threading.current_thread() is threading.main_thread()
     if main:
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -122,9 +122,16 @@ def test_init_refuses_nonempty_out_without_force(tmp_path):
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, "--force")
     assert (out / "keep.txt").read_text() == "precious"
+    # --force replaces only what memengine writes: a directory holding the user's file is refused
+    r = run("init", "tiny", "-o", out, "--force")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "keep.txt")
+    assert (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
+    (out / "config.json").write_text("{}")   # an output of memengine's is replaced
     r = run("init", "tiny", "-o", out, "--force")
     assert r.exit_code == 0, r.stderr
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").is_file()
 
 
 def test_init_unknown_config_exit_2(tmp_path):

@@ -133,7 +133,7 @@ def test_adapt_forced_regression_rolls_back(trained, tmp_path):
     assert tree_digest(base) == before
 
 
-def test_train_ctrl_c_leaves_nothing(trained, tmp_path):
+def test_train_ctrl_c_keeps_a_checkpoint_and_nothing_partial(trained, tmp_path):
     _, base, txt = trained
     out = tmp_path / "o"
     env = dict(os.environ)
@@ -157,7 +157,10 @@ def test_train_ctrl_c_leaves_nothing(trained, tmp_path):
             p.kill()
     assert p.returncode == 130, seen + err
     assert "Traceback" not in err
-    assert not out.exists()
+    # the step in flight finished and its checkpoint is OUT's only content; nothing hidden is left
+    steps = [q.name for q in (out / "checkpoints").iterdir()]
+    assert len(steps) == 1 and steps[0].startswith("step-") and f"{out}/checkpoints/{steps[0]}" in err
+    assert [q.name for q in out.iterdir()] == ["checkpoints"]
     assert not [q for q in tmp_path.iterdir() if q.name.startswith(".")]
 
 

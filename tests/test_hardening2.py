@@ -100,3 +100,121 @@ def test_a_huge_batch_is_refused_at_once(tiny_ckpt_ro, text, tmp_path, cmd):
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, "--batch-size")
     assert time.perf_counter() - t0 < 30
+
+
+# ----------------------------------------------------------------------------- issue 32, sections 2-4
+def test_a_lora_rank_above_full_rank_is_refused_at_once(tiny_ckpt_ro, text, tmp_path):
+    import time
+
+    t0 = time.perf_counter()
+    r = run("train", tiny_ckpt_ro, "--data", text, "-o", tmp_path / "o", "--lora-rank", "1000000")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, "--lora-rank 1000000")
+    assert "at most 16" in r.stderr   # in_proj of the tiny test model: min(E 16, 2 Di 64)
+    assert time.perf_counter() - t0 < 20 and not (tmp_path / "o").exists()
+    r = run("train", tiny_ckpt_ro, "--data", text, "-o", tmp_path / "o", "--lora-rank", "16", "--max-steps", "1",
+            "--seq-len", "32")
+    assert r.exit_code == 0, r.stderr
+
+
+@pytest.mark.parametrize("sig,code,word", [("SIGTERM", 143, "terminated (SIGTERM)"), ("SIGINT", 130, "interrupted")])
+def test_generate_stopped_by_a_signal_is_one_line_and_its_status(tiny_ckpt_ro, sig, code, word):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_safety import child_env, cli
+
+    p = subprocess.Popen(cli("generate", tiny_ckpt_ro, "-p", "the", "-n", "1000000"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert p.stdout.read(1)   # generating
+        time.sleep(0.5)
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == code, err
+    assert_one_line_error(err, f"{word} after")
+    assert sys.platform != "win32"
+
+
+def test_a_valid_240_character_output_name_works(tiny_ckpt_ro, text, tmp_path):
+    out = tmp_path / ("o" * 240)
+    r = run("quantize", tiny_ckpt_ro, "-o", out)
+    assert r.exit_code == 0, r.stderr
+    r = run("train", tiny_ckpt_ro, "--data", text, "-o", out, "--force", "--seq-len", "32", "--max-steps", "2",
+            "--save-every", "1")
+    assert r.exit_code == 0, r.stderr
+    assert (out / "checkpoints" / "step-2").is_dir()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_vocabulary_below_256_with_two_documents_and_the_byte_tokenizer(tmp_path):
+    from conftest import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "small-vocab", {"vocab_size": 128})
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("the keeper counted ships. " * 20)
+    b.write_text("and wrote each name. " * 20)
+    r = run("train", ckpt, "--data", a, "--data", b, "-o", tmp_path / "o", "--seq-len", "32", "--max-steps", "2")
+    assert r.exit_code == 0, r.stderr
+    r = run("eval", ckpt, "--data", a, "--data", b, "--seq-len", "32")
+    assert r.exit_code == 0, r.stderr
+
+
+def test_train_json_into_head_exits_quietly_and_keeps_its_checkpoint(tiny_ckpt_ro, text, tmp_path):
+    """`train ... --json --save-every 2 | head -1`: 141, nothing said, the checkpoint kept."""
+    import subprocess
+    import sys
+
+    from test_safety import child_env
+
+    out = tmp_path / "o"
+    cmd = (f"{sys.executable} -m memengine.cli.main train {tiny_ckpt_ro} --data {text} -o {out} --json "
+           f"--seq-len 32 --max-steps 40 --save-every 2 --log-every 3 2>{tmp_path / 'err'} | head -1; "
+           "echo ${PIPESTATUS[0]}")
+    p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=child_env(), timeout=300)
+    first, code = p.stdout.strip().splitlines()
+    assert json.loads(first)["event"] in ("step", "checkpoint")
+    assert code == "141"
+    err = (tmp_path / "err").read_text()
+    assert "error" not in err.lower() and "Traceback" not in err
+    steps = [d.name for d in (out / "checkpoints").iterdir()]
+    assert steps == ["step-2"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no lock file left
+    r = run("train", "--resume", out, "--max-steps", "4")   # what it kept is resumable
+    assert r.exit_code == 0, r.stderr
+
+
+def test_the_readme_says_what_a_broken_pipe_leaves():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    row = next(ln for ln in readme.splitlines() if ln.startswith("| 141 |"))
+    assert "nothing written" not in row and "checkpoint" in row
+
+
+EARLY_SIGNAL = """
+import os, signal, sys
+sys.argv = ["memengine", "info", sys.argv[1]]
+import memengine.cli          # the console script's first import: from here on a signal is one line
+os.kill(os.getpid(), signal.SIGINT)
+import memengine.engine.app.run   # a long import: the signal lands in it
+from memengine.cli import main
+main()
+"""
+
+
+def test_a_signal_in_the_first_milliseconds_prints_no_traceback(tiny_ckpt_ro):
+    import subprocess
+    import sys
+
+    from test_safety import child_env
+
+    p = subprocess.run([sys.executable, "-c", EARLY_SIGNAL, str(tiny_ckpt_ro)], capture_output=True, text=True,
+                       env=child_env(), timeout=120)
+    assert p.returncode == 130, p.stderr
+    assert_one_line_error(p.stderr, "interrupted while starting; nothing was written")

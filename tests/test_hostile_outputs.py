@@ -43,9 +43,9 @@ def child_env() -> dict:
 
 def make_out(path: Path, tag: str) -> Path:
     path.mkdir(parents=True)
-    (path / "model.txt").write_text(tag)
-    (path / "sub").mkdir()
-    (path / "sub" / "x").write_text(tag * 3)
+    (path / "README.md").write_text(tag)
+    (path / "checkpoints" / "step-1").mkdir(parents=True)
+    (path / "checkpoints" / "step-1" / "config.json").write_text(tag * 3)
     return path
 
 
@@ -175,9 +175,9 @@ KILL_CHILD = textwrap.dedent("""
         return ok
     staging.exchange = exchange
     with staging.staged_output(out, force=True) as tmp:
-        (tmp / "model.txt").write_text("new")
-        (tmp / "sub").mkdir()
-        (tmp / "sub" / "x").write_text("newnewnew")
+        (tmp / "README.md").write_text("new")
+        (tmp / "checkpoints" / "step-1").mkdir(parents=True)
+        (tmp / "checkpoints" / "step-1" / "config.json").write_text("newnewnew")
         if at == "staging":
             os.kill(os.getpid(), signal.SIGKILL)
 """)
@@ -199,17 +199,17 @@ def test_force_replacement_killed_at_any_instant_keeps_old_or_new(tmp_path, mode
     assert p.returncode in (0, -signal.SIGKILL), p.stderr
     # at every instant: the old or the new OUT is at the path, complete ...
     if out.exists():
-        got = (out / "model.txt").read_text()
+        got = (out / "README.md").read_text()
         assert got in ("old", "new")
-        assert (out / "sub" / "x").read_text() == got * 3
+        assert (out / "checkpoints" / "step-1" / "config.json").read_text() == got * 3
         tag = got
     else:  # ... or, between the two renames, the old one is kept complete beside it
         tag = None
         assert mode == "renames" and at in ("after-rename-1", "before-rename-2"), hidden(tmp_path)
     # and the next run recognises the leftovers: cleans them, or puts the old OUT back
     notes = staging.recover(out)
-    assert (out / "model.txt").read_text() == (tag or "old")
-    assert (out / "sub" / "x").read_text() == (tag or "old") * 3
+    assert (out / "README.md").read_text() == (tag or "old")
+    assert (out / "checkpoints" / "step-1" / "config.json").read_text() == (tag or "old") * 3
     assert hidden(tmp_path) == [], notes
     if tag is None:
         assert any("restored" in n for n in notes)
@@ -252,7 +252,7 @@ def test_exchange_really_is_atomic_on_linux(tmp_path):
     a, b = make_out(tmp_path / "a", "A"), make_out(tmp_path / "b", "B")
     if not staging.exchange(a, b):
         pytest.skip("this filesystem has no RENAME_EXCHANGE")
-    assert (a / "model.txt").read_text() == "B" and (b / "model.txt").read_text() == "A"
+    assert (a / "README.md").read_text() == "B" and (b / "README.md").read_text() == "A"
 
 
 # ============================================================================ modes, fsync
@@ -555,7 +555,7 @@ def test_second_signal_ends_a_stuck_run_at_once_and_cleanly(tiny_ckpt_ro, sample
     assert "Traceback" not in p.stderr
     assert_one_line_error(p.stderr, "stopped at once")
     assert took < 30
-    assert (out / "model.txt").read_text() == "old" and hidden(tmp_path) == []
+    assert (out / "README.md").read_text() == "old" and hidden(tmp_path) == []
 
 
 def test_interrupt_after_out_is_complete_says_so(tiny_ckpt_ro, sample_text, tmp_path):

@@ -21,7 +21,7 @@ from memengine.engine.listener import Listener
 PNG_FILE = "loss.png"
 SIZE = (960, 720)        # pixels of loss.png
 DPI = 100
-RUNS_DIR = "runs"        # TensorBoard's logging directory in OUT (HF Trainer's)
+RUNS_DIR = "runs"        # TensorBoard's logging directory in OUT (HF Trainer's; staging.EVENTS_DIR)
 MAX_HISTORY_BYTES = 256 << 20
 
 

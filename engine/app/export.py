@@ -16,6 +16,7 @@ from typing import Callable, Optional
 from memengine.engine import models
 from memengine.engine.errors import MemengineError
 from memengine.engine.io import gguf as gg
+from memengine.engine.io import staging
 
 
 @dataclass
@@ -64,8 +65,9 @@ def check_output(out: Path, force: bool, inputs: list) -> Path:
     for what, p in inputs:
         if p is None:
             continue
-        rp = _real(p)
-        if ro == rp or (rp.is_dir() and rp in ro.parents):
+        files = staging.input_files(p)   # each file of an input directory by its real path
+        rp = files[0]
+        if ro in files or (rp.is_dir() and rp in ro.parents):
             raise MemengineError(f"{flag}: lies in {what} {p} (export never writes into an input); write "
                                  "it elsewhere")
     if os.path.lexists(out) and not force:

@@ -32,6 +32,9 @@ from memengine.engine import models
 
 # tokens one step (or one evaluation batch) may hold: its rows are 32-bit indices
 MAX_ROWS = 2**31 - 1
+# every number option reaches float32 kernels or counts steps: larger is no setting at all
+F32_MAX = float(3.4028234663852886e38)
+MAX_COUNT = 2**64 - 1   # (a 64-bit seed is the largest integer an option holds)
 
 # the largest LoRA alpha taken: alpha / r scales an adapter's update, and far beyond any
 # trained adapter's a float32 product overflows (1e30: a NaN loss, 1e308: an OverflowError)
@@ -168,6 +171,10 @@ class Options:
             v = getattr(self, f.name)
             if not _finite(v):
                 raise self.bad(f.name, "must be a finite number")
+            if isinstance(v, float) and abs(v) > F32_MAX:
+                raise self.bad(f.name, f"must be at most {F32_MAX:.4g} in size (the GPU computes in float32)")
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_COUNT:
+                raise self.bad(f.name, "must be below 2^64")
             check = spec_of(f).check
             if check is not None and v is not None and not check[0](v):
                 raise self.bad(f.name, check[1])
@@ -411,6 +418,11 @@ class TrainOptions(Options):
     save_every: int = opt(0, panel=CHECKPOINTS, check=at_least(0),
                           help="Write OUT/checkpoints/step-K every this many steps and after the last "
                                "(0 = off).")
+    save_every_minutes: float = opt(30.0, panel=CHECKPOINTS, check=(lambda v: 0 <= v <= 1e6, "must be in [0, 1e6]"),
+                                    metavar="MIN",
+                                    help="Also write a checkpoint after every this many minutes of training "
+                                         "(0 = off), so that a long run killed without warning keeps its work. "
+                                         "Ctrl-C and SIGTERM write one too, after the step in flight.")
     keep_last: int = opt(0, panel=CHECKPOINTS, check=at_least(0),
                          help="Keep only the newest this many checkpoints (0 = all; the best is kept "
                               "too with --keep-best).")
@@ -659,13 +671,43 @@ def config_values(cls, data: dict, source: str) -> dict:
     return out
 
 
-def restored_values(cls, recorded: dict) -> dict:
-    """The options of a resumed run that carry over (those with restore=True)."""
+def _recorded_type_ok(hint, val) -> bool:
+    """A value of a trainer state's options is of its field's JSON type exactly (memengine
+    wrote it: a string where a number belongs is not converted)."""
+    if typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint):
+        if val is None:
+            return True
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint is bool:
+        return isinstance(val, bool)
+    if hint is int:
+        return isinstance(val, int) and not isinstance(val, bool)
+    if hint is float:
+        return isinstance(val, (int, float)) and not isinstance(val, bool)
+    if hint in (str, Path):
+        return isinstance(val, str) and val != "" and "\x00" not in val
+    if hint is list or typing.get_origin(hint) is list:
+        return isinstance(val, list) and all(isinstance(x, str) and x != "" and "\x00" not in x for x in val)
+    return True
+
+
+def restored_values(cls, recorded: dict, complete: bool = False, where: str = "resumed") -> dict:
+    """The options of a resumed run that carry over (those with restore=True), each of its
+    field's type; `complete`: the record must hold every one of them (a state this version
+    wrote)."""
     hints = cls.types()
     out = {}
     for f in cls.option_fields():
-        if spec_of(f).restore and f.name in recorded:
-            out[f.name] = _convert(hints[f.name], recorded[f.name], f"resumed option '{f.name}'")
+        if not spec_of(f).restore:
+            continue
+        if f.name not in recorded:
+            if complete:
+                raise MemengineError(f"{where}: the run's option '{f.name}' is missing; the state is incomplete")
+            continue
+        if not _recorded_type_ok(hints[f.name], recorded[f.name]):
+            raise MemengineError(f"{where}: the run's option '{f.name}' is {recorded[f.name]!r}, not a value of "
+                                 "that option; the state is not one memengine wrote")
+        out[f.name] = _convert(hints[f.name], recorded[f.name], f"resumed option '{f.name}'")
     return out
 
 
@@ -678,5 +720,6 @@ def resolve_options(cls, explicit: dict, config_file: Optional[Path] = None):
     if values.get("resume") is not None:
         from memengine.engine.train.snapshots import recorded_options
 
-        resumed = restored_values(cls, recorded_options(Path(values["resume"]), cls.KIND))
+        opts, complete, where = recorded_options(Path(values["resume"]), cls.KIND)
+        resumed = restored_values(cls, opts, complete, where)
     return cls(**{**resumed, **values}, config_file=None if config_file is None else Path(config_file))

@@ -29,12 +29,12 @@ from memengine.engine.io.data import Batches, Windows, window_count
 from memengine.engine.io.resolve import public_path, resolve_checkpoint
 from memengine.engine.listener import Listener, TaskMeter
 from memengine.engine.train import adapt as wsla
-from memengine.engine.train import distributed, optim_state, snapshots
+from memengine.engine.train import distributed, optim_state, snapshots, state_schema
 from memengine.engine.train.loop import LoopState, TrainingLoop, reads_apart
 from memengine.engine.train.sampler import held_out
 from memengine.engine.train.trainer import EvalResult, Trainer, evaluate
 
-STATE_VERSION = 1
+STATE_VERSION = 2   # 2: with its checksum and the optimizer's step (engine/train/state_schema.py)
 
 
 # =========================================================================== eval
@@ -207,6 +207,24 @@ class _Run:
         o.check_inputs()
         self.o = o
         self.listener = listener
+        try:
+            self._setup(verbose)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give up OUT's lock (the run is over, or never started)."""
+        out = getattr(self, "out", None)
+        if out is not None:
+            staging.release_lock(out)
+        if self.o.resume is not None:
+            run_dir = snapshots.run_dir_of(self.o.resume)
+            if run_dir is not None:
+                staging.release_lock(run_dir)
+
+    def _setup(self, verbose: bool) -> None:
+        o = self.o
         self._join_ranks()
         opened = self._open_source()
         self._check_output(opened)
@@ -238,7 +256,9 @@ class _Run:
                 "options": self.recorded_options(), "data": self.data_info,
                 "windows": {"train": len(self.windows), "held_out": window_count(self.val_batches)},
                 "steps": {"per_epoch": per_epoch, "total": total_steps(o, per_epoch), "from": start},
-                "checkpoints": {"every": o.save_every, "keep_last": o.keep_last, "keep_best": o.keep_best},
+                "checkpoints": {"every": o.save_every, "every_minutes": o.save_every_minutes,
+                                "on_interrupt": self.world == 1, "policy": self.checkpoint_policy(),
+                                "keep_last": o.keep_last, "keep_best": o.keep_best},
                 "device": self.device, "memory": plan.to_dict()}
 
     def _join_ranks(self) -> None:
@@ -257,6 +277,14 @@ class _Run:
     def _open_source(self):
         """The run's checkpoint: CKPT, or the step directory --resume names."""
         o = self.o
+        if o.resume is not None and self.writer:
+            # continuing in place: OUT is locked (one writer) and a commit a killed run left
+            # half-done is finished, before its state is read
+            run_dir = snapshots.run_dir_of(o.resume)
+            if run_dir is not None and (o.output is None or Path(o.output).resolve() == run_dir.resolve()):
+                staging.lock_output(run_dir)
+                for note in staging.recover(run_dir):
+                    self.listener.on_note(note)
         self.snap = snapshots.locate(o.resume) if o.resume is not None else None
         snap = self.snap
         if snap is not None and snap.kind != o.KIND:
@@ -305,6 +333,8 @@ class _Run:
         ref = opened.ref
         inputs = self._inputs(ref.path) + [("the adapter", Path(p)) for p in
                                            (opened.adapter and opened.adapter.path, o.lora_from) if p]
+        if self.in_place:   # the resumed checkpoint lies in OUT by definition
+            inputs = inputs[1:]
         if snap is not None:
             was = int(snap.state.get("world_size", 1))
             if was != self.world:
@@ -456,6 +486,10 @@ class _Run:
             lis.on_note(f"resuming {snap.dir} at step {snap.step}")
         self.trainer = Trainer(self.model, o, opt_state, wsla=o.WSLA,
                                trace_capacity=reads_apart(o, len(self.windows)), group=self.group)
+        if snap is not None:   # the two files of the checkpoint belong together
+            state_schema.check_optimizer_agrees(snap.state, opt_state, list(self.trainer.names),
+                                                f"--resume {snap.dir}", opt_file)
+            state_schema.check_order_rng((snap.state.get("loop") or {}).get("order"), o.seed, f"--resume {snap.dir}")
         self.claimed = self.in_place
         self.extra_state: dict = dict(snap.state.get("extra") or {}) if snap is not None else {}
         title = f"{'adapt (WSLA)' if o.WSLA else 'train'} {o.ckpt if snap is None else snap.dir} -> {self.out}"
@@ -479,7 +513,22 @@ class _Run:
         val = f", {window_count(lp.val_batches)} held out" if lp.val_batches else ""
         lis.on_note(f"{what} on {self.stream.size:,} tokens ({len(self.windows)} windows{val}; "
                     f"{lp.steps_per_epoch} step(s)/epoch, {lp.total} step(s) in all)"
-                    + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else ""))
+                    + (f", max delta {o.max_delta:g}, tolerance x{o.tolerance:g}" if o.WSLA else "")
+                    + f"; {self.checkpoint_policy()}")
+
+    def checkpoint_policy(self) -> str:
+        """When the run writes checkpoints, in the words of its plan line."""
+        o = self.o
+        when = []
+        if o.save_every:
+            when.append(f"every {o.save_every} steps (--save-every)")
+        if o.save_every_minutes:
+            when.append(f"every {o.save_every_minutes:g} min (--save-every-minutes)")
+        if self.world == 1:
+            when.append("on Ctrl-C/SIGTERM")
+        if not when:
+            return "no checkpoints until the end"
+        return "checkpoints " + ", ".join(when)
 
     def _tensorboard(self, lis: Listener) -> Listener:
         """--report-to tensorboard: OUT is the run's directory from the start (as with
@@ -539,9 +588,14 @@ class _Run:
                 raise MemengineError(
                     "--resume: the tokens the loss is on differ from the resumed run's (--train-on-prompt, or the "
                     "data's prompts); a resumed run keeps them")
+        for key in ("tokens", "windows", "documents"):
+            if key in rec and rec[key] != self.data_info.get(key):
+                raise MemengineError(f"--resume {self.snap.dir}: its trainer state says the data has {rec[key]} "
+                                     f"{key}, the data read now {self.data_info.get(key)}; the state does not "
+                                     "belong to this data")
 
     # ------------------------------------------------------------------ writing
-    def trainer_state(self) -> dict:
+    def trainer_state(self, moments: Optional[dict] = None) -> dict:
         segs = [dict(s) for s in self.segments]
         segs[-1]["last_step"] = self.state.step
         options = self.recorded_options()
@@ -550,7 +604,7 @@ class _Run:
         return {"format": snapshots.STATE_FORMAT, "version": STATE_VERSION, "kind": self.o.KIND,
                 "world_size": self.world, "step": self.state.step, "epoch": (self.loop.order.state()["epoch"]), "input": self.input,
                 "options": options, "data": self.data_info, "extra": self.extra_state,
-                "segments": segs, "loop": self.loop.state_dict()}
+                "segments": segs, "optimizer_step": optim_state.step_count(moments), "loop": self.loop.state_dict()}
 
     def write_checkpoint(self, directory: Path, final: Path) -> None:
         """Model (F32) or a LoRA run's adapter, optimizer state and trainer state into
@@ -567,11 +621,12 @@ class _Run:
         tok = tokenizer_file(self.tok)
         if run_lora and run_lora.train:
             lora.write_run_adapter(directory, run_lora, tensors, tok)
-            optim_state.save(directory, self._moments())
-            state = self.trainer_state()
+            moments = self._moments()
+            optim_state.save(directory, moments)
+            state = self.trainer_state(moments)
             state["extra"] = {**state["extra"], "lora": {
                 "base_relative": None if self.ref.repo_id else snapshots.relative_to_run(str(self.ref.path), final)}}
-            staging.write_json(directory / snapshots.STATE_FILE, state)
+            snapshots.write_state(directory, state)
             self._curves(directory)
             return
         if run_lora is not None:
@@ -580,8 +635,9 @@ class _Run:
                         extra_files=side_files(self.ckpt.directory, tok.parent if tok else None),
                         metadata={"producer": f"memengine {records.version()}", "step": str(self.state.step)},
                         max_shard_size=self.o.max_shard_bytes)
-        optim_state.save(directory, self._moments())
-        staging.write_json(directory / snapshots.STATE_FILE, self.trainer_state())
+        moments = self._moments()
+        optim_state.save(directory, moments)
+        snapshots.write_state(directory, self.trainer_state(moments))
         self._curves(directory)
 
     def _curves(self, directory: Path) -> None:
@@ -605,12 +661,18 @@ class _Run:
             self._moments()
         if not self.writer:   # rank 0 writes the run's checkpoints
             return snapshots.step_dir(self.out, self.state.step)
-        if not self.claimed:
-            staging.claim_dir(self.out, self.o.force)
-            self.claimed = True
         d = snapshots.step_dir(self.out, self.state.step)
-        with staging.staged_output(d, force=True, record=False) as tmp:
-            self.write_checkpoint(tmp, d)
+        if not self.claimed:
+            # the first checkpoint makes OUT: staged inside a new OUT and put in place whole, so
+            # an old OUT (--force) stays until the new one holds a complete checkpoint
+            with staging.staged_output(self.out, self.o.force, record=False) as tmp:
+                inner = tmp / snapshots.CHECKPOINTS_DIR / d.name
+                inner.mkdir(parents=True)
+                self.write_checkpoint(inner, d)
+            self.claimed = True
+        else:
+            with staging.staged_output(d, force=True, record=False) as tmp:
+                self.write_checkpoint(tmp, d)
         best = self.state.best["step"] if (self.o.keep_best and self.state.best) else None
         snapshots.prune(self.out, self.o.keep_last, keep=best)
         return d
@@ -664,30 +726,49 @@ class _Run:
         if self.group is not None:
             self.group.finish()
 
-    def last_checkpoint(self) -> Optional[Path]:
+    def checkpoint_now(self) -> None:
+        """After an interrupt outside the steps (adapt's perplexity after them): a checkpoint
+        of where the run is, unless the last one is of this step (one process only: ranks stop)."""
+        if self.world != 1 or not self.writer or self.state.step == 0:
+            return
         steps = snapshots.list_steps(self.out) if self.claimed else []
+        if steps and steps[-1][0] == self.state.step:
+            return
+        self.loop.checkpoint()
+
+    def last_checkpoint(self) -> Optional[Path]:
+        steps = snapshots.list_steps(self.out) if getattr(self, "claimed", False) else []
         return steps[-1][1] if steps else None
 
     def left(self) -> str:
-        """What an interrupted or failed run leaves behind, for its one-line message."""
+        """What an interrupted or failed run leaves behind, for its one-line message: what is
+        on disk now (also asked by the emergency exit of a second Ctrl-C, from its thread)."""
         if not self.writer:
             return "rank 0 writes the run's outputs and says what it leaves"
         if interrupts.was_completed(self.out):
             return f"{self.out} had been written completely and is kept"
-        last = self.last_checkpoint()
-        if last is None:
+        steps = snapshots.list_steps(self.out) if getattr(self, "claimed", False) else []
+        if not steps:
+            if self.out.exists():
+                return f"nothing was written ({self.out} is as it was)"
             return "nothing was written"
-        return f"the last checkpoint is {last} (continue with --resume {self.out})"
+        last = steps[-1][1]
+        n = f"{len(steps)} complete checkpoints, resumable" if len(steps) > 1 else "complete, resumable"
+        return f"the last checkpoint is {last} ({n}; continue with --resume {self.out})"
 
     @contextlib.contextmanager
     def interruptible(self):
-        """A Ctrl-C/SIGTERM in here says what the run leaves behind."""
+        """A Ctrl-C/SIGTERM in here says what the run leaves behind; OUT's lock is given up
+        at the end."""
         try:
-            yield
+            with interrupts.leaving(self.left):
+                yield
         except Interrupted:
             raise
         except KeyboardInterrupt:
             raise Interrupted(f"{interrupts.signal_name()}; {self.left()}") from None
+        finally:
+            self.release()
 
     def train(self) -> None:
         try:
@@ -701,6 +782,7 @@ def run_train(o: TrainOptions, listener: Listener | None = None, *, verbose: boo
     --dry-run, the dict of what the run would do instead (nothing trained or written)."""
     r = _Run(o, listener or Listener(), verbose)
     if r.dry is not None:
+        r.release()
         return r.dry
     with r.interruptible():
         t0 = time.perf_counter()
@@ -719,6 +801,7 @@ def run_adapt(o: AdaptOptions, listener: Listener | None = None, *, verbose: boo
     lis = listener or Listener()
     r = _Run(o, lis, verbose)
     if r.dry is not None:
+        r.release()
         return r.dry
     with r.interruptible():
         return _adapt(r, o, lis)
@@ -750,7 +833,11 @@ def _adapt(r: _Run, o: AdaptOptions, lis: Listener) -> RunResult:
         r.train()
     except NonFiniteError as e:
         failure = f"non-finite training loss ({e})"
-    after = measure("after") if not failure else None
+    try:
+        after = measure("after") if not failure else None
+    except KeyboardInterrupt:
+        r.checkpoint_now()   # the training is done: a resumed run measures again and decides
+        raise
     elapsed = time.perf_counter() - t0
     ppl_after = after.perplexity if after is not None else float("nan")
     reason = wsla.regression(before["perplexity"], ppl_after, o.tolerance, failure)

@@ -91,10 +91,14 @@ def read_documents(paths: list[str] | str, stdin: BinaryIO | None = None) -> lis
     return docs
 
 
-def tokenize_documents(docs: list[str], tokenizer) -> np.ndarray:
+def tokenize_documents(docs: list[str], tokenizer, vocab_size: int | None = None) -> np.ndarray:
     """One token stream: each document's tokens, an end-of-text token (`tokenizer.eos_id`)
-    between two documents.  A tokenizer without one joins the documents with a newline."""
+    between two documents.  A tokenizer without one joins the documents with a newline, and
+    so does the byte-level tokenizer for a model whose vocabulary (`vocab_size`, below 256)
+    has no id 255 for it."""
     eos = getattr(tokenizer, "eos_id", None)
+    if eos is not None and vocab_size is not None and eos >= vocab_size and getattr(tokenizer, "name", "") == "bytes":
+        eos = None
     if eos is None:
         return np.asarray(tokenizer.encode("\n".join(docs)), dtype=np.int32).reshape(-1)
     parts: list[np.ndarray] = []
@@ -140,7 +144,7 @@ def read_sources(paths: list[str], flag: str = "--data") -> tuple[list[str], str
 
 def token_stream(docs: list[str], source: str, tokenizer, vocab_size: int, flag: str = "--data") -> TokenStream:
     """Tokenize and check documents (SPEC section 4)."""
-    ids = tokenize_documents(docs, tokenizer)
+    ids = tokenize_documents(docs, tokenizer, vocab_size)
     if ids.size < 2:
         raise MemengineError(f"{flag} {source}: only {ids.size} token(s); need at least 2")
     check_vocab(ids, vocab_size, source)

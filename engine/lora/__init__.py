@@ -392,6 +392,19 @@ class RunLora:
                 "lora_targets": ",".join(s.targets)}
 
 
+def check_rank(r: int, cfg, targets) -> None:
+    """A rank above every adapted layer's own (min(in, out): the most an update B A of that
+    layer can have) is refused before anything is allocated: it adds parameters and memory,
+    nothing the layer can use."""
+    arch = models.of(cfg)
+    full = {t: min(arch.lora_dims(cfg, t)) for t in targets}
+    most = max(full.values())
+    if r > most:
+        which = ", ".join(f"{t} {v}" for t, v in full.items())
+        raise MemengineError(f"--lora-rank {r}: above the rank of every adapted layer (min(in, out): {which}); "
+                             f"a rank of at most {most} is full rank here")
+
+
 def for_run(o, adapter: Optional[Adapter], cfg, base_name: str) -> Optional[RunLora]:
     """What adapter a run uses: `adapter` is CKPT's (or the resumed step's) when it was one.
     A LoRA run's effective rank, alpha, dropout and targets are the result's `options()`
@@ -423,8 +436,10 @@ def for_run(o, adapter: Optional[Adapter], cfg, base_name: str) -> Optional[RunL
             spec.dropout = float(o.lora_dropout)
         tensors = src.tensors
     else:
+        targets = parse_targets(o.lora_targets or default_targets(models.of(cfg)), models.of(cfg))
+        check_rank(int(o.lora_rank), cfg, targets)
         spec = LoraSpec(r=int(o.lora_rank), alpha=float(o.lora_alpha if o.lora_alpha is not None else o.lora_rank),
-                        dropout=float(o.lora_dropout or 0.0), targets=parse_targets(o.lora_targets or default_targets(models.of(cfg)), models.of(cfg)))
+                        dropout=float(o.lora_dropout or 0.0), targets=targets)
         tensors = init_tensors(cfg, spec, o.seed)
     spec.base = base_name
     return RunLora(spec, tensors, True, src)

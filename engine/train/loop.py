@@ -9,6 +9,12 @@ end, before an evaluation or a checkpoint, and after the last step.  A non-finit
 stops the run at that read, so within --log-every steps and before any checkpoint
 could hold its result.
 
+Ctrl-C and SIGTERM (a run with checkpoints, one process): the first signal lets the step
+in flight and its end-of-step work finish (`interrupts.finishing`), then a checkpoint is
+written and the loop stops with a KeyboardInterrupt; a second signal ends the process at
+once (engine/interrupts.py).  Besides every --save-every steps, a checkpoint is written
+after every --save-every-minutes of training.
+
 Everything that makes a continued run identical to an uninterrupted one is in
 `LoopState` (saved with each checkpoint): the step count, the data position and the
 shuffle generator's state (sampler.py), the sums of the epoch and of the current
@@ -18,6 +24,7 @@ a function of the step count.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -99,6 +106,9 @@ class TrainingLoop:
         self._tokens: list[int] = []   # tokens of the steps not read back yet
         self._mark = time.perf_counter()
         self._excluded = 0.0
+        # a first Ctrl-C finishes the step and writes a checkpoint (one process: ranks stop at once)
+        self.soft = on_save is not None and self.group is None
+        self._saved_at = time.monotonic()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -124,45 +134,68 @@ class TrainingLoop:
                           epochs=o.epoch_limit, first_step=st.step, windows=len(self.windows),
                           val_windows=window_count(self.val_batches)))
         self._mark = time.perf_counter()
-        t0, run_tokens = self._mark, 0
+        self._t0, self._run_tokens = self._mark, 0
         self._excluded = 0.0   # evaluation and checkpoint time: not training time
         B, L = o.batch_size, o.seq_len
         while st.step < self.total:
-            epoch, k, idx = self.order.next()
-            if k == 1:
-                st.epoch_sums = _sums()
-            lr = self.schedule.lr(st.step)
-            if self.group is None:
-                micro = make_batches([self.windows[i] for i in idx], B, L)
-                self._tokens.append(self.trainer.step(micro, lr))
-            else:
-                micro, n_total, tokens = self._rank_share(idx)
-                self.trainer.step(micro, lr, n_total=n_total)
-                self._tokens.append(tokens)
-            run_tokens += self._tokens[-1]
-            st.step += 1
-            lis.on_progress(Progress(step=st.step, total_steps=self.total, epoch=epoch, step_in_epoch=k,
-                                     steps_per_epoch=self.steps_per_epoch, lr=lr, last_loss=st.last_loss,
-                                     tokens=run_tokens,
-                                     elapsed_s=time.perf_counter() - t0 - self._excluded))
-            interrupts.check()
+            with interrupts.finishing() if self.soft else contextlib.nullcontext():
+                epoch, saved = self._one_step(B, L)
+            if self.soft and interrupts.pending():
+                self._stop_with_checkpoint(epoch, saved)
 
-            epoch_end = self.order.epoch_done
-            final = st.step >= self.total
-            save = bool(o.save_every) and (st.step % o.save_every == 0 or final)
-            log = st.step % o.log_every == 0
-            val = self.val_batches is not None and (
-                final or epoch_end or (o.eval_every and st.step % o.eval_every == 0) or (save and o.keep_best))
-            if log or epoch_end or final or val or save or self.trainer.pending >= self.trainer.capacity:
+    def _stop_with_checkpoint(self, epoch: int, saved: bool) -> None:
+        """A signal came during the step: the step is done; write a checkpoint (unless the
+        step just wrote one) and stop."""
+        interrupts.consume()
+        if not saved:
+            self.listener.on_note(f"{interrupts.signal_name()} after step {self.state.step}: writing a checkpoint")
+            if self.trainer.pending:
                 self._read(epoch)
-            if log:
-                self._step_event(epoch, lr)
-            if val:
-                self._evaluate()
-            if epoch_end or final:
-                self._epoch_event(epoch)
-            if save and self.on_save is not None:
-                self._save()
+            self._save()
+        raise KeyboardInterrupt
+
+    def _one_step(self, B: int, L: int) -> tuple[int, bool]:
+        """One optimizer step and what follows it (reads, events, evaluation, checkpoint):
+        (the epoch, whether a checkpoint was written)."""
+        o, st, lis = self.o, self.state, self.listener
+        epoch, k, idx = self.order.next()
+        if k == 1:
+            st.epoch_sums = _sums()
+        lr = self.schedule.lr(st.step)
+        if self.group is None:
+            micro = make_batches([self.windows[i] for i in idx], B, L)
+            self._tokens.append(self.trainer.step(micro, lr))
+        else:
+            micro, n_total, tokens = self._rank_share(idx)
+            self.trainer.step(micro, lr, n_total=n_total)
+            self._tokens.append(tokens)
+        self._run_tokens += self._tokens[-1]
+        st.step += 1
+        lis.on_progress(Progress(step=st.step, total_steps=self.total, epoch=epoch, step_in_epoch=k,
+                                 steps_per_epoch=self.steps_per_epoch, lr=lr, last_loss=st.last_loss,
+                                 tokens=self._run_tokens,
+                                 elapsed_s=time.perf_counter() - self._t0 - self._excluded))
+        interrupts.check()
+
+        epoch_end = self.order.epoch_done
+        final = st.step >= self.total
+        timed = self.on_save is not None and bool(getattr(o, "save_every_minutes", 0)) and (
+            time.monotonic() - self._saved_at >= 60.0 * o.save_every_minutes)
+        save = (bool(o.save_every) and (st.step % o.save_every == 0 or final)) or (timed and not final)
+        log = st.step % o.log_every == 0
+        val = self.val_batches is not None and (
+            final or epoch_end or (o.eval_every and st.step % o.eval_every == 0) or (save and o.keep_best))
+        if log or epoch_end or final or val or save or self.trainer.pending >= self.trainer.capacity:
+            self._read(epoch)
+        if log:
+            self._step_event(epoch, lr)
+        if val:
+            self._evaluate()
+        if epoch_end or final:
+            self._epoch_event(epoch)
+        if save and self.on_save is not None:
+            self._save()
+        return epoch, save and self.on_save is not None
 
     def _rank_share(self, idx) -> tuple[list, int, int]:
         """This rank's micro-batches of a step over the windows `idx`: micro-batch i of a
@@ -246,6 +279,12 @@ class TrainingLoop:
         self.listener.on_eval(self._record(ev))
         self._mark = time.perf_counter()  # evaluation time is not training time
 
+    def checkpoint(self) -> None:
+        """Write a checkpoint of where the run is now (a first signal after the last step)."""
+        if self.trainer.pending:
+            self._read(self.order.epoch)
+        self._save()
+
     def _save(self) -> None:
         t = time.perf_counter()
         try:
@@ -262,6 +301,7 @@ class TrainingLoop:
         path = self.on_save(self)
         self.listener.on_checkpoint({"event": "checkpoint", "step": st.step, "path": str(path)})
         self._mark = time.perf_counter()
+        self._saved_at = time.monotonic()
 
 
 def fit(model, windows: list, options, *, optimizer_state: dict | None = None, val_batches: list | None = None,

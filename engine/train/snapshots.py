@@ -22,11 +22,12 @@ from typing import Optional
 from memengine.engine.errors import MemengineError
 from memengine.engine.hostmem import check_fits
 from memengine.engine.io.inputs import check_regular, read_json
-from memengine.engine.io.staging import remove_dir
+from memengine.engine.io.staging import remove_dir, write_json
+from memengine.engine.train import state_schema
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS_DIR = "checkpoints"
-STATE_FORMAT = "memengine-trainer-state"
+STATE_FORMAT = state_schema.STATE_FORMAT
 # trainer_state.json holds every event of the run: larger than a config, still bounded
 MAX_STATE_BYTES = 2**30
 JSON_EXPANSION = 10  # host bytes per byte of JSON once parsed into Python objects (generous)
@@ -63,9 +64,12 @@ def read_state(directory: Path) -> dict:
         st = read_json(p, "--resume: trainer state", max_bytes=MAX_STATE_BYTES)
     except MemengineError as e:
         raise MemengineError(f"--resume {e}" if str(e).startswith(str(p)) else str(e)) from None
-    if not isinstance(st, dict) or st.get("format") != STATE_FORMAT or not isinstance(st.get("step"), int):
-        raise MemengineError(f"--resume {p}: not a memengine trainer state")
-    return st
+    return state_schema.validate(st, f"--resume {p}")
+
+
+def write_state(directory: Path, state: dict) -> None:
+    """trainer_state.json into `directory`, with its checksum (engine/train/state_schema.py)."""
+    write_json(Path(directory) / STATE_FILE, state_schema.with_checksum(state))
 
 
 @dataclass
@@ -80,6 +84,16 @@ class Snapshot:
     @property
     def kind(self) -> str:
         return str(self.state.get("kind", "train"))
+
+
+def run_dir_of(path) -> Optional[Path]:
+    """The OUT a --resume path belongs to: the path, or the run of a step directory."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    if _STEP.match(p.name) and p.parent.name == CHECKPOINTS_DIR:
+        return p.parent.parent
+    return p
 
 
 def locate(path: Path) -> Snapshot:
@@ -117,20 +131,26 @@ def relative_to_run(path: str, run_dir: Path) -> str:
     return os.path.relpath(Path(path).resolve(), Path(run_dir).resolve())
 
 
-def recorded_options(path: Path, kind: str) -> dict:
-    """The options of the run --resume continues (after checking it is the same kind)."""
+def recorded_options(path: Path, kind: str) -> tuple[dict, bool, str]:
+    """The options of the run --resume continues (after checking it is the same kind), whether
+    its state is of a version that records all of them, and where they come from."""
     snap = locate(path)
     if snap.kind != kind:
         raise MemengineError(f"--resume {path}: that run was '{snap.kind}'; continue it with "
                              f"memengine {snap.kind} --resume {path}")
     opts = snap.state.get("options")
     opts = dict(opts) if isinstance(opts, dict) else {}
+    where = f"--resume {snap.dir / STATE_FILE}"
     for key in RUN_RELATIVE:
+        v = opts.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) and x and "\x00" not in x for x in v)):
+            raise MemengineError(f"{where}: the run's option '{key}' is {v!r}, not a list of paths; the state is not "
+                                 "one memengine wrote")
         if isinstance(opts.get(key), list):
             if "-" in opts[key]:
                 raise MemengineError(f"--resume {path}: the run read stdin; give --{key.replace('_', '-')} again")
             opts[key] = [os.path.normpath(os.path.join(os.path.abspath(snap.run_dir), d)) for d in opts[key]]
-    return opts
+    return opts, int(snap.state.get("version", 1)) >= 2, where
 
 
 def later_steps(run_dir: Path, step: int) -> list[Path]:
