@@ -491,9 +491,19 @@ def _encode(tok, text: str) -> np.ndarray:
     return np.asarray(tok.encode(text), dtype=np.int64).reshape(-1)
 
 
-def _tokenize(sources: Sources, tok, w: _Writer, prompt_loss: bool, on_task) -> int:
-    """Write every document's tokens (and mask) through `w`; returns the documents."""
+def separator_id(tok, vocab_size: int) -> Optional[int]:
+    """The id between two documents: the tokenizer's end of text, except the byte-level
+    tokenizer's 255 on a model whose vocabulary (below 256) has no such id (then, as for a
+    tokenizer without one, a newline)."""
     eos = getattr(tok, "eos_id", None)
+    if eos is not None and eos >= vocab_size and getattr(tok, "name", "") == "bytes":
+        return None
+    return eos
+
+
+def _tokenize(sources: Sources, tok, w: _Writer, prompt_loss: bool, on_task, vocab_size: int) -> int:
+    """Write every document's tokens (and mask) through `w`; returns the documents."""
+    eos = separator_id(tok, vocab_size)
     sep = np.array([eos], np.int64) if eos is not None else None
     docs = 0
     template = None
@@ -570,11 +580,11 @@ def _tokenize(sources: Sources, tok, w: _Writer, prompt_loss: bool, on_task) -> 
     return docs
 
 
-def _key(sources: Sources, tok, prompt_loss: bool) -> Optional[str]:
+def _key(sources: Sources, tok, prompt_loss: bool, vocab_size: int) -> Optional[str]:
     fp = tokenizer_fingerprint(tok)
     if fp is None:
         return None
-    desc = {"format": FORMAT, "tokenizer": fp, "eos": getattr(tok, "eos_id", None), "prompt_loss": bool(prompt_loss),
+    desc = {"format": FORMAT, "tokenizer": fp, "eos": separator_id(tok, vocab_size), "prompt_loss": bool(prompt_loss),
             "sources": [[s.jsonl, s.sha256] for s in sources.items]}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:40]
 
@@ -603,7 +613,7 @@ def token_file(sources: Sources, tok, vocab_size: int, *, prompt_loss: bool = Fa
                on_task: Optional[Callable] = None) -> TokenFile:
     """The token file of `sources` under `tok`: from the cache, else tokenized into it."""
     flag, desc = sources.flag, sources.description
-    key = _key(sources, tok, prompt_loss)
+    key = _key(sources, tok, prompt_loss, vocab_size)
     root = _ensure(cache_root() / "tokens")
     final = root / key if key is not None else None
     tf = _open_entry(final, desc) if final is not None and final.is_dir() else None
@@ -619,7 +629,7 @@ def token_file(sources: Sources, tok, vocab_size: int, *, prompt_loss: bool = Fa
             with interrupts.staging_dir(tmp):
                 w = _Writer(tmp, dtype, limit)
                 try:
-                    docs = _tokenize(sources, tok, w, prompt_loss, on_task)
+                    docs = _tokenize(sources, tok, w, prompt_loss, on_task, vocab_size)
                 finally:
                     mask_sha = w.close()
                 if docs == 0 or w.n == 0:
