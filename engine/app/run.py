@@ -536,7 +536,14 @@ class _Run:
         from memengine.engine.app import curves
 
         if not self.claimed:
-            staging.claim_dir(self.out, self.o.force)
+            # the event files need OUT from the start: a new OUT is made now; an old one that
+            # --force replaces goes now too (without --report-to it stays until the first
+            # checkpoint is complete)
+            if self.out.exists():
+                with staging.staged_output(self.out, self.o.force, record=False):
+                    pass
+            else:
+                self.out.mkdir(parents=True)
             self.claimed = True
         logdir = self.out / curves.RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
         board = curves.TensorBoard(logdir)
