@@ -29,7 +29,8 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-_STATE = {"deferred": 0, "pending": False, "signum": 0, "count": 0, "delivered": False, "finishing": 0}
+_STATE = {"deferred": 0, "pending": False, "signum": 0, "count": 0, "delivered": False, "finishing": 0,
+          "keeping": 0}
 _LEFT: list = []                 # callables saying what a run leaves on disk now (innermost last)
 _COMPLETED: list = []            # outputs written completely during this command
 _STAGING: dict = {}              # staging directories in progress -> True
@@ -75,6 +76,17 @@ def finishing() -> Iterator[None]:
         yield
     finally:
         _STATE["finishing"] -= 1
+
+
+@contextlib.contextmanager
+def keeping_work() -> Iterator[None]:
+    """While inside (a training loop whose first signal ends in a checkpoint), a first signal
+    is announced at once (`handling`'s notice): the step in flight finishes first."""
+    _STATE["keeping"] += 1
+    try:
+        yield
+    finally:
+        _STATE["keeping"] -= 1
 
 
 @contextlib.contextmanager
@@ -198,7 +210,7 @@ def _watch(rfd: int) -> None:
                 _STATE["count"] += 1
                 if _STATE["count"] >= 2:
                     _emergency_exit(int(b))
-                elif _STATE["finishing"] and _WATCH["notice"] is not None:
+                elif _STATE["keeping"] and _WATCH["notice"] is not None:
                     what = "terminated (SIGTERM)" if b == signal.SIGTERM else "interrupted"
                     with contextlib.suppress(Exception):
                         _WATCH["notice"](f"{what}: finishing the step in flight and writing a checkpoint "
@@ -260,7 +272,7 @@ def handling(report=None, notice=None) -> Iterator[None]:
     not go through it: a UI stopped mid-print may never flush).  `notice(message)` hears, at
     once, that a first signal during a training step will stop the run after it."""
     old = {}
-    _STATE.update(pending=False, count=0, delivered=False, finishing=0)
+    _STATE.update(pending=False, count=0, delivered=False, finishing=0, keeping=0)
     _COMPLETED.clear()
     _LEFT.clear()
     _WATCH["report"] = report

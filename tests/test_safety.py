@@ -266,6 +266,13 @@ def test_a_second_writer_of_an_out_is_refused_and_a_killed_one_leaves_nothing_st
     assert hidden(tmp_path) == []
 
 
+def test_an_out_whose_parents_do_not_exist_yet_is_written_and_locked(tiny_ckpt_ro, tmp_path):
+    out = tmp_path / "a" / "b" / "q"
+    r = run("quantize", tiny_ckpt_ro, "-o", out)
+    assert r.exit_code == 0, r.stderr
+    assert (out / "model.safetensors").is_file() and hidden(out.parent) == []
+
+
 def test_a_live_run_is_not_resumed_under_its_feet(tiny_ckpt_ro, text, tmp_path):
     """train --resume OUT while the original run still writes OUT: refused (both once exited 0
     and the original's result was replaced)."""

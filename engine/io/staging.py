@@ -326,6 +326,8 @@ def lock_output(out: Path) -> None:
     if key in _LOCKS or _fcntl is None:
         return
     path = _lock_file(out)
+    with contextlib.suppress(OSError):   # OUT's parents are made as its staging would make them
+        path.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(20):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)

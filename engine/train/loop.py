@@ -121,7 +121,7 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LoopState:
-        with interrupts.deferred():
+        with interrupts.deferred(), (interrupts.keeping_work() if self.soft else contextlib.nullcontext()):
             try:
                 self._run()
             finally:
