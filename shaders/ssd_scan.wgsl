@@ -63,15 +63,24 @@ override STAGED: u32 = 1u;   // 1: tiles through workgroup memory (GPUs); 0: str
 // ---------------------------------------------------------------- indexing
 struct Item { b: u32, c: u32, h: u32, g: u32 }
 
-fn item(u: SS, z: u32) -> Item {
-    // heads (modes 1 3 4 5 6) or groups (2 7 8) within a chunk
-    let per = select(H, G, MODE == 2u || MODE == 7u || MODE == 8u);
-    let k = z % per;
-    let bc = z / per;
+// z = (b * NC + c) * H + h: a head of a chunk
+fn head_item(u: SS, z: u32) -> Item {
     var it: Item;
-    it.b = bc / u.NC;
-    it.c = bc % u.NC;
-    if (per == H) { it.h = k; it.g = k / (H / G); } else { it.g = k; it.h = k * (H / G); }
+    it.h = z % H;
+    it.g = it.h / (H / G);
+    it.b = z / (H * u.NC);
+    it.c = (z / H) % u.NC;
+    return it;
+}
+
+fn item(u: SS, z: u32) -> Item {
+    // heads (modes 1 3 4 5 6) or groups (2 7 8, z = (b * NC + c) * G + g) within a chunk
+    if (!(MODE == 2u || MODE == 7u || MODE == 8u)) { return head_item(u, z); }
+    var it: Item;
+    it.g = z % G;
+    it.h = it.g * (H / G);
+    it.b = z / (G * u.NC);
+    it.c = (z / G) % u.NC;
     return it;
 }
 
@@ -360,10 +369,7 @@ fn ssd_cumsum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let u = US;
     let z = lin(wid, nwg, lid);
     if (z >= u.Z) { return; }
-    var it: Item;
-    it.h = z % H;
-    it.b = z / (H * u.NC);
-    it.c = (z / H) % u.NC;
+    let it = head_item(u, z);
     let A = -exp(s_small[it.h]);
     var s = 0.0;
     for (var i = 0u; i < Q; i++) {
@@ -383,6 +389,9 @@ fn pass_item(u: SS, i: u32) -> Item {
     return it;
 }
 
+// where entry 0 of invocation i's (b, h, p, n) lies; entry c is c * H * P * N further
+fn pass_base(u: SS, it: Item, i: u32) -> u32 { return u.o_out + st(u, it, 0u, it.h, 0u, 0u) + i % (P * N); }
+
 @compute @workgroup_size(256)
 fn ssd_state_pass(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32) {
@@ -390,8 +399,7 @@ fn ssd_state_pass(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let i = lin(wid, nwg, lid);
     if (i >= u.Z) { return; }
     var it = pass_item(u, i);
-    let pn = i % (P * N);
-    let s0 = u.o_out + st(u, it, 0u, it.h, 0u, 0u) + pn;
+    let s0 = pass_base(u, it, i);
     let step = H * P * N;
     var s = 0.0;
     s_out[s0] = 0.0;
@@ -409,8 +417,7 @@ fn ssd_dstate_pass(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     let i = lin(wid, nwg, lid);
     if (i >= u.Z) { return; }
     var it = pass_item(u, i);
-    let pn = i % (P * N);
-    let s0 = u.o_out + st(u, it, 0u, it.h, 0u, 0u) + pn;
+    let s0 = pass_base(u, it, i);
     let step = H * P * N;
     var g = 0.0;
     s_out[s0 + u.NC * step] = 0.0;
@@ -431,10 +438,7 @@ fn ssd_dlast(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let u = US;
     let z = wid.x + wid.y * nwg.x;
     if (z >= u.Z) { return; }
-    var it: Item;
-    it.h = z % H;
-    it.b = z / (H * u.NC);
-    it.c = (z / H) % u.NC;
+    let it = head_item(u, z);
     let base = st(u, it, it.c + 1u, it.h, 0u, 0u);
     var s = 0.0;
     for (var e = lid; e < P * N; e += 256u) {
@@ -464,10 +468,7 @@ fn ssd_dt_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let u = US;
     let z = wid.x + wid.y * nwg.x;
     if (z >= u.Z) { return; }
-    var it: Item;
-    it.h = z % H;
-    it.b = z / (H * u.NC);
-    it.c = (z / H) % u.NC;
+    let it = head_item(u, z);
     let h = it.h;
     let Dh = s_small[H + h];
     let i = lid;

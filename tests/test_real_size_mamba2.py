@@ -13,7 +13,6 @@ lavapipe): `make test-slow`."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
@@ -25,12 +24,9 @@ transformers = pytest.importorskip("transformers")
 from memengine.engine.models import load_config  # noqa: E402
 from memengine.engine.runtime import get_runtime  # noqa: E402
 from test_cli import run  # noqa: E402
+from test_real_size import BINDING, ENV, TEXT, _json, _timed  # noqa: E402  (the Mamba-1 size test's)
 
 pytestmark = pytest.mark.slow
-
-BINDING = 128 * 2**20
-ENV = {"MEMENGINE_MAX_BINDING_BYTES": str(BINDING)}
-TEXT = "It was the best o"  # 17 bytes: 16 inputs, each predicting the next (byte-level tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +49,6 @@ def m2(tmp_path_factory):
     print(f"\ntransformers: Mamba-2 model, shards and float64 loss in {time.perf_counter() - t0:.1f}s")
     yield d / "ckpt", d / "d.txt", ref, want_bf16
     get_runtime()
-
-
-def _json(r) -> dict:
-    assert r.exit_code == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _timed(times: dict, name: str, *args) -> dict:
-    t = time.perf_counter()
-    out = _json(run(*args, env=ENV))
-    times[name] = time.perf_counter() - t
-    return out
 
 
 def test_mamba2_130m_shape_sharded_info_eval_quantize(rt, m2, tmp_path):

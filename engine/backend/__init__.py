@@ -104,17 +104,18 @@ class Backend:
         """Every adapter the implementation finds."""
         raise NotImplementedError
 
+    # the adapter's facts as the wgpu-py API gives them (wgpu-native's and wgpudawn's alike)
     def adapter_info(self, adapter) -> dict:
         """'device', 'description', 'vendor', 'adapter_type', 'backend_type' of an adapter."""
-        raise NotImplementedError
+        return adapter.info
 
     def adapter_features(self, adapter) -> set:
         """The adapter's features, in this backend's spelling."""
-        raise NotImplementedError
+        return set(adapter.features)
 
     def adapter_limits(self, adapter) -> dict:
         """The adapter's limits, by WebGPU's kebab-case names ('max-buffer-size' ...)."""
-        raise NotImplementedError
+        return adapter.limits
 
     def choose_adapter(self, request: str = "auto", verbose: bool = False):
         """Pick an adapter: 'auto' (best), 'gpu' (real GPU only), 'cpu' (software), or a

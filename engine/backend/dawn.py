@@ -68,15 +68,6 @@ class Dawn(Backend):
         self._instance()
         return list(wgpu.gpu.enumerate_adapters_sync())
 
-    def adapter_info(self, adapter) -> dict:
-        return adapter.info
-
-    def adapter_features(self, adapter) -> set:
-        return set(adapter.features)
-
-    def adapter_limits(self, adapter) -> dict:
-        return adapter.limits
-
     def subgroup_matrix_configs(self, adapter) -> list:
         """The adapter's subgroup-matrix configurations ({component_type, result_component_type,
         m, n, k}); [] without `chromium-experimental-subgroup-matrix`."""

@@ -36,15 +36,6 @@ class WgpuNative(Backend):
     def adapters(self) -> list:
         return list(wgpu.gpu.enumerate_adapters_sync())
 
-    def adapter_info(self, adapter) -> dict:
-        return adapter.info
-
-    def adapter_features(self, adapter) -> set:
-        return set(adapter.features)
-
-    def adapter_limits(self, adapter) -> dict:
-        return adapter.limits
-
     def request_device(self, adapter, features: list, limits: dict, verbose: bool = False, checks: bool = False):
         with silence_fd2(not verbose):
             return adapter.request_device_sync(required_features=features, required_limits=limits)
