@@ -358,9 +358,21 @@ def bench_matmul(rt, cases, torch, variants=("default",)):
         if rt.has_f16:   # --precision mixed's kernel: the same product from f16 copies
             A16, B16 = rt.empty(sa, "f16"), rt.empty(sb, "f16")
             rec = rt.recorder(); mm.cast_f16(rec, A16, A); mm.cast_f16(rec, B16, Bt); rec.submit()
-            r = _gpu_ms(rt, lambda rec: mm.matmul(rec, C, A, Bt, **kw, A16=A16, B16=B16), reps=5)
-            r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
-            row["f16"] = r
+            # on subgroup matrices where the adapter has them ("f16"; "f16_simt": matmul_f16 there)
+            for key, sg in (("f16", True), ("f16_simt", False)):
+                if not sg and not rt.has_subgroup_matrix:
+                    continue
+                saved, rt.kernels.sgmat = rt.kernels.sgmat, sg
+                try:
+                    rec = rt.recorder(); mm.matmul(rec, C, A, Bt, **{**kw, "acc": False}, A16=A16, B16=B16); rec.submit()
+                    err = float(np.abs(rt.read(C)[pick, :kw["N"]] - want).max() / np.abs(want).max())
+                    r = _gpu_ms(rt, lambda rec: mm.matmul(rec, C, A, Bt, **kw, A16=A16, B16=B16), reps=5)
+                finally:
+                    rt.kernels.sgmat = saved
+                r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
+                r["rel_err"] = err
+                r["kernel"] = "matmul_sgmat" if sg and rt.has_subgroup_matrix else "matmul_f16"
+                row[key] = r
             rt.free(A16)
             rt.free(B16)
         for t in (A, Bt, C):
@@ -380,6 +392,12 @@ def bench_matmul(rt, cases, torch, variants=("default",)):
                 fn = lambda: torch.mm(av, bv, out=tc)  # noqa: E731
             ms = _torch_ms(torch, fn)
             row["cublas" if dev == "cuda" else "torch_cpu"] = dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+            if dev == "cuda":   # the same product in bf16 (tensor cores; fp32 accumulation)
+                ah, bh, ch = av.bfloat16(), bv.bfloat16(), tc.bfloat16()
+                fn = (lambda: ch.addmm_(ah, bh)) if kw.get("acc") else (lambda: torch.mm(ah, bh, out=ch))  # noqa: E731
+                ms = _torch_ms(torch, fn)
+                row["cublas_bf16"] = dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+                del ah, bh, ch
             del ta, tb, tc, av, bv
             if dev == "cuda":
                 torch.cuda.empty_cache()
@@ -387,9 +405,15 @@ def bench_matmul(rt, cases, torch, variants=("default",)):
         line = f"  {name:13s} {kw['M']:6d}x{kw['N']:5d}x{kw['K']:5d}"
         for v in variants:
             line += f"  {v} {_rate(row[v]['tflops'])}"
+        for key in ("f16", "f16_simt"):
+            if key in row:
+                line += f"  {key} {_rate(row[key]['tflops'])} (err {row[key]['rel_err']:.1e})"
         for key in ("cublas", "torch_cpu"):
             if key in row:
                 line += f"  {key} {_rate(row[key]['tflops'])} TFLOP/s ({row['default']['tflops'] / row[key]['tflops']:.2f}x)"
+        if "cublas_bf16" in row:
+            f16 = f" (f16 {row['f16']['tflops'] / row['cublas_bf16']['tflops']:.2f}x)" if "f16" in row else ""
+            line += f"  cublas_bf16 {_rate(row['cublas_bf16']['tflops'])}{f16}"
         err = max([row["rel_err"]] + [row[v].get("rel_err", 0.0) for v in variants])
         print(line + f"  err {err:.1e}", flush=True)
     rt.trim()

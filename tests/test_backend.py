@@ -38,7 +38,10 @@ def _preludes() -> set:
 KERNELS = sorted(p.stem for p in SHADERS.glob("*.wgsl") if p.stem not in _preludes())
 # the subgroup probe calls subgroup built-ins itself: kernels/lanes.py runs it only where the
 # device has subgroups (naga would take it without them, Tint rightly refuses)
-SUBGROUPS_ONLY = {"lanes"}
+SUBGROUPS_ONLY = {"lanes", "matmul_sgmat"}
+# the tensor-core product: only a device with f16 subgroup matrices compiles it (Dawn on a GPU
+# that has them; kernels/matmul.py takes it only there)
+SUBGROUP_MATRIX_ONLY = {"matmul_sgmat"}
 
 
 def _runtime(name: str):
@@ -78,6 +81,8 @@ def _compile(rt, name: str, subgroups: bool) -> None:
         pytest.skip(f"{rt.describe()} has no subgroups")
     if not subgroups and name in SUBGROUPS_ONLY:
         pytest.skip(f"shaders/{name}.wgsl runs only where the device has subgroups")
+    if name in SUBGROUP_MATRIX_ONLY and not rt.has_subgroup_matrix:
+        pytest.skip(f"{rt.describe()} has no f16 subgroup matrices (shaders/{name}.wgsl runs only where it has)")
     code = rt.module_source(name, subgroups=subgroups)
     if "enable f16;" in code and not rt.has_f16:
         pytest.skip(f"{rt.describe()} has no shader-f16")

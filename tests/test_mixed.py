@@ -24,10 +24,28 @@ def _need_f16(rt):
         pytest.skip("adapter without shader-f16")
 
 
-@pytest.mark.parametrize("M,N,K", [(132, 76, 68), (8, 128, 1536), (4, 4, 4)])
-@pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], [False, True])))
-def test_matmul_f16_within_the_rounding_bound(rt, M, N, K, ta, tb):
+@pytest.fixture(params=["simt", "sgmat"])
+def f16_kernel(rt, request):
+    """The kernel --precision mixed's products take: matmul_f16 (f32 arithmetic on f16
+    operands, every adapter with shader-f16) or matmul_sgmat (subgroup matrices, where the
+    adapter has f16 ones: Dawn on NVIDIA); the other one switched off for the test."""
     _need_f16(rt)
+    if request.param == "sgmat" and not rt.has_subgroup_matrix:
+        pytest.skip(f"{rt.describe()} has no f16 subgroup matrices")
+    saved = rt.kernels.sgmat
+    rt.kernels.sgmat = request.param == "sgmat"
+    yield "matmul_sgmat" if request.param == "sgmat" else "matmul_f16"
+    rt.kernels.sgmat = saved
+
+
+# tensor cores add the f16 x f16 products (exact in f32) in f32 with truncation rather than
+# rounding: up to 2^-23 relative an addition, twice the f32 kernels' bound
+ACC_FACTOR = {"matmul_f16": 1.0, "matmul_sgmat": 2.0}
+
+
+@pytest.mark.parametrize("M,N,K", [(132, 76, 68), (8, 128, 1536), (4, 4, 4), (200, 260, 100)])
+@pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], [False, True])))
+def test_matmul_f16_within_the_rounding_bound(rt, f16_kernel, M, N, K, ta, tb):
     rng = np.random.default_rng(M + N + K)
     a = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32)
     b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32)
@@ -40,7 +58,8 @@ def test_matmul_f16_within_the_rounding_bound(rt, M, N, K, ta, tb):
     mm.cast_f16(rec, B16, B)
     mm.matmul(rec, C, A, B, M=M, N=N, K=K, trans_a=ta, trans_b=tb, acc=True, bias=Bi, A16=A16, B16=B16)
     rec.submit()
-    assert ("matmul_f16", "matmul_f16", ()) in rt._pipelines
+    consts = () if f16_kernel == "matmul_f16" else (("TA", int(ta)), ("TB", int(tb)))
+    assert (f16_kernel, f16_kernel, consts) in rt._pipelines
     np.testing.assert_array_equal(rt.read(A16), a.astype(np.float16))   # round to nearest
     a64, b64 = (a.T if ta else a).astype(np.float64), (b.T if tb else b).astype(np.float64)
     ref = a64 @ b64 + bias + c0
@@ -48,7 +67,7 @@ def test_matmul_f16_within_the_rounding_bound(rt, M, N, K, ta, tb):
     ref16 = a64.astype(np.float16).astype(np.float64) @ b64.astype(np.float16).astype(np.float64) + bias + c0
     absprod = np.abs(a64) @ np.abs(b64)
     got = rt.read(C)
-    bound32 = (K + 2) * U32 * (absprod + np.abs(bias) + np.abs(c0))
+    bound32 = ACC_FACTOR[f16_kernel] * (K + 2) * U32 * (absprod + np.abs(bias) + np.abs(c0))
     bound16 = (2 * U16 + U16 ** 2) * absprod + bound32
     assert np.all(np.abs(got - ref16) <= bound32)
     assert np.all(np.abs(got - ref) <= bound16)
@@ -113,7 +132,7 @@ def _mixed_vs_oracle(rt, monkeypatch, m, cfg, name, kw, B, L, count):
         ours.loss_and_grads(ids, targets)
         # every product of the step is f16 (f32 products only for the bias gradients' column sums)
         n_products = 3 * (4 * cfg.num_hidden_layers + 1)
-        assert seen.count("matmul_f16") == n_products, seen
+        assert sum(seen.count(e) for e in mm.F16_ENTRIES) == n_products, seen
         assert seen.count("matmul_fast") + seen.count("matmul_lanes") + seen.count("matmul_forward") == 2 * cfg.num_hidden_layers * kw["use_bias"]
         monkeypatch.setattr(Recorder, "dispatch", orig)
     logits = ours.logits(ids)

@@ -30,6 +30,9 @@ from memengine.engine.errors import NoAdapterError
 
 # the runtime's names of the optional features it asks for (see Backend.FEATURES)
 TIMESTAMPS, SUBGROUPS, SHADER_F16 = "timestamp-query", "subgroups", "shader-f16"
+# subgroup matrices (Dawn's chromium-experimental-subgroup-matrix): only a backend whose
+# FEATURES spells it has them
+SUBGROUP_MATRIX = "subgroup-matrix"
 # --backend's values (MEMENGINE_BACKEND); auto: Dawn where wgpudawn is installed and the
 # adapter has f16 subgroup matrices (tensor cores from WGSL), else wgpu-native
 AUTO = "auto"
@@ -176,8 +179,9 @@ class Backend:
 
     # ---------------------------------------------------------------- device
     def has_f16_subgroup_matrices(self, adapter) -> bool:
-        """Whether the adapter multiplies f16 subgroup matrices into f32 ones (tensor cores
-        from WGSL; what `--backend auto` takes Dawn for)."""
+        """Whether the adapter multiplies f16 subgroup matrices into f32 ones at 16x16x16 in
+        subgroups of 32 (tensor cores from WGSL: shaders/matmul_sgmat.wgsl; what
+        `--backend auto` takes Dawn for)."""
         return False
 
     def request_device(self, adapter, features: list, limits: dict, verbose: bool = False, checks: bool = False):

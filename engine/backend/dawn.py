@@ -22,10 +22,11 @@ import logging
 
 import wgpudawn as wgpu
 from memengine.engine import interrupts
-from memengine.engine.backend import SHADER_F16, SUBGROUPS, TIMESTAMPS, WAIT_SLICE_S, Backend, silence_fd2
+from memengine.engine.backend import (SHADER_F16, SUBGROUP_MATRIX, SUBGROUPS, TIMESTAMPS, WAIT_SLICE_S, Backend,
+                                     silence_fd2)
 from wgpudawn.backends.dawn import extras
 
-SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
+SUBGROUP_MATRIX_FEATURE = "chromium-experimental-subgroup-matrix"
 INSTANCE_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
 # the device toggle of a module without Tint's run-time checks (see create_module)
 TRUSTED_TOGGLE = "disable_robustness"
@@ -44,7 +45,8 @@ class Dawn(Backend):
     MAP_READ = wgpu.BufferUsage.MAP_READ
     QUERY_RESOLVE = wgpu.BufferUsage.QUERY_RESOLVE
     MAP_MODE_READ = wgpu.MapMode.READ
-    FEATURES = {TIMESTAMPS: "timestamp-query", SUBGROUPS: "subgroups", SHADER_F16: "shader-f16"}
+    FEATURES = {TIMESTAMPS: "timestamp-query", SUBGROUPS: "subgroups", SHADER_F16: "shader-f16",
+                SUBGROUP_MATRIX: SUBGROUP_MATRIX_FEATURE}
     SUBGROUPS_ENABLE = "enable subgroups;"
 
     _instance_ready = False
@@ -71,7 +73,7 @@ class Dawn(Backend):
     def subgroup_matrix_configs(self, adapter) -> list:
         """The adapter's subgroup-matrix configurations ({component_type, result_component_type,
         m, n, k}); [] without `chromium-experimental-subgroup-matrix`."""
-        if SUBGROUP_MATRIX not in adapter.features:
+        if SUBGROUP_MATRIX_FEATURE not in adapter.features:
             return []
         try:
             return list(extras.get_adapter_properties(adapter).get("subgroup_matrix_configs", []))
@@ -79,8 +81,11 @@ class Dawn(Backend):
             return []
 
     def has_f16_subgroup_matrices(self, adapter) -> bool:
-        """f16 x f16 -> f32 subgroup matrices (what the tensor-core products use)."""
+        """f16 x f16 -> f32 subgroup matrices of 16x16x16 in subgroups of 32 where the adapter
+        says its subgroup sizes (what shaders/matmul_sgmat.wgsl is written for)."""
         return any(str(c.get("component_type")) == "f16" and str(c.get("result_component_type")) == "f32"
+                   and (c.get("m"), c.get("n"), c.get("k")) == (16, 16, 16)
+                   and c.get("min_subgroup_size", 32) == c.get("max_subgroup_size", 32) == 32
                    for c in self.subgroup_matrix_configs(adapter))
 
     def request_device(self, adapter, features: list, limits: dict, verbose: bool = False, checks: bool = False):

@@ -31,6 +31,9 @@ from memengine.engine.runtime import (
 # matmul_fast's tile configuration (its pipeline constants): BM x BN of C per workgroup of
 # (BM/8)*(BN/8) threads, K in steps of BK; see shaders/matmul.wgsl.
 BASE = dict(BM=128, BN=128, BK=16)
+# the entry points of --precision mixed's products: matmul_f16 (shaders/matmul_f16.wgsl) and,
+# where the adapter has f16 subgroup matrices, matmul_sgmat (shaders/matmul_sgmat.wgsl)
+F16_ENTRIES = ("matmul_f16", "matmul_sgmat")
 # `rt.kernels.matmul_tiles`: a dict or a function (rt, M, N, K) -> dict forcing the
 # configuration (tests, benchmarks)
 
@@ -217,7 +220,8 @@ def _operands(rt, mode, C, A, B, A16, B16, M, N, K, trans_a, trans_b, lda, ldb, 
 
 
 def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, acc, layout) -> None:
-    """The tiled kernels: matmul_lanes (CPU adapters), else matmul_fast / matmul_f16, split
+    """The tiled kernels: matmul_lanes (CPU adapters), else matmul_fast / matmul_f16 (on
+    subgroup matrices where the adapter has them: matmul_sgmat), split
     over K where that pays (partial products reduced into C).  `layout`: (a_col, lda, b_col,
     ldb, c_col, ldc, bias_off) as bound."""
     rt = rec.rt
@@ -230,12 +234,14 @@ def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, a
                      (cdiv(N, 32), cdiv(M, 32), 1),
                      {"TA": int(trans_a), "TB": int(trans_b), "ACC": int(acc), "BIAS": int(bias is not None)})
         return
-    entry = "matmul_f16" if shader == "matmul_f16" else "matmul_fast"
-    if shader == "matmul_f16":   # fixed 128x128 tiles, BK 16 (no pipeline constants)
-        bm = bn = 128
-        consts = None
-        slices = _split_k(rt, M, N, K, cdiv(N, bm) * cdiv(M, bm))
-        ks = cdiv(cdiv(K, slices), 16) * 16 if slices > 1 else K
+    if shader == "matmul_f16" and getattr(rt, "has_subgroup_matrix", False) and rt.kernels.sgmat:
+        shader = "matmul_sgmat"   # the same product on subgroup matrices (tensor cores)
+    entry = shader if shader != "matmul" else "matmul_fast"
+    if shader != "matmul":   # fixed tiles (no pipeline constants): f16 128x128, BK 16; sgmat 64x128, BK 32
+        bm, bn, bk = (128, 128, 16) if shader == "matmul_f16" else (64, 128, 32)
+        consts = None if shader == "matmul_f16" else {"TA": int(trans_a), "TB": int(trans_b)}
+        slices = _split_k(rt, M, N, K, cdiv(N, bn) * cdiv(M, bm), bm * bn, bk)
+        ks = cdiv(cdiv(K, slices), bk) * bk if slices > 1 else K
         slices = cdiv(K, ks)
     else:
         cfg = fast_config(rt, M, N, K)

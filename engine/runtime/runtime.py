@@ -9,7 +9,7 @@ import os
 from importlib import resources
 
 import numpy as np
-from memengine.engine.backend import (ENV_BACKEND, SHADER_F16, SUBGROUPS, TIMESTAMPS, adapter_kind, backend_request,
+from memengine.engine.backend import (ENV_BACKEND, SHADER_F16, SUBGROUP_MATRIX, SUBGROUPS, TIMESTAMPS, adapter_kind, backend_request,
                                       open_adapter)
 from memengine.engine.errors import MemengineError
 from memengine.engine.hostmem import fmt_bytes
@@ -98,6 +98,12 @@ class Runtime:
         self.shader_checks = os.environ.get(ENV_SHADER_CHECKS, "").strip() not in ("", "0")
         if self.has_f16:
             feats.append(b.FEATURES[SHADER_F16])
+        # f16 subgroup matrices (tensor cores from WGSL): --precision mixed's products on
+        # shaders/matmul_sgmat.wgsl (Dawn only; it needs f16 and subgroups too)
+        self.has_subgroup_matrix = (self.has_f16 and self.has_subgroups and SUBGROUP_MATRIX in b.FEATURES
+                                    and b.has_f16_subgroup_matrices(self.adapter))
+        if self.has_subgroup_matrix:
+            feats.append(b.FEATURES[SUBGROUP_MATRIX])
         self.features = set(adapter_features)  # the adapter's, in the backend's spelling
         self.device = b.request_device(self.adapter, feats, want, verbose, checks=self.shader_checks)
         self.limits = b.device_limits(self.device)
@@ -172,7 +178,7 @@ class Runtime:
 
     # optional adapter features that kernels may use where present (the plain path is the
     # reference); reported by `memengine info` in the backend's spelling
-    OPTIONAL_FEATURES = (TIMESTAMPS, SUBGROUPS, SHADER_F16)
+    OPTIONAL_FEATURES = (TIMESTAMPS, SUBGROUPS, SHADER_F16, SUBGROUP_MATRIX)
 
     def has_feature(self, name: str) -> bool:
         """Whether the adapter has an optional feature (TIMESTAMPS, SUBGROUPS, SHADER_F16 of
@@ -184,7 +190,7 @@ class Runtime:
         return int(self.limits.get(name, default))
 
     def capabilities(self) -> dict:
-        feats = (self.backend.FEATURES[f] for f in self.OPTIONAL_FEATURES)
+        feats = (self.backend.FEATURES[f] for f in self.OPTIONAL_FEATURES if f in self.backend.FEATURES)
         return {
             "features": [f for f in feats if f in self.features],
             "max_storage_binding_bytes": self.max_binding,
@@ -220,12 +226,17 @@ class Runtime:
                     uses = self.has_subgroups if subgroups is None else subgroups
                     req = "subgroups" if uses else "subgroups_off"
                 prelude.append(_wgsl_path(req).read_text())
-        # `enable ...;` directives (among the leading comments) go in front of everything
+        # `enable ...;` and `diagnostic(...);` directives (among the leading comments) go in
+        # front of everything
         head = 0
-        while head < len(lines) and lines[head].startswith(("enable ", "//")):
+        while head < len(lines) and lines[head].startswith(("enable ", "diagnostic(", "//")):
             head += 1
-        enables = self.backend.enables([ln for ln in lines[:head] if ln.startswith("enable ")], uses)
-        return "\n".join(enables + prelude + [ln for ln in lines if not ln.startswith("enable ")])
+        directive = [i for i in range(head) if lines[i].startswith(("enable ", "diagnostic("))]
+        enables = self.backend.enables([lines[i] for i in directive if lines[i].startswith("enable ")], uses)
+        diagnostics = [lines[i] for i in directive if lines[i].startswith("diagnostic(")]
+        skip = set(directive)
+        rest = [ln for i, ln in enumerate(lines) if i not in skip and not ln.startswith("enable ")]
+        return "\n".join(enables + diagnostics + prelude + rest)
 
     def module(self, name: str):
         mod = self._modules.get(name)

@@ -17,6 +17,9 @@ class KernelSettings:
     matmul: str = "auto"   # MEMENGINE_MATMUL: "auto" | "reference" | "nosplit" | "tiles"
     # a dict or a function (rt, M, N, K) -> dict forcing matmul_fast's tile configuration
     matmul_tiles: object = None
+    # False: --precision mixed's products on matmul_f16 even where the adapter has f16
+    # subgroup matrices (matmul_sgmat, the default there)
+    sgmat: bool = True
     # False: the scan backward's channel sums go through workgroup memory even where the
     # adapter has subgroups
     scan_subgroups: bool = True
