@@ -387,3 +387,20 @@ def test_loss_scaler_state_is_kept_in_the_optimizer_state(rt, tmp_path):
     bad[optim_state.LOSS_SCALE_KEY] = np.array([-1.0, 0, 0], np.float32)
     with pytest.raises(Exception, match="positive finite loss scale"):
         optim_state.check(bad, model, "x")
+
+
+def test_a_run_on_tensor_cores_says_mixed_is_faster_or_where_its_products_run(rt, monkeypatch, tiny_ckpt_ro,
+                                                                             sample_text, tmp_path):
+    """One line at the start of a run on an adapter with f16 subgroup matrices: fp32 names the
+    measured speed-up of mixed, mixed says its products take the tensor cores; none elsewhere."""
+    from memengine.engine.app.run import MIXED_SPEEDUP
+
+    args = ("--data", sample_text, "--max-steps", "1", "--seq-len", "32")
+    r = run("train", tiny_ckpt_ro, "-o", tmp_path / "a", *args)
+    assert r.exit_code == 0, r.stderr
+    assert "subgroup matrices" not in r.stderr or rt.has_subgroup_matrix
+    monkeypatch.setattr(rt, "has_subgroup_matrix", True)   # fp32 runs no f16 product: safe anywhere
+    r = run("train", tiny_ckpt_ro, "-o", tmp_path / "b", *args)
+    assert r.exit_code == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "subgroup matrices" in ln]
+    assert len(lines) == 1 and f"{MIXED_SPEEDUP[0]:.2f}x" in lines[0] and "--precision mixed" in lines[0], r.stderr

@@ -380,8 +380,9 @@ class TrainOptions(Options):
     precision: str = opt("fp32", panel=RUNTIME, check=one_of("fp32", "mixed"), metavar="fp32|mixed",
                          help="mixed: f16 matmul operands with f32 accumulation, f32 master weights "
                               "and moments, dynamic loss scaling (skipped steps are reported); needs "
-                              "an adapter with shader-f16. Slower than fp32 and larger on the adapters "
-                              "measured (H200 0.74x, lavapipe 0.3x; README).")
+                              "an adapter with shader-f16. Faster than fp32 where the adapter has f16 "
+                              "subgroup matrices (tensor cores through the Dawn backend: H200 1.49x), "
+                              "slower elsewhere (H200 on wgpu-native 0.74x, lavapipe 0.3x; README).")
     weight_decay: float = opt(0.01, check=not_negative(), help="Decoupled AdamW weight decay.")
     max_delta: float = opt(0.0, check=not_negative(),
                            help="Trust region: no element moves more than this per step (0 = off).")
