@@ -237,8 +237,8 @@ def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, a
     if shader == "matmul_f16" and getattr(rt, "has_subgroup_matrix", False) and rt.kernels.sgmat:
         shader = "matmul_sgmat"   # the same product on subgroup matrices (tensor cores)
     entry = shader if shader != "matmul" else "matmul_fast"
-    if shader != "matmul":   # fixed tiles (no pipeline constants): f16 128x128, BK 16; sgmat 64x128, BK 32
-        bm, bn, bk = (128, 128, 16) if shader == "matmul_f16" else (64, 128, 32)
+    if shader != "matmul":   # fixed tiles: f16 128x128, BK 16; sgmat 128x128, BK 32 (its layouts as constants)
+        bm, bn, bk = (128, 128, 16) if shader == "matmul_f16" else (128, 128, 32)
         consts = None if shader == "matmul_f16" else {"TA": int(trans_a), "TB": int(trans_b)}
         slices = _split_k(rt, M, N, K, cdiv(N, bn) * cdiv(M, bm), bm * bn, bk)
         ks = cdiv(cdiv(K, slices), bk) * bk if slices > 1 else K
