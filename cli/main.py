@@ -134,7 +134,7 @@ def do_init(ui: UI, config: str, output: Path, seed: int, force: bool,
 # =========================================================================== devices
 @app.command("devices", help="""List the GPU adapters memengine can run on, through each backend (wgpu-native and Dawn), with the limits and features runs depend on.
 
-The adapter marked * is the one --device auto takes (with --backend, default auto: Dawn where the adapter has f16 subgroup matrices, else wgpu-native); --device NAME takes the first whose name contains NAME.""",
+The adapter marked * is the one --device auto takes (with --backend, default auto: wgpu-native, and Dawn for --precision mixed where the adapter has f16 subgroup matrices); --device NAME takes the first whose name contains NAME.""",
              epilog=_examples("memengine devices", "memengine devices --json | jq -r '.devices[].name'"))
 def devices_cmd(
     backend: BackendOpt = None,

@@ -129,15 +129,19 @@ class FakeDawn(eb.Backend):
         return self.matrices
 
 
-def test_auto_takes_dawn_only_for_an_adapter_with_f16_subgroup_matrices(monkeypatch):
+def test_auto_takes_dawn_only_for_mixed_runs_on_an_adapter_with_f16_subgroup_matrices(monkeypatch):
     monkeypatch.setitem(eb._MADE, "dawn", FakeDawn(matrices=True))
-    b, _ = eb.open_adapter("auto")
+    found = {}
+    b, _ = eb.open_adapter("auto", tensor_cores=True)
     assert b.name == "dawn"
+    b, _ = eb.open_adapter("auto", found=found)   # an fp32 run: wgpu-native, Dawn's matrices noted
+    assert b.name == "wgpu" and found == {"dawn_tensor_cores": True}
     monkeypatch.setitem(eb._MADE, "dawn", FakeDawn(matrices=False))
-    b, _ = eb.open_adapter("auto")
-    assert b.name == "wgpu"
+    found = {}
+    b, _ = eb.open_adapter("auto", tensor_cores=True, found=found)
+    assert b.name == "wgpu" and found == {"dawn_tensor_cores": False}
     monkeypatch.setitem(eb._MADE, "dawn", FakeDawn(matrices=True, adapters=0))
-    assert eb.open_adapter("auto")[0].name == "wgpu"
+    assert eb.open_adapter("auto", tensor_cores=True)[0].name == "wgpu"
 
 
 def test_auto_takes_wgpu_native_where_wgpudawn_is_not_installed(monkeypatch):
@@ -158,7 +162,8 @@ def test_auto_on_this_machine():
             matrices = dawn.has_f16_subgroup_matrices(dawn.choose_adapter("auto"))
         except NoAdapterError:
             matrices = False
-        assert b.name == ("dawn" if matrices else "wgpu")
+        assert b.name == "wgpu"   # an fp32 request
+        assert eb.open_adapter("auto", tensor_cores=True)[0].name == ("dawn" if matrices else "wgpu")
     else:
         assert b.name == "wgpu"
 

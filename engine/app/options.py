@@ -287,9 +287,9 @@ def _device() -> Any:
 def _backend() -> Any:
     return opt(None, panel=RUNTIME, envvar=ENV_BACKEND, restore=False, metavar="|".join(BACKENDS),
                show_default="auto", check=one_of(*BACKENDS),
-               help="WebGPU implementation: auto (Dawn where wgpudawn is installed and the adapter has f16 "
-                    "subgroup matrices, else wgpu-native), wgpu (wgpu-native) or dawn (Dawn: "
-                    "pip install 'memengine[dawn]').")
+               help="WebGPU implementation: auto (wgpu-native; Dawn for --precision mixed where wgpudawn "
+                    "is installed and the adapter has f16 subgroup matrices), wgpu (wgpu-native) or dawn "
+                    "(Dawn: pip install 'memengine[dawn]').")
 
 
 def _tokenizer() -> Any:

@@ -36,22 +36,30 @@ from memengine.engine.train.trainer import EvalResult, Trainer, evaluate
 
 STATE_VERSION = 2   # 2: with its checksum and the optimizer's step (engine/train/state_schema.py)
 
-# --precision mixed against fp32 on an adapter with f16 subgroup matrices (tensor cores): the
-# training step's tokens/s, measured (benchmarks/results/h200/dawn_sgmat: NVIDIA H200, Dawn,
-# mamba-130m, B 8, L 2048: 57,944 mixed, 38,776 fp32)
-MIXED_SPEEDUP = (1.49, "an NVIDIA H200 (mamba-130m, B 8, L 2048)")
+# --precision mixed on an adapter with f16 subgroup matrices (tensor cores, Dawn) against fp32,
+# training tokens/s measured in one call (benchmarks/results/h200/dawn_sgmat: NVIDIA H200,
+# mamba-130m, B 8, L 2048: 57,944 mixed, 38,776 fp32 under Dawn, 42,895 fp32 under wgpu-native)
+MIXED_SPEEDUP = {"dawn": 1.49, "wgpu": 1.35}
+MIXED_MEASURED_ON = "an NVIDIA H200 (mamba-130m, B 8, L 2048)"
 
 
 def precision_note(rt, precision: str) -> str | None:
     """The run's one line on its precision where the adapter has tensor cores from WGSL:
-    fp32 says mixed would be faster (by the measured factor), mixed says where its products run."""
-    if not getattr(rt, "has_subgroup_matrix", False):
-        return None
-    factor, where = MIXED_SPEEDUP
+    mixed says its products run on them; fp32 says mixed would be faster, by the factor
+    measured against fp32 on this backend (wgpu-native when --backend auto passed over Dawn's
+    subgroup matrices for an fp32 run)."""
+    here = getattr(rt, "has_subgroup_matrix", False)
     if precision == "mixed":
-        return "--precision mixed: the matrix products run on this adapter's f16 subgroup matrices (tensor cores)"
-    return (f"this adapter has f16 subgroup matrices (tensor cores): --precision mixed trained {factor:.2f}x "
-            f"as many tokens/s as fp32 on {where}")
+        return ("--precision mixed: the matrix products run on this adapter's f16 subgroup matrices "
+                "(tensor cores)") if here else None
+    if here:
+        what = f"trained {MIXED_SPEEDUP['dawn']:.2f}x as many tokens/s as fp32 on Dawn"
+    elif getattr(rt, "dawn_tensor_cores", False):
+        what = (f"(which --backend auto runs on Dawn) trained {MIXED_SPEEDUP['wgpu']:.2f}x as many tokens/s "
+                f"as fp32 on wgpu-native")
+    else:
+        return None
+    return f"this adapter has f16 subgroup matrices (tensor cores): --precision mixed {what} on {MIXED_MEASURED_ON}"
 
 
 # =========================================================================== eval
@@ -457,7 +465,8 @@ class _Run:
 
     def _open_device(self, verbose: bool):
         """The runtime of this rank's device, shown to the listener."""
-        rt = open_runtime(distributed.device_request(self.o.device, self.group), verbose, self.o.backend)
+        rt = open_runtime(distributed.device_request(self.o.device, self.group), verbose, self.o.backend,
+                          self.o.precision)
         self.device = rt.describe()
         self.backend = rt.backend_name
         self.listener.on_device(self.device)

@@ -35,12 +35,14 @@ def tokenizer_file(tok) -> Optional[Path]:
     return Path(p) if p else None
 
 
-def open_runtime(device: Optional[str], verbose: bool, backend: Optional[str] = None):
-    """The runtime for --device and --backend, its caches emptied: each command builds its
-    own model, so what an earlier one in this process (the demo runs several) left can go."""
+def open_runtime(device: Optional[str], verbose: bool, backend: Optional[str] = None,
+                 precision: Optional[str] = None):
+    """The runtime for --device, --backend and --precision (auto takes Dawn's tensor cores
+    for mixed runs only), its caches emptied: each command builds its own model, so what an
+    earlier one in this process (the demo runs several) left can go."""
     from memengine.engine.runtime import get_runtime
 
-    rt = get_runtime(device or None, verbose=verbose, backend=backend)
+    rt = get_runtime(device or None, verbose=verbose, backend=backend, precision=precision)
     rt.trim()
     return rt
 

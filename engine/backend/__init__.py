@@ -33,8 +33,8 @@ TIMESTAMPS, SUBGROUPS, SHADER_F16 = "timestamp-query", "subgroups", "shader-f16"
 # subgroup matrices (Dawn's chromium-experimental-subgroup-matrix): only a backend whose
 # FEATURES spells it has them
 SUBGROUP_MATRIX = "subgroup-matrix"
-# --backend's values (MEMENGINE_BACKEND); auto: Dawn where wgpudawn is installed and the
-# adapter has f16 subgroup matrices (tensor cores from WGSL), else wgpu-native
+# --backend's values (MEMENGINE_BACKEND); auto: Dawn for --precision mixed where wgpudawn is
+# installed and the adapter has f16 subgroup matrices (tensor cores from WGSL), else wgpu-native
 AUTO = "auto"
 BACKENDS = (AUTO, "wgpu", "dawn")
 ENV_BACKEND = "MEMENGINE_BACKEND"
@@ -254,12 +254,16 @@ def backend_request(request: str | None = None) -> str:
     return (request or os.environ.get(ENV_BACKEND, "").strip() or AUTO).strip().lower()
 
 
-def open_adapter(request: str | None = None, device: str = "auto", verbose: bool = False) -> tuple:
+def open_adapter(request: str | None = None, device: str = "auto", verbose: bool = False,
+                 tensor_cores: bool = False, found: dict | None = None) -> tuple:
     """(backend, adapter) for `--backend request --device device`.
 
-    auto: Dawn where its binding loads and the adapter it would pick for `device` has f16
-    subgroup matrices, else wgpu-native.  wgpu / dawn: that backend, whose refusal (binding
-    not installed, no adapter it can run on) is one NoAdapterError line naming --backend."""
+    auto: Dawn where its binding loads, the adapter it would pick for `device` has f16
+    subgroup matrices and the run multiplies on them (`tensor_cores`: --precision mixed),
+    else wgpu-native (whose fp32 step ran 1.11x Dawn's on the H200: README, the Dawn
+    backend).  `found`, where given, gets `dawn_tensor_cores`: whether auto saw such an
+    adapter under Dawn.  wgpu / dawn: that backend, whose refusal (binding not installed,
+    no adapter it can run on) is one NoAdapterError line naming --backend."""
     asked = backend_request(request)
     if asked not in REGISTRY and asked != AUTO:
         raise NoAdapterError(f"--backend {asked}: must be one of {', '.join(BACKENDS)}")
@@ -267,7 +271,10 @@ def open_adapter(request: str | None = None, device: str = "auto", verbose: bool
         try:
             dawn = get_backend("dawn")
             adapter = dawn.choose_adapter(device, verbose)
-            if dawn.has_f16_subgroup_matrices(adapter):
+            matrices = dawn.has_f16_subgroup_matrices(adapter)
+            if found is not None:
+                found["dawn_tensor_cores"] = matrices
+            if matrices and tensor_cores:
                 return dawn, adapter
         except Exception:  # not installed, no adapter, or Dawn failing: wgpu-native serves
             pass

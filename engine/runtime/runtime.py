@@ -9,8 +9,8 @@ import os
 from importlib import resources
 
 import numpy as np
-from memengine.engine.backend import (ENV_BACKEND, SHADER_F16, SUBGROUP_MATRIX, SUBGROUPS, TIMESTAMPS, adapter_kind, backend_request,
-                                      open_adapter)
+from memengine.engine.backend import (AUTO, ENV_BACKEND, SHADER_F16, SUBGROUP_MATRIX, SUBGROUPS, TIMESTAMPS,
+                                      adapter_kind, backend_request, open_adapter)
 from memengine.engine.errors import MemengineError
 from memengine.engine.hostmem import fmt_bytes
 from memengine.engine.runtime.pacing import MAX_PIECES, Pacer
@@ -66,8 +66,13 @@ class Runtime:
     for MEMENGINE_BACKEND or auto); `device` is the device it made, whose objects follow
     wgpu-py's API."""
 
-    def __init__(self, device: str = "auto", verbose: bool = False, backend: str | None = None):
-        self.backend, self.adapter = open_adapter(backend, device, verbose)
+    def __init__(self, device: str = "auto", verbose: bool = False, backend: str | None = None,
+                 tensor_cores: bool = False):
+        found: dict = {}
+        self.backend, self.adapter = open_adapter(backend, device, verbose, tensor_cores=tensor_cores, found=found)
+        # --backend auto passed over Dawn's f16 subgroup matrices (a run without --precision
+        # mixed; get_runtime sets it for the runtime it resolved auto to)
+        self.dawn_tensor_cores = bool(found.get("dawn_tensor_cores"))
         b = self.backend
         self.verbose = verbose
         info = b.adapter_info(self.adapter)
@@ -469,17 +474,31 @@ class Runtime:
 
 
 _RUNTIMES: dict = {}
+# (device request, a mixed run) -> (the backend --backend auto takes, whether Dawn had f16
+# subgroup matrices there)
+_AUTO: dict = {}
 
 
-def get_runtime(device: str | None = None, verbose: bool = False, backend: str | None = None) -> Runtime:
+def get_runtime(device: str | None = None, verbose: bool = False, backend: str | None = None,
+                precision: str | None = None) -> Runtime:
     """The process-wide runtime for a device request (MEMENGINE_DEVICE when None) on a
-    backend request (--backend auto|wgpu|dawn; None: MEMENGINE_BACKEND, else auto)."""
+    backend request (--backend auto|wgpu|dawn; None: MEMENGINE_BACKEND, else auto) for a
+    run of `precision` (auto takes Dawn's tensor cores for "mixed" only)."""
     request = device or os.environ.get("MEMENGINE_DEVICE", "auto")
     which = backend_request(backend)
+    found: dict = {}
+    if which == AUTO:   # the backend auto resolves to for this run, once per process
+        rkey = (request, precision == "mixed")
+        if rkey not in _AUTO:
+            b, _ = open_adapter(AUTO, request, verbose, tensor_cores=precision == "mixed", found=found)
+            _AUTO[rkey] = (b.name, bool(found.get("dawn_tensor_cores")))
+        which, dawn_tc = _AUTO[rkey]
+        found = {"dawn_tensor_cores": dawn_tc}
     key = (request, which)
     rt = _RUNTIMES.get(key)
     if rt is None:
         rt = Runtime(request, verbose, which)
+        rt.dawn_tensor_cores = bool(found.get("dawn_tensor_cores")) and not rt.has_subgroup_matrix
         _RUNTIMES[key] = rt
     else:
         rt.apply_env_limits()
