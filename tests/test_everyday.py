@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 from conftest import SAMPLE_TEXT
-from test_cli import assert_one_line_error, run
+from test_cli import COMMANDS, assert_one_line_error, run
 
 TRAIN = ("--seq-len", "32", "--batch-size", "4", "--save-every", "2")
 
@@ -235,3 +235,46 @@ def test_quantize_table_fits_80_columns_with_the_layer_numbers(tiny_ckpt_ro, tmp
     assert len(lines) > 10 and max(len(ln) for ln in lines) <= 80, max(lines, key=len)
     names = [ln.split()[0] for ln in lines if ln.lstrip()[:1].isdigit()]
     assert names and len(set(names)) == len(names) and "0" in {n.split(".")[0] for n in names}
+
+
+def _help_examples(cmd: str) -> list[str]:
+    r = run(cmd, "--help", env={"COLUMNS": "80", "TERM": "dumb"})
+    assert r.exit_code == 0
+    lines = r.stdout.splitlines()
+    assert max(len(ln) for ln in lines) <= 80, max(lines, key=len)
+    return [ln.strip() for ln in lines[next(i for i, ln in enumerate(lines) if ln.strip() == "Examples") + 1:]
+            if ln.strip()]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_help_examples_never_wrap_mid_command_at_80_columns(cmd):
+    """At 80 columns every example line is a command (`$ ...`), a comment above one (`# ...`),
+    or the continuation of a line ending in a shell backslash: copied, it runs as shown."""
+    from memengine.cli import main as cli_main
+
+    ex = _help_examples(cmd)
+    assert ex and ex[0].startswith(("$ ", "# ")), ex
+    for before, line in zip(ex, ex[1:]):
+        assert line.startswith(("$ ", "# ")) or before.endswith(" \\"), (before, line)
+    # long ones were cut only before an option, keeping every word
+    joined = " ".join(ln[:-2] if ln.endswith(" \\") else ln for ln in ex)
+    long = "memengine train model --data book.txt --val-fraction 0.05 -o out --save-every 200"
+    if cmd == "train":
+        assert long in " ".join(joined.split())
+    assert cli_main._example_lines("a " * 60)[0].endswith("a " * 37 + "a")   # no option: never cut
+
+
+def test_train_help_groups_its_options_in_panels():
+    """train --help: the options in named panels (data, output, training, ...), the catch-all
+    'Options' panel holding only --version and --help."""
+    r = run("train", "--help", env={"COLUMNS": "80", "TERM": "dumb"})
+    panels, cur = {}, None
+    for ln in r.stdout.splitlines():
+        if ln.startswith("╭─ "):
+            cur = ln.strip("╭─╮ ").split(" ─")[0].strip()
+            panels[cur] = []
+        elif cur and ln.startswith("│ --"):
+            panels[cur].append(ln.split()[1])
+    assert {"Data", "Output", "Training", "Checkpoints", "LoRA", "Evaluation", "Schedule"} <= set(panels), panels
+    assert panels["Options"] == ["--version", "--help"], panels["Options"]
+    assert "--lora-rank" in panels["LoRA"] and "--data" in panels["Data"] and "--save-every" in panels["Checkpoints"]
