@@ -12,6 +12,7 @@ line as it happens, and a progress line appears whenever nothing was printed for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -128,8 +129,10 @@ class TaskView:
 
     def _late(self, name: str) -> None:
         """A task still running SHOW_AFTER seconds after it started gets its line."""
-        t = self.latest.get(name)
+        t, seen = self.latest.get(name, (None, 0.0))
         if t is not None and name not in self.shown:
+            # the last report's figures, aged to now (a slow first item: no rate of the instant it began)
+            t = dataclasses.replace(t, elapsed_s=t.elapsed_s + time.monotonic() - seen)
             self.shown[name] = time.monotonic()
             try:
                 self.ui.note("  " + task_text(t) + ("" if t.total or t.done else " ..."))
@@ -140,7 +143,7 @@ class TaskView:
         ui = self.ui
         if ui.quiet:
             return
-        self.latest[t.name] = t
+        self.latest[t.name] = (t, time.monotonic())
         if not ui.tty and not t.finished and t.name not in self.timers:
             timer = self.timers[t.name] = threading.Timer(self.SHOW_AFTER, self._late, (t.name,))
             timer.daemon = True
