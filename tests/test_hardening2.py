@@ -138,6 +138,9 @@ def test_generate_stopped_by_a_signal_is_one_line_and_its_status(tiny_ckpt_ro, s
             p.kill()
     assert p.returncode == code, err
     assert_one_line_error(err, f"{word} after")
+    # one line for the stop (issue 30, item 8): no summary line besides the error
+    said = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("adapter:")]
+    assert len(said) == 1 and "tokens/s" in said[0], err
     assert sys.platform != "win32"
 
 
@@ -218,3 +221,31 @@ def test_a_signal_in_the_first_milliseconds_prints_no_traceback(tiny_ckpt_ro):
                        env=child_env(), timeout=120)
     assert p.returncode == 130, p.stderr
     assert_one_line_error(p.stderr, "interrupted while starting; nothing was written")
+
+
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_eval_stopped_by_a_signal_says_it_in_one_line(tiny_ckpt_ro, tmp_path, sig, code):
+    """Issue 30, item 8: eval interrupted mid-way prints one line (and the signal's status)."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import SAMPLE_TEXT
+    from test_safety import child_env, cli
+
+    data = tmp_path / "big.txt"
+    data.write_text(SAMPLE_TEXT * 600)
+    p = subprocess.Popen(cli("eval", tiny_ckpt_ro, "--data", data, "--seq-len", "16"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**child_env(), "MEMENGINE_CACHE_DIR": str(tmp_path)})
+    try:
+        assert p.stderr.readline().startswith("adapter:")
+        time.sleep(3)
+        p.send_signal(getattr(signal, sig))
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == code, err
+    said = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("  ")]   # not progress lines
+    assert len(said) == 1 and said[0].startswith("error: ") and "nothing was written" in said[0], err
+    assert out == ""
