@@ -200,3 +200,25 @@ def test_what_a_killed_run_left_in_the_cache_is_removed(tmp_path, cache):
     _cached(tmp_path, SAMPLE_TEXT)
     assert sorted(p.name for p in (cache / "tokens").iterdir() if p.name.startswith(".")) == [live.name]
     assert list((cache / "spool").iterdir()) == []
+
+
+def test_the_held_out_draw_of_a_large_corpus_takes_the_memory_of_the_held_windows_only():
+    """--val-fraction on more than PERMUTE_MAX windows: the held-out windows are the first k of
+    a computed permutation, not numpy's choice (which permutes every window when k > n/50:
+    80 MB for 10^7 windows); distinct, sorted, in range, reproducible from the seed."""
+    import tracemalloc
+
+    n = 10_000_000
+    tracemalloc.start()
+    try:
+        held = sampler.held_out(n, 0.05, 7)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    k = 500_000
+    assert held.size == k and held[0] >= 0 and held[-1] < n and np.all(np.diff(held) > 0)
+    assert peak < 8 * k * 6, peak   # a few arrays of k, never one of n (8 bytes x 10^7 = 80 MB)
+    assert np.array_equal(held, sampler.held_out(n, 0.05, 7)) and not np.array_equal(held, sampler.held_out(n, 0.05, 8))
+    small = sampler.held_out(1000, 0.05, 7)   # up to PERMUTE_MAX: numpy's draw, as before
+    rng = np.random.Generator(np.random.PCG64([7, 0x76616C]))
+    assert np.array_equal(small, np.sort(rng.choice(1000, size=50, replace=False)))
