@@ -249,3 +249,49 @@ def test_eval_stopped_by_a_signal_says_it_in_one_line(tiny_ckpt_ro, tmp_path, si
     said = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("  ")]   # not progress lines
     assert len(said) == 1 and said[0].startswith("error: ") and "nothing was written" in said[0], err
     assert out == ""
+
+
+def test_a_sigint_at_any_early_moment_of_the_real_console_script(tiny_ckpt_ro):
+    """Ctrl-C sent to the installed `memengine` console script 0-400 ms after it was started:
+    killed by the signal before the interpreter handles it (no output; the shell's 130), or
+    exactly one `error:` line and exit 130 once memengine's package is imported. A traceback
+    can only come from the interpreter's own start-up before any memengine code (its io and
+    site modules, setuptools' editable finder of a development install: README, "Ctrl-C /
+    SIGTERM keep the work"), never with a frame of memengine's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from test_safety import child_env
+
+    script = Path(sys.executable).parent / "memengine"
+    if not script.exists():
+        pytest.skip("no console script beside the interpreter")
+    src = str(Path(__file__).resolve().parents[1])
+    outcomes = []
+    for delay in (0.0, 0.003, 0.006, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.4):
+        p = subprocess.Popen([str(script), "info", str(tiny_ckpt_ro)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=child_env())
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+        said = [ln for ln in err.splitlines() if ln.strip()]
+        if "Traceback" in err:
+            frames = [ln for ln in said if ln.lstrip().startswith("File ")]
+            ours = [f for f in frames if f.split('"')[1].startswith((f"{src}/cli/", f"{src}/engine/"))]
+            assert ours == [], err   # the interpreter's start, not memengine's code
+            kind = "interpreter"
+        elif p.returncode == -signal.SIGINT:
+            assert said == [], err
+            kind = "killed"
+        else:
+            assert p.returncode in (0, 130), (delay, p.returncode, err)
+            if p.returncode == 130:
+                assert_one_line_error(err, "interrupted")
+                assert [ln for ln in said if not ln.startswith(("adapter:", "memory budget"))] == [
+                    next(ln for ln in said if ln.startswith("error:"))], err
+            kind = str(p.returncode)
+        outcomes.append((delay, kind))
+    assert outcomes[-1][1] in ("130", "0"), outcomes   # 400 ms in: memengine's own handling
