@@ -295,3 +295,44 @@ def test_a_sigint_at_any_early_moment_of_the_real_console_script(tiny_ckpt_ro):
             kind = str(p.returncode)
         outcomes.append((delay, kind))
     assert outcomes[-1][1] in ("130", "0"), outcomes   # 400 ms in: memengine's own handling
+
+
+@pytest.mark.parametrize("var,value", [("MEMENGINE_MATMUL", "bogus"), ("MEMENGINE_SHADER_CHECKS", "maybe"),
+                                       ("MEMENGINE_MAX_STREAM_BYTES", "x"), ("MEMENGINE_CACHE_MAX_BYTES", "lots"),
+                                       ("MEMENGINE_CACHE_DIR", "FILE")])
+def test_every_memengine_variable_is_validated_in_one_line(tiny_ckpt_ro, text, tmp_path, var, value):
+    """Issue 32, section 3: a MEMENGINE_* variable the run reads, set to nonsense, is one line
+    naming it and exit 2 (MEMENGINE_MATMUL and MEMENGINE_SHADER_CHECKS were taken silently, a
+    MEMENGINE_DIST_TIMEOUT that is no number stopped every command with a traceback)."""
+    from test_cli import run_proc
+
+    if value == "FILE":
+        value = str(text)   # a regular file, not a directory
+    r = run_proc("eval", tiny_ckpt_ro, "--data", text, "--seq-len", "32",
+                 env_extra={var: value, **({} if var == "MEMENGINE_CACHE_DIR" else
+                                            {"MEMENGINE_CACHE_DIR": str(tmp_path / "c")})})
+    assert r.returncode == 2, r.stderr
+    assert_one_line_error(r.stderr, var)
+    if var == "MEMENGINE_CACHE_DIR":
+        assert "is a file, not a directory" in r.stderr
+
+
+def test_the_distributed_timeouts_are_validated_where_they_are_read(tiny_ckpt_ro, text, tmp_path, monkeypatch):
+    from memengine.engine.errors import MemengineError
+    from memengine.engine.train import distributed
+    from test_cli import run_proc
+
+    r = run_proc("info", tiny_ckpt_ro, env_extra={"MEMENGINE_DIST_TIMEOUT": "abc"})   # imported by every command
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    for bad in ("abc", "0", "-3", "nan", "inf"):
+        monkeypatch.setenv("MEMENGINE_DIST_TIMEOUT", bad)
+        with pytest.raises(MemengineError, match="MEMENGINE_DIST_TIMEOUT"):
+            distributed.env_seconds("MEMENGINE_DIST_TIMEOUT", 600)
+    monkeypatch.setenv("MEMENGINE_DIST_TIMEOUT", "90")
+    assert distributed.env_seconds("MEMENGINE_DIST_TIMEOUT", 600) == 90.0
+    monkeypatch.delenv("MEMENGINE_DIST_TIMEOUT")
+    assert distributed.env_seconds("MEMENGINE_DIST_TIMEOUT", 600) == 600.0
+    r = run_proc("train", tiny_ckpt_ro, "--data", text, "-o", tmp_path / "o", "--nproc-per-node", "2",
+                 "--max-steps", "1", "--seq-len", "32", env_extra={"MEMENGINE_DIST_SHUTDOWN_S": "abc"})
+    assert r.returncode == 2, r.stderr
+    assert_one_line_error(r.stderr, "MEMENGINE_DIST_SHUTDOWN_S")

@@ -88,7 +88,9 @@ def cache_root() -> Path:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         root = Path(base) / "memengine"
     if root.exists() and not root.is_dir():
-        raise MemengineError(f"MEMENGINE_CACHE_DIR {root}: is {file_kind(root.stat().st_mode)}, not a directory")
+        mode = root.stat().st_mode
+        kind = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+        raise MemengineError(f"MEMENGINE_CACHE_DIR {root}: is {kind}, not a directory")
     return root
 
 
@@ -315,6 +317,7 @@ def resolve_sources(paths: list, flag: str = "--data", *, stdin: Optional[Binary
     """The files `paths` name, checked, hashed, and stdin/FIFOs spooled (read once)."""
     if not paths:
         raise MemengineError(f"{flag} is required (a file, several files, a directory, or - for stdin)")
+    stream_cap(_ensure(cache_root()))   # MEMENGINE_MAX_STREAM_BYTES checked whatever the data
     items = []
     for p in paths:
         p = str(p)
