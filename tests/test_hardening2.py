@@ -336,3 +336,25 @@ def test_the_distributed_timeouts_are_validated_where_they_are_read(tiny_ckpt_ro
                  "--max-steps", "1", "--seq-len", "32", env_extra={"MEMENGINE_DIST_SHUTDOWN_S": "abc"})
     assert r.returncode == 2, r.stderr
     assert_one_line_error(r.stderr, "MEMENGINE_DIST_SHUTDOWN_S")
+
+
+def test_generate_prompt_from_an_endless_stdin_is_refused_bounded(tiny_ckpt_ro):
+    """`generate --prompt - < /dev/zero` read all of it into memory (killed by the kernel at
+    23 GB after 100 s here): stdin is read in pieces up to PROMPT_MAX_BYTES, then one line."""
+    import os
+    import subprocess
+    import time
+
+    from memengine.engine.app.generate import PROMPT_MAX_BYTES
+    from test_safety import child_env, cli
+
+    t0 = time.monotonic()
+    with open("/dev/zero", "rb") as zero:
+        p = subprocess.Popen(cli("generate", tiny_ckpt_ro, "--prompt", "-", "-n", "2"), stdin=zero,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env())
+        err = p.stderr.read().decode()
+        _, status, usage = os.wait4(p.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 2, err
+    assert_one_line_error(err, "--prompt -: more than")
+    assert time.monotonic() - t0 < 60
+    assert usage.ru_maxrss * 1024 < 4 * PROMPT_MAX_BYTES + (400 << 20), usage.ru_maxrss   # not the stream's size
