@@ -292,7 +292,10 @@ class RunView(Listener):
         self._beat()
         if self.ui.tty:
             self.progress = Progress(
-                TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("  {task.description}"), BarColumn(),
+                # the epoch's count and time beside the bar where they fit (the status line has
+                # the step and both ETAs: on 80 columns they were cut to '14/… 0:00…')
+                *((MofNCompleteColumn(), TimeElapsedColumn()) if self.ui.console.width >= 100 else ()),
                 console=self.ui.console, transient=True,
             )
             self.live = Live(self._renderable(), console=self.ui.console, refresh_per_second=8,

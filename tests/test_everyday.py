@@ -278,3 +278,54 @@ def test_train_help_groups_its_options_in_panels():
     assert {"Data", "Output", "Training", "Checkpoints", "LoRA", "Evaluation", "Schedule"} <= set(panels), panels
     assert panels["Options"] == ["--version", "--help"], panels["Options"]
     assert "--lora-rank" in panels["LoRA"] and "--data" in panels["Data"] and "--save-every" in panels["Checkpoints"]
+
+
+def _on_an_80_column_terminal(*args) -> list[str]:
+    """Every line a command draws on an 80x50 terminal (a pty), redraws included: escape
+    sequences taken out, cut at newlines and carriage returns."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import sys
+    import termios
+
+    from test_safety import child_env
+
+    env = {**child_env(), "COLUMNS": "80", "LINES": "50", "TERM": "xterm"}
+    pid, fd = pty.fork()
+    if pid == 0:   # pragma: no cover - the child
+        os.execvpe(sys.executable, [sys.executable, "-m", "memengine.cli", *map(str, args)], env)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 80, 0, 0))
+    raw = b""
+    while True:
+        try:
+            piece = os.read(fd, 1 << 16)
+        except OSError:
+            break
+        if not piece:
+            break
+        raw += piece
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, raw.decode(errors="replace")[-2000:]
+    text = re.sub(r"\x1b\][^\x07]*\x07|\x1b\[[0-9;?]*[A-Za-z]", "", raw.decode(errors="replace"))
+    return [p.rstrip() for ln in text.split("\n") for p in ln.split("\r") if p.strip()]
+
+
+def test_tables_and_the_live_line_fit_an_80_column_terminal(tiny_ckpt_ro, tmp_path, text):
+    """Issue 30, item 7: on an 80-column terminal info's report and plan, eval --compare's
+    table, devices' table and train's live status fit without a line longer than 80, and the
+    live line is not cut with an ellipsis (it was '14/… 0:00…')."""
+    more = tmp_path / "more.txt"
+    more.write_text(SAMPLE_TEXT * 60)   # steps for a few seconds: the live line is drawn
+    for args in (("info", tiny_ckpt_ro), ("eval", tiny_ckpt_ro, "--compare", tiny_ckpt_ro, "--data", text,
+                                          "--seq-len", "32"), ("devices",),
+                 ("train", tiny_ckpt_ro, "--data", more, "-o", tmp_path / "o", "--seq-len", "64", "--max-steps", "120")):
+        lines = _on_an_80_column_terminal(*args)
+        assert lines and max(len(ln) for ln in lines) <= 80, (args[0], max(lines, key=len))
+        if args[0] == "train":
+            live = [ln for ln in lines if ln.lstrip().startswith("step ")]
+            assert live and not any("…" in ln for ln in live), live
+        if args[0] == "info":
+            assert any(ln.split()[:1] == ["parameters"] for ln in lines) and any("fits" in ln for ln in lines)
