@@ -223,6 +223,8 @@ class RunView(Listener):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._eval_bars: dict = {}
+        self._eval_t0: dict = {}      # phase -> when its pass began (its ETA)
+        self._eval_shown: set = set()  # phases whose pass has had its first log line
 
     # -- rendering
     def _shown(self, row) -> tuple:
@@ -337,7 +339,16 @@ class RunView(Listener):
 
     def on_eval_progress(self, phase: str, done: int, total: int) -> None:
         self._beat()
-        self.status = f"evaluating ({phase}) {done}/{total}"
+        now = time.monotonic()
+        if done <= 1 or phase not in self._eval_t0:
+            self._eval_t0[phase] = now
+            self._eval_shown.discard(phase)
+        left = eta(done, total, now - self._eval_t0[phase])
+        self.status = f"evaluating ({phase}) {done}/{total}" + (f", ETA {left}" if left and done < total else "")
+        if (not self.ui.tty and self.plan is None and phase not in self._eval_shown and done < total
+                and now - self._eval_t0[phase] >= TaskView.SHOW_AFTER):
+            self._eval_shown.add(phase)   # a log's first line once the pass has run a while (then every interval)
+            self._line("  " + self.status)
         if self.plan is None or self.live is None:
             if self.ui.tty and not self.ui.quiet:  # before training: a bar of its own
                 bar = self._eval_bars.get(phase)

@@ -89,3 +89,23 @@ def test_a_late_line_gives_the_rate_of_now_not_of_the_first_report(monkeypatch):
     line = next(ln for ln in err.getvalue().splitlines() if "converting" in ln)
     rate = float(line.split("), ")[1].split(" tensors/s")[0])
     assert rate < 10, line
+
+
+def test_an_evaluation_gets_a_line_with_its_eta_once_it_runs_a_while(monkeypatch):
+    """eval (not a terminal): its first progress line comes once the pass has run SHOW_AFTER
+    seconds (it came 30 s in, with neither ETA nor rate), with the pass's ETA."""
+    from memengine.cli import ui as cli_ui
+
+    monkeypatch.setattr(cli_ui.TaskView, "SHOW_AFTER", 0.2)
+    err = io.StringIO()
+    ui = cli_ui.UI(stderr=err, progress_interval=60)   # no heartbeat line meanwhile
+    view = ui.run_view()
+    view.on_eval_progress("m", 1, 10)
+    assert err.getvalue() == ""
+    time.sleep(0.3)
+    view.on_eval_progress("m", 2, 10)
+    view.on_eval_progress("m", 3, 10)
+    view.close()
+    lines = [ln for ln in err.getvalue().splitlines() if "evaluating (m)" in ln]
+    assert lines[0].strip().startswith("evaluating (m) 2/10, ETA "), lines
+    assert len(lines) == 1, lines
