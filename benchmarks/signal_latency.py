@@ -3,6 +3,7 @@ the signal to the process's exit), and that it leaves nothing behind.
 
     python benchmarks/signal_latency.py [--hidden 768 --layers 24 --vocab 256]
         [--seq-len 64,256] [--after 20,45] [--signal SIGINT,SIGTERM] [--twice]
+        [--extra "--lora-rank 768"]
 
 The model is initialised once in --workdir (default: a temporary directory).  Each case
 starts `memengine train`, waits until the training loop has started plus --after seconds,
@@ -38,6 +39,7 @@ def main() -> int:
     ap.add_argument("--after", default="20", help="seconds after the loop started (comma list)")
     ap.add_argument("--signal", default="SIGINT,SIGTERM")
     ap.add_argument("--twice", action="store_true")
+    ap.add_argument("--extra", default="", help="more train options, e.g. '--lora-rank 768'")
     ap.add_argument("--workdir", type=Path, default=None)
     a = ap.parse_args()
     env = dict(os.environ)
@@ -61,10 +63,10 @@ def main() -> int:
                 out = work / "out"
                 shutil.rmtree(out, ignore_errors=True)
                 p = subprocess.Popen(cli("train", model, "--data", text, "-o", out, "--seq-len", seq, "--epochs",
-                                         "100"), stderr=subprocess.PIPE, text=True, env=env)
+                                         "100", *a.extra.split()), stderr=subprocess.PIPE, text=True, env=env)
                 while True:
                     line = p.stderr.readline()
-                    if not line or line.startswith("train "):  # the loop's title: steps start now
+                    if not line or line.startswith(("train ", "training ", "adapting ")):  # the plan line: steps start
                         break
                 time.sleep(float(after))
                 t0 = time.monotonic()
@@ -78,8 +80,8 @@ def main() -> int:
                 took = time.monotonic() - t0
                 last = [ln for ln in err.splitlines() if ln.startswith("error:")]
                 left = [q.name for q in work.iterdir() if q.name.startswith(".")]
-                rows.append((seq, after, name + (" x2" if a.twice else ""), took, p.returncode, out.exists(), left,
-                             last[-1] if last else ""))
+                rows.append((seq, after, name + (" x2" if a.twice else "") + (f" {a.extra}" if a.extra else ""), took,
+                             p.returncode, out.exists(), left, last[-1] if last else ""))
                 print(f"seq {seq:>5}  after {after:>4}s  {rows[-1][2]:10s}  exit after {took:6.2f}s  status "
                       f"{p.returncode}  OUT exists {out.exists()}  leftovers {left}  {rows[-1][-1]}", flush=True)
     if not a.workdir:

@@ -35,6 +35,7 @@ EXAMPLES = (
 def run(o: GenerateOptions, ui: UI, *, stream: bool = True):
     """Generate and render; returns the result.  stream=False: nothing on stdout and no
     summary (the demo shows the text itself)."""
+    from memengine.engine.app.generate import STOP_INTERRUPTED
     from memengine.engine.app.run import run_generate
 
     show = stream and not ui.json_mode
@@ -50,8 +51,9 @@ def run(o: GenerateOptions, ui: UI, *, stream: bool = True):
         out.write("\n")
         out.flush()
     if stream:
-        ui.note(f"{len(res.tokens)} tokens, {res.tokens_per_s:,.1f} tokens/s, first token after "
-                f"{res.ttft_s:.2f}s ({res.prompt_tokens} prompt tokens), stop: {res.stop}")
+        if res.stop != STOP_INTERRUPTED:   # an interrupted one says it in its one error line (`command`)
+            ui.note(f"{len(res.tokens)} tokens, {res.tokens_per_s:,.1f} tokens/s, first token after "
+                    f"{res.ttft_s:.2f}s ({res.prompt_tokens} prompt tokens), stop: {res.stop}")
         ui.emit(res.summary())
     return res
 
@@ -62,7 +64,7 @@ def command(o: GenerateOptions, ui: UI) -> int:
     res = run(o, ui)
     if res.stop == STOP_INTERRUPTED:
         # one line, and the status of the signal (130 Ctrl-C, 143 SIGTERM)
-        ui.error(f"{interrupts.signal_name()} after {len(res.tokens)} tokens")
+        ui.error(f"{interrupts.signal_name()} after {len(res.tokens)} tokens ({res.tokens_per_s:,.1f} tokens/s)")
         interrupt_reported()
         return interrupts.signal_exit_code()
     return 0

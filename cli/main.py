@@ -11,6 +11,7 @@ each is a few lines that take the resolved options, call the engine and render.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import sys
 import tempfile
@@ -59,9 +60,42 @@ ForceOpt = param(TrainOptions, "force")[0]
 OutOpt = Annotated[Path, typer.Option("--output", "-o", rich_help_panel="Output", help="Output checkpoint directory.")]
 
 
+HELP_WIDTH = 78   # an 80-column terminal less the help's one-column margins
+
+
+def _example_lines(cmd: str, width: int = HELP_WIDTH) -> list[str]:
+    """One example as --help prints it: `  $ cmd`, cut (with a trailing backslash, as a shell
+    reads it) only before an option, a pipe or a redirection when it is wider than `width`, so
+    that no terminal of `width` columns or more breaks it in the middle of a word or a value;
+    a comment that does not fit beside it goes on the line above."""
+    code, _, comment = cmd.partition("   # ")
+    code, comment = code.rstrip(), comment.strip()
+    one = f"  $ {code}" + (f"   # {comment}" if comment else "")
+    if len(one) <= width:
+        return [one]
+    words = re.findall(r"""(?:[^\s'"]+|'[^']*'|"[^"]*")+""", code)
+    groups: list[str] = []   # an option with its values, a pipe with its command
+    for w in words:
+        starts = (w.startswith("-") and w != "-") or w in ("|", ">", ">>", "<", "&&", "2>")
+        if groups and not starts:
+            groups[-1] += " " + w
+        else:
+            groups.append(w)
+    lines, cur = [], "  $"
+    for g in groups:
+        if cur.strip() not in ("$", "") and len(cur) + 1 + len(g) + 2 > width:
+            lines.append(cur + " \\")
+            cur = "     "
+        cur += " " + g
+    lines.append(cur)
+    if comment:
+        lines.insert(0, f"  # {comment}")
+    return lines
+
+
 def _examples(*lines: str) -> str:
-    """An epilog listing examples (one per line in --help)."""
-    return "[bold]Examples[/bold]\n\n" + "\n\n".join(f"  $ {ln}" for ln in lines)
+    """An epilog listing examples (one per paragraph in --help, none wider than 80 columns)."""
+    return "[bold]Examples[/bold]\n\n" + "\n\n".join("\n".join(_example_lines(ln)) for ln in lines)
 
 
 def _version_cb(value: bool):

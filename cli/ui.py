@@ -12,6 +12,7 @@ line as it happens, and a progress line appears whenever nothing was printed for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -128,8 +129,10 @@ class TaskView:
 
     def _late(self, name: str) -> None:
         """A task still running SHOW_AFTER seconds after it started gets its line."""
-        t = self.latest.get(name)
+        t, seen = self.latest.get(name, (None, 0.0))
         if t is not None and name not in self.shown:
+            # the last report's figures, aged to now (a slow first item: no rate of the instant it began)
+            t = dataclasses.replace(t, elapsed_s=t.elapsed_s + time.monotonic() - seen)
             self.shown[name] = time.monotonic()
             try:
                 self.ui.note("  " + task_text(t) + ("" if t.total or t.done else " ..."))
@@ -140,7 +143,7 @@ class TaskView:
         ui = self.ui
         if ui.quiet:
             return
-        self.latest[t.name] = t
+        self.latest[t.name] = (t, time.monotonic())
         if not ui.tty and not t.finished and t.name not in self.timers:
             timer = self.timers[t.name] = threading.Timer(self.SHOW_AFTER, self._late, (t.name,))
             timer.daemon = True
@@ -220,6 +223,8 @@ class RunView(Listener):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._eval_bars: dict = {}
+        self._eval_t0: dict = {}      # phase -> when its pass began (its ETA)
+        self._eval_shown: set = set()  # phases whose pass has had its first log line
 
     # -- rendering
     def _shown(self, row) -> tuple:
@@ -289,7 +294,10 @@ class RunView(Listener):
         self._beat()
         if self.ui.tty:
             self.progress = Progress(
-                TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("  {task.description}"), BarColumn(),
+                # the epoch's count and time beside the bar where they fit (the status line has
+                # the step and both ETAs: on 80 columns they were cut to '14/… 0:00…')
+                *((MofNCompleteColumn(), TimeElapsedColumn()) if self.ui.console.width >= 100 else ()),
                 console=self.ui.console, transient=True,
             )
             self.live = Live(self._renderable(), console=self.ui.console, refresh_per_second=8,
@@ -331,7 +339,16 @@ class RunView(Listener):
 
     def on_eval_progress(self, phase: str, done: int, total: int) -> None:
         self._beat()
-        self.status = f"evaluating ({phase}) {done}/{total}"
+        now = time.monotonic()
+        if done <= 1 or phase not in self._eval_t0:
+            self._eval_t0[phase] = now
+            self._eval_shown.discard(phase)
+        left = eta(done, total, now - self._eval_t0[phase])
+        self.status = f"evaluating ({phase}) {done}/{total}" + (f", ETA {left}" if left and done < total else "")
+        if (not self.ui.tty and self.plan is None and phase not in self._eval_shown and done < total
+                and now - self._eval_t0[phase] >= TaskView.SHOW_AFTER):
+            self._eval_shown.add(phase)   # a log's first line once the pass has run a while (then every interval)
+            self._line("  " + self.status)
         if self.plan is None or self.live is None:
             if self.ui.tty and not self.ui.quiet:  # before training: a bar of its own
                 bar = self._eval_bars.get(phase)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 from conftest import SAMPLE_TEXT
-from test_cli import assert_one_line_error, run
+from test_cli import COMMANDS, assert_one_line_error, run
 
 TRAIN = ("--seq-len", "32", "--batch-size", "4", "--save-every", "2")
 
@@ -235,3 +235,97 @@ def test_quantize_table_fits_80_columns_with_the_layer_numbers(tiny_ckpt_ro, tmp
     assert len(lines) > 10 and max(len(ln) for ln in lines) <= 80, max(lines, key=len)
     names = [ln.split()[0] for ln in lines if ln.lstrip()[:1].isdigit()]
     assert names and len(set(names)) == len(names) and "0" in {n.split(".")[0] for n in names}
+
+
+def _help_examples(cmd: str) -> list[str]:
+    r = run(cmd, "--help", env={"COLUMNS": "80", "TERM": "dumb"})
+    assert r.exit_code == 0
+    lines = r.stdout.splitlines()
+    assert max(len(ln) for ln in lines) <= 80, max(lines, key=len)
+    return [ln.strip() for ln in lines[next(i for i, ln in enumerate(lines) if ln.strip() == "Examples") + 1:]
+            if ln.strip()]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_help_examples_never_wrap_mid_command_at_80_columns(cmd):
+    """At 80 columns every example line is a command (`$ ...`), a comment above one (`# ...`),
+    or the continuation of a line ending in a shell backslash: copied, it runs as shown."""
+    from memengine.cli import main as cli_main
+
+    ex = _help_examples(cmd)
+    assert ex and ex[0].startswith(("$ ", "# ")), ex
+    for before, line in zip(ex, ex[1:]):
+        assert line.startswith(("$ ", "# ")) or before.endswith(" \\"), (before, line)
+    # long ones were cut only before an option, keeping every word
+    joined = " ".join(ln[:-2] if ln.endswith(" \\") else ln for ln in ex)
+    long = "memengine train model --data book.txt --val-fraction 0.05 -o out --save-every 200"
+    if cmd == "train":
+        assert long in " ".join(joined.split())
+    assert cli_main._example_lines("a " * 60)[0].endswith("a " * 37 + "a")   # no option: never cut
+
+
+def test_train_help_groups_its_options_in_panels():
+    """train --help: the options in named panels (data, output, training, ...), the catch-all
+    'Options' panel holding only --version and --help."""
+    r = run("train", "--help", env={"COLUMNS": "80", "TERM": "dumb"})
+    panels, cur = {}, None
+    for ln in r.stdout.splitlines():
+        if ln.startswith("╭─ "):
+            cur = ln.strip("╭─╮ ").split(" ─")[0].strip()
+            panels[cur] = []
+        elif cur and ln.startswith("│ --"):
+            panels[cur].append(ln.split()[1])
+    assert {"Data", "Output", "Training", "Checkpoints", "LoRA", "Evaluation", "Schedule"} <= set(panels), panels
+    assert panels["Options"] == ["--version", "--help"], panels["Options"]
+    assert "--lora-rank" in panels["LoRA"] and "--data" in panels["Data"] and "--save-every" in panels["Checkpoints"]
+
+
+def _on_an_80_column_terminal(*args) -> list[str]:
+    """Every line a command draws on an 80x50 terminal (a pty), redraws included: escape
+    sequences taken out, cut at newlines and carriage returns."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import sys
+    import termios
+
+    from test_safety import child_env
+
+    env = {**child_env(), "COLUMNS": "80", "LINES": "50", "TERM": "xterm"}
+    pid, fd = pty.fork()
+    if pid == 0:   # pragma: no cover - the child
+        os.execvpe(sys.executable, [sys.executable, "-m", "memengine.cli", *map(str, args)], env)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 80, 0, 0))
+    raw = b""
+    while True:
+        try:
+            piece = os.read(fd, 1 << 16)
+        except OSError:
+            break
+        if not piece:
+            break
+        raw += piece
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, raw.decode(errors="replace")[-2000:]
+    text = re.sub(r"\x1b\][^\x07]*\x07|\x1b\[[0-9;?]*[A-Za-z]", "", raw.decode(errors="replace"))
+    return [p.rstrip() for ln in text.split("\n") for p in ln.split("\r") if p.strip()]
+
+
+def test_tables_and_the_live_line_fit_an_80_column_terminal(tiny_ckpt_ro, tmp_path, text):
+    """Issue 30, item 7: on an 80-column terminal info's report and plan, eval --compare's
+    table, devices' table and train's live status fit without a line longer than 80, and the
+    live line is not cut with an ellipsis (it was '14/… 0:00…')."""
+    more = tmp_path / "more.txt"
+    more.write_text(SAMPLE_TEXT * 60)   # steps for a few seconds: the live line is drawn
+    for args in (("info", tiny_ckpt_ro), ("eval", tiny_ckpt_ro, "--compare", tiny_ckpt_ro, "--data", text,
+                                          "--seq-len", "32"), ("devices",),
+                 ("train", tiny_ckpt_ro, "--data", more, "-o", tmp_path / "o", "--seq-len", "64", "--max-steps", "120")):
+        lines = _on_an_80_column_terminal(*args)
+        assert lines and max(len(ln) for ln in lines) <= 80, (args[0], max(lines, key=len))
+        if args[0] == "train":
+            live = [ln for ln in lines if ln.lstrip().startswith("step ")]
+            assert live and not any("…" in ln for ln in live), live
+        if args[0] == "info":
+            assert any(ln.split()[:1] == ["parameters"] for ln in lines) and any("fits" in ln for ln in lines)

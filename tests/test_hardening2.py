@@ -138,6 +138,9 @@ def test_generate_stopped_by_a_signal_is_one_line_and_its_status(tiny_ckpt_ro, s
             p.kill()
     assert p.returncode == code, err
     assert_one_line_error(err, f"{word} after")
+    # one line for the stop (issue 30, item 8): no summary line besides the error
+    said = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("adapter:")]
+    assert len(said) == 1 and "tokens/s" in said[0], err
     assert sys.platform != "win32"
 
 
@@ -218,3 +221,140 @@ def test_a_signal_in_the_first_milliseconds_prints_no_traceback(tiny_ckpt_ro):
                        env=child_env(), timeout=120)
     assert p.returncode == 130, p.stderr
     assert_one_line_error(p.stderr, "interrupted while starting; nothing was written")
+
+
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_eval_stopped_by_a_signal_says_it_in_one_line(tiny_ckpt_ro, tmp_path, sig, code):
+    """Issue 30, item 8: eval interrupted mid-way prints one line (and the signal's status)."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import SAMPLE_TEXT
+    from test_safety import child_env, cli
+
+    data = tmp_path / "big.txt"
+    data.write_text(SAMPLE_TEXT * 600)
+    p = subprocess.Popen(cli("eval", tiny_ckpt_ro, "--data", data, "--seq-len", "16"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**child_env(), "MEMENGINE_CACHE_DIR": str(tmp_path)})
+    try:
+        assert p.stderr.readline().startswith("adapter:")
+        time.sleep(3)
+        p.send_signal(getattr(signal, sig))
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == code, err
+    said = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("  ")]   # not progress lines
+    assert len(said) == 1 and said[0].startswith("error: ") and "nothing was written" in said[0], err
+    assert out == ""
+
+
+def test_a_sigint_at_any_early_moment_of_the_real_console_script(tiny_ckpt_ro):
+    """Ctrl-C sent to the installed `memengine` console script 0-400 ms after it was started:
+    killed by the signal before the interpreter handles it (no output; the shell's 130), or
+    exactly one `error:` line and exit 130 once memengine's package is imported. A traceback
+    can only come from the interpreter's own start-up before any memengine code (its io and
+    site modules, setuptools' editable finder of a development install: README, "Ctrl-C /
+    SIGTERM keep the work"), never with a frame of memengine's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from test_safety import child_env
+
+    script = Path(sys.executable).parent / "memengine"
+    if not script.exists():
+        pytest.skip("no console script beside the interpreter")
+    src = str(Path(__file__).resolve().parents[1])
+    outcomes = []
+    for delay in (0.0, 0.003, 0.006, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.4):
+        p = subprocess.Popen([str(script), "info", str(tiny_ckpt_ro)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=child_env())
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+        said = [ln for ln in err.splitlines() if ln.strip()]
+        if "Traceback" in err:
+            frames = [ln for ln in said if ln.lstrip().startswith("File ")]
+            ours = [f for f in frames if f.split('"')[1].startswith((f"{src}/cli/", f"{src}/engine/"))]
+            assert ours == [], err   # the interpreter's start, not memengine's code
+            kind = "interpreter"
+        elif p.returncode == -signal.SIGINT:
+            assert said == [], err
+            kind = "killed"
+        else:
+            assert p.returncode in (0, 130), (delay, p.returncode, err)
+            if p.returncode == 130:
+                assert_one_line_error(err, "interrupted")
+                assert [ln for ln in said if not ln.startswith(("adapter:", "memory budget"))] == [
+                    next(ln for ln in said if ln.startswith("error:"))], err
+            kind = str(p.returncode)
+        outcomes.append((delay, kind))
+    assert outcomes[-1][1] in ("130", "0"), outcomes   # 400 ms in: memengine's own handling
+
+
+@pytest.mark.parametrize("var,value", [("MEMENGINE_MATMUL", "bogus"), ("MEMENGINE_SHADER_CHECKS", "maybe"),
+                                       ("MEMENGINE_MAX_STREAM_BYTES", "x"), ("MEMENGINE_CACHE_MAX_BYTES", "lots"),
+                                       ("MEMENGINE_CACHE_DIR", "FILE")])
+def test_every_memengine_variable_is_validated_in_one_line(tiny_ckpt_ro, text, tmp_path, var, value):
+    """Issue 32, section 3: a MEMENGINE_* variable the run reads, set to nonsense, is one line
+    naming it and exit 2 (MEMENGINE_MATMUL and MEMENGINE_SHADER_CHECKS were taken silently, a
+    MEMENGINE_DIST_TIMEOUT that is no number stopped every command with a traceback)."""
+    from test_cli import run_proc
+
+    if value == "FILE":
+        value = str(text)   # a regular file, not a directory
+    r = run_proc("eval", tiny_ckpt_ro, "--data", text, "--seq-len", "32",
+                 env_extra={var: value, **({} if var == "MEMENGINE_CACHE_DIR" else
+                                            {"MEMENGINE_CACHE_DIR": str(tmp_path / "c")})})
+    assert r.returncode == 2, r.stderr
+    assert_one_line_error(r.stderr, var)
+    if var == "MEMENGINE_CACHE_DIR":
+        assert "is a file, not a directory" in r.stderr
+
+
+def test_the_distributed_timeouts_are_validated_where_they_are_read(tiny_ckpt_ro, text, tmp_path, monkeypatch):
+    from memengine.engine.errors import MemengineError
+    from memengine.engine.train import distributed
+    from test_cli import run_proc
+
+    r = run_proc("info", tiny_ckpt_ro, env_extra={"MEMENGINE_DIST_TIMEOUT": "abc"})   # imported by every command
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    for bad in ("abc", "0", "-3", "nan", "inf"):
+        monkeypatch.setenv("MEMENGINE_DIST_TIMEOUT", bad)
+        with pytest.raises(MemengineError, match="MEMENGINE_DIST_TIMEOUT"):
+            distributed.env_seconds("MEMENGINE_DIST_TIMEOUT", 600)
+    monkeypatch.setenv("MEMENGINE_DIST_TIMEOUT", "90")
+    assert distributed.env_seconds("MEMENGINE_DIST_TIMEOUT", 600) == 90.0
+    monkeypatch.delenv("MEMENGINE_DIST_TIMEOUT")
+    assert distributed.env_seconds("MEMENGINE_DIST_TIMEOUT", 600) == 600.0
+    r = run_proc("train", tiny_ckpt_ro, "--data", text, "-o", tmp_path / "o", "--nproc-per-node", "2",
+                 "--max-steps", "1", "--seq-len", "32", env_extra={"MEMENGINE_DIST_SHUTDOWN_S": "abc"})
+    assert r.returncode == 2, r.stderr
+    assert_one_line_error(r.stderr, "MEMENGINE_DIST_SHUTDOWN_S")
+
+
+def test_generate_prompt_from_an_endless_stdin_is_refused_bounded(tiny_ckpt_ro):
+    """`generate --prompt - < /dev/zero` read all of it into memory (killed by the kernel at
+    23 GB after 100 s here): stdin is read in pieces up to PROMPT_MAX_BYTES, then one line."""
+    import os
+    import subprocess
+    import time
+
+    from memengine.engine.app.generate import PROMPT_MAX_BYTES
+    from test_safety import child_env, cli
+
+    t0 = time.monotonic()
+    with open("/dev/zero", "rb") as zero:
+        p = subprocess.Popen(cli("generate", tiny_ckpt_ro, "--prompt", "-", "-n", "2"), stdin=zero,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env())
+        err = p.stderr.read().decode()
+        _, status, usage = os.wait4(p.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 2, err
+    assert_one_line_error(err, "--prompt -: more than")
+    assert time.monotonic() - t0 < 60
+    assert usage.ru_maxrss * 1024 < 4 * PROMPT_MAX_BYTES + (400 << 20), usage.ru_maxrss   # not the stream's size

@@ -68,3 +68,44 @@ def test_tokenizing_quantize_and_init_report_progress(tiny_ckpt_ro, tmp_path, mo
     assert run("init", "tiny", "-o", tmp_path / "i").exit_code == 0
     names = {t.name.split(" ")[0] for t in seen if t.finished}
     assert {"hashing", "tokenizing", "loading", "converting", "initialising", "writing"} <= names, names
+    done = [t.name for t in seen if t.finished]
+    assert f"reading {tiny_ckpt_ro}" in done                # eval's checkpoint read (a bf16 130m: ~2 s)
+    assert "writing the F16 checkpoint" in done              # quantize's write (a 130m: ~4 s)
+    seen.clear()
+    assert run("generate", tiny_ckpt_ro, "-p", "the", "-n", "2").exit_code == 0
+    done = [t.name for t in seen if t.finished]
+    assert f"reading {tiny_ckpt_ro}" in done and f"loading {tiny_ckpt_ro} onto the GPU" in done, done
+
+
+def test_a_late_line_gives_the_rate_of_now_not_of_the_first_report(monkeypatch):
+    """The line a log gets after SHOW_AFTER seconds ages the last report to now: one tensor of
+    242 done after 0.3 s is 3 tensors/s, not the thousands of the instant the first began."""
+    from memengine.cli import ui as cli_ui
+
+    monkeypatch.setattr(cli_ui.TaskView, "SHOW_AFTER", 0.3)
+    ui, err = _ui()
+    ui.on_task(Task("converting", 1, 242, "tensors", elapsed_s=0.0003))
+    time.sleep(0.6)
+    line = next(ln for ln in err.getvalue().splitlines() if "converting" in ln)
+    rate = float(line.split("), ")[1].split(" tensors/s")[0])
+    assert rate < 10, line
+
+
+def test_an_evaluation_gets_a_line_with_its_eta_once_it_runs_a_while(monkeypatch):
+    """eval (not a terminal): its first progress line comes once the pass has run SHOW_AFTER
+    seconds (it came 30 s in, with neither ETA nor rate), with the pass's ETA."""
+    from memengine.cli import ui as cli_ui
+
+    monkeypatch.setattr(cli_ui.TaskView, "SHOW_AFTER", 0.2)
+    err = io.StringIO()
+    ui = cli_ui.UI(stderr=err, progress_interval=60)   # no heartbeat line meanwhile
+    view = ui.run_view()
+    view.on_eval_progress("m", 1, 10)
+    assert err.getvalue() == ""
+    time.sleep(0.3)
+    view.on_eval_progress("m", 2, 10)
+    view.on_eval_progress("m", 3, 10)
+    view.close()
+    lines = [ln for ln in err.getvalue().splitlines() if "evaluating (m)" in ln]
+    assert lines[0].strip().startswith("evaluating (m) 2/10, ETA "), lines
+    assert len(lines) == 1, lines

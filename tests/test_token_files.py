@@ -143,3 +143,82 @@ def test_the_order_of_a_large_corpus_is_a_permutation_computed_where_read():
     small = sampler.WindowOrder(100, 10, seed=3, shuffle=True)
     assert np.array_equal(np.concatenate([small.next()[2] for _ in range(10)]),
                           np.random.Generator(np.random.PCG64(3)).permutation(100))
+
+
+def _cached(tmp_path, text: str):
+    data = tmp_path / f"d{abs(hash(text)) % 10**8}.txt"
+    data.write_text(text * 10)   # an entry of ~2.6 KB
+    return tokens.token_file(tokens.resolve_sources([str(data)]), ByteTokenizer(), 256)
+
+
+def test_the_cache_keeps_to_its_bound_least_recently_used_first(tmp_path, cache, monkeypatch):
+    """MEMENGINE_CACHE_MAX_BYTES bounds the token cache: beyond it the least recently used
+    entries go (a reuse counts as a use), never the one the run uses."""
+    monkeypatch.setattr(tokens, "RECENT", 0.0)
+    monkeypatch.setenv("MEMENGINE_CACHE_MAX_BYTES", "7000")   # two of the ~3 KB entries below, not three
+    a = _cached(tmp_path, "a" + SAMPLE_TEXT)
+    time.sleep(0.05)
+    b = _cached(tmp_path, "b" + SAMPLE_TEXT)
+    time.sleep(0.05)
+    assert _cached(tmp_path, "a" + SAMPLE_TEXT).reused        # a used again: b is now the oldest
+    time.sleep(0.05)
+    c = _cached(tmp_path, "c" + SAMPLE_TEXT)
+    assert sorted(entries(cache)) == sorted([a.path.name, c.path.name])
+    assert not b.path.exists()
+    monkeypatch.setenv("MEMENGINE_CACHE_MAX_BYTES", "1")       # the run's own entry always stays
+    d = _cached(tmp_path, "d" + SAMPLE_TEXT)
+    assert entries(cache) == [d.path.name]
+    monkeypatch.setattr(tokens, "RECENT", 3600.0)               # ... and one used a moment ago by another run
+    _cached(tmp_path, "e" + SAMPLE_TEXT)
+    assert d.path.name in entries(cache)
+
+
+def test_the_cache_bound_is_validated_before_any_work(tiny_ckpt_ro, tmp_path, cache, monkeypatch):
+    data = tmp_path / "d.txt"
+    data.write_text(SAMPLE_TEXT)
+    monkeypatch.setattr(tokens, "_tokenize", lambda *a, **k: (_ for _ in ()).throw(AssertionError("tokenized")))
+    for bad in ("lots", "0", "-5", "1.5"):
+        r = run("eval", tiny_ckpt_ro, "--data", data, env={"MEMENGINE_CACHE_MAX_BYTES": bad})
+        assert r.exit_code == 2, (bad, r.stderr)
+        assert_one_line_error(r.stderr, "MEMENGINE_CACHE_MAX_BYTES")
+
+
+def test_what_a_killed_run_left_in_the_cache_is_removed(tmp_path, cache):
+    """A SIGKILLed run's partial token file and stdin spool (names with its pid) are removed by
+    the next run; a live process's, and the current one's, are left alone."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (cache / "tokens" / f".tmp-{dead}-abc").mkdir(parents=True)
+    (cache / "tokens" / f".tmp-{dead}-abc" / "tokens.bin").write_bytes(b"x" * 100)
+    (cache / "spool").mkdir()
+    (cache / "spool" / f"stream-{dead}-xyz").write_bytes(b"y" * 100)
+    live = cache / "tokens" / f".tmp-{os.getpid()}-def"
+    live.mkdir()
+    old = cache / "spool" / "stream-q1w2e3"   # an older version's name (no pid): removed once a day old
+    old.write_bytes(b"z")
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    _cached(tmp_path, SAMPLE_TEXT)
+    assert sorted(p.name for p in (cache / "tokens").iterdir() if p.name.startswith(".")) == [live.name]
+    assert list((cache / "spool").iterdir()) == []
+
+
+def test_the_held_out_draw_of_a_large_corpus_takes_the_memory_of_the_held_windows_only():
+    """--val-fraction on more than PERMUTE_MAX windows: the held-out windows are the first k of
+    a computed permutation, not numpy's choice (which permutes every window when k > n/50:
+    80 MB for 10^7 windows); distinct, sorted, in range, reproducible from the seed."""
+    import tracemalloc
+
+    n = 10_000_000
+    tracemalloc.start()
+    try:
+        held = sampler.held_out(n, 0.05, 7)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    k = 500_000
+    assert held.size == k and held[0] >= 0 and held[-1] < n and np.all(np.diff(held) > 0)
+    assert peak < 8 * k * 6, peak   # a few arrays of k, never one of n (8 bytes x 10^7 = 80 MB)
+    assert np.array_equal(held, sampler.held_out(n, 0.05, 7)) and not np.array_equal(held, sampler.held_out(n, 0.05, 8))
+    small = sampler.held_out(1000, 0.05, 7)   # up to PERMUTE_MAX: numpy's draw, as before
+    rng = np.random.Generator(np.random.PCG64([7, 0x76616C]))
+    assert np.array_equal(small, np.sort(rng.choice(1000, size=50, replace=False)))

@@ -315,3 +315,30 @@ def test_a_device_with_webgpus_eight_storage_buffers_trains(rt, monkeypatch):
     print(f"\n8 storage buffers: {losses[0]}\ndefault ({cpu_lanes(rt)=}): {losses[1]}")
     assert len(losses[0]) == 3
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
+def test_eval_reads_its_sums_back_in_pieces_whatever_the_number_of_windows(rt, monkeypatch):
+    """The per-window sums are read back every EVAL_READ_WINDOWS windows (a GPU buffer of that
+    many, not one of every window: 12 bytes a window on GPU and host before, 1.2 GB for a
+    3 GiB corpus at --seq-len 32), added in blocks counted from the first window: the result
+    does not depend on the batch size, and equals the one-read sum within float64 rounding."""
+    from memengine.engine.train import trainer
+
+    model = LanguageModel(rt, CFG, init_weights(CFG, 5))
+    whole = evaluate(model, batches(seq_len=8, batch_size=1))
+    monkeypatch.setattr(trainer, "EVAL_READ_WINDOWS", 4)
+    sizes = []
+    real = rt.scratch
+
+    def scratch(key, shape, *a, **k):
+        if key[0] == "eval.sums":
+            sizes.append(int(np.prod(shape)))
+        return real(key, shape, *a, **k)
+
+    monkeypatch.setattr(rt, "scratch", scratch)
+    got = {b: evaluate(model, batches(seq_len=8, batch_size=b)) for b in (1, 2, 3)}
+    assert len(batches(seq_len=8, batch_size=1)) > 12   # several read-backs
+    assert max(sizes) <= 3 * 4 and got[1].tokens == whole.tokens
+    for r in got.values():
+        assert (r.loss, r.top1_accuracy, r.top5_accuracy) == (got[1].loss, got[1].top1_accuracy, got[1].top5_accuracy)
+    assert abs(got[1].loss - whole.loss) < 1e-12 * whole.loss and got[1].top5_accuracy == whole.top5_accuracy

@@ -276,18 +276,41 @@ class _TextStream:
         return out
 
 
+PROMPT_MAX_BYTES = 64 << 20   # --prompt - : stdin read at most this far (a prompt's pass fits far less)
+
+
 def read_prompt(value: str, stdin=None) -> str:
     """--prompt TEXT as given, or '-' for all of stdin (UTF-8, a leading BOM dropped; the
-    text is kept exactly, a final newline included, as eval reads data)."""
+    text is kept exactly, a final newline included, as eval reads data): read in pieces,
+    an interrupt check between two, at most PROMPT_MAX_BYTES (`< /dev/zero` took all the
+    host's memory)."""
     if value != "-":
         return value
+    import contextlib
+    import os
     import sys
 
+    from memengine.engine import interrupts
+
     stream = stdin if stdin is not None else getattr(sys.stdin, "buffer", sys.stdin)
-    raw = stream.read()
-    if isinstance(raw, str):
-        raw = raw.encode("utf-8")
-    return decode_utf8(raw, "--prompt -: stdin")
+    fd = None
+    if stdin is None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            fd = stream.fileno()
+    parts, n = [], 0
+    while True:
+        interrupts.check()
+        raw = os.read(fd, 1 << 20) if fd is not None else stream.read(1 << 20)
+        if isinstance(raw, str):
+            raw = raw.encode("utf-8")
+        if not raw:
+            break
+        n += len(raw)
+        if n > PROMPT_MAX_BYTES:
+            raise MemengineError(f"--prompt -: more than {PROMPT_MAX_BYTES:,} bytes on stdin; a prompt is text, "
+                                 "and a model's prompt pass holds far less")
+        parts.append(raw)
+    return decode_utf8(b"".join(parts), "--prompt -: stdin")
 
 
 def prompt_ids(tokenizer, text: str, vocab_size: int) -> np.ndarray:

@@ -40,6 +40,7 @@ from memengine.engine.kernels.matmul import splitk_slices
 from memengine.engine.models.lm import logits_chunk_rows, workspace_shapes
 from memengine.engine.models.store import store_layout
 from memengine.engine.runtime import KernelSettings, binding_refusal, cdiv, env_bytes, fmt_bytes, largest
+from memengine.engine.train.trainer import eval_group
 
 KINDS = ("eval", "train", "adapt")
 ENV_MAX_MEMORY = "MEMENGINE_MAX_MEMORY_BYTES"
@@ -266,10 +267,11 @@ def _scratch(plan: MemoryPlan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -
         n_partials += sum(cdiv(n, 2048) + 1 for n in a_sizes) if kind == "lora" else 0
         scratch += _buf(4 * max(1024, 1 << (n_partials - 1).bit_length()))
     scratch += _splitk_scratch(lim, products) + _buf(4 * 1024)
-    # evaluation: top-1/top-5 hits per row, a batch's window sums, every batch's sums
+    # evaluation: top-1/top-5 hits per row, a batch's window sums, the sums of the batches
+    # read back at a time (trainer.eval_group: at most EVAL_READ_WINDOWS windows')
     if plan.eval_passes:
         scratch += (_buf(4 * 2 * M) + _buf(4 * 3 * B)
-                    + sum(_buf(4 * 3 * B * int(n)) for n in sorted(set(plan.eval_passes))))
+                    + sum(_buf(4 * 3 * B * eval_group(B, n)) for n in sorted(set(int(n) for n in plan.eval_passes))))
     if grad:  # the trainer's trace (loss and grad norm per step) and step loss
         scratch += _buf(4 * 2 * max(1, int(plan.trace_steps))) + _buf(4)
     return scratch

@@ -134,8 +134,9 @@ def quantize_checkpoint(src, out_dir, dtype: str = "f16", saturate: bool = False
     meter.finish()
     if not dry_run:
         tok = ckpt.tokenizer_path
-        save_checkpoint(out, ckpt.config, encoded, dtype=dt, tokenizer_path=tok,
-                        extra_files=side_files(ckpt.directory, tok.parent if tok else None),
-                        metadata={"memengine.quantized_from": source_name or public_path(ckpt.path)},
-                        max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        with TaskMeter(on_task, f"writing the {dt} checkpoint", None):
+            save_checkpoint(out, ckpt.config, encoded, dtype=dt, tokenizer_path=tok,
+                            extra_files=side_files(ckpt.directory, tok.parent if tok else None),
+                            metadata={"memengine.quantized_from": source_name or public_path(ckpt.path)},
+                            max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     return report

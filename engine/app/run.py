@@ -82,7 +82,8 @@ class EvalReport:
 
 def _evaluate_checkpoint(ref, sources, o: EvalOptions, listener: Listener, verbose: bool,
                          phase: str, base: Optional[str] = None) -> tuple[EvalResult, str]:
-    opened = lora.open_source(ref, base=base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning)
+    opened = lora.open_source(ref, base=base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning,
+                              on_task=listener.on_task)
     c = opened.ckpt
     tok = open_tokenizer(c, lora.adapter_tokenizer(opened.adapter, o.tokenizer))
     stream = tokens.token_file(sources, tok, c.config.vocab_size, prompt_loss=o.prompt_loss,
@@ -156,7 +157,8 @@ def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbos
     o.check_inputs()
     ref = o.ckpt if lora.is_adapter(o.ckpt) else resolve_checkpoint(o.ckpt, o.revision, o.model_type)
     text = read_prompt(o.prompt)
-    opened = lora.open_source(ref, base=o.base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning)
+    opened = lora.open_source(ref, base=o.base, model_type=o.model_type, revision=o.revision, warn=listener.on_warning,
+                              on_task=listener.on_task)
     c, ad = opened.ckpt, opened.adapter
     tok = open_tokenizer(c, lora.adapter_tokenizer(ad, o.tokenizer))
     ids = prompt_ids(tok, text, c.config.vocab_size)
@@ -164,8 +166,9 @@ def run_generate(o: GenerateOptions, listener: Listener | None = None, *, verbos
     listener.on_device(rt.describe())
     check_prompt_fits(rt, c.config, ids.size)
     # an adapter is applied on the GPU, not merged (prompt pass and every decoding step)
-    model = LanguageModel.from_checkpoint(rt, c, lora=None if ad is None else lora.LoraAdapter(rt, c.config, ad.spec,
-                                                                                           ad.tensors))
+    with TaskMeter(listener.on_task, f"loading {ref} onto the GPU", None):
+        model = LanguageModel.from_checkpoint(rt, c, lora=None if ad is None else lora.LoraAdapter(
+            rt, c.config, ad.spec, ad.tensors))
     res = None
     try:
         with interrupts.deferred():
@@ -321,7 +324,7 @@ class _Run:
             self._check_resumed_ckpt(str(snap.state.get("input")))
         return lora.open_source(snap.dir if snap is not None else o.ckpt, revision=None if snap else o.revision,
                                 model_type=None if snap else o.model_type, base=o.base,
-                                warn=self.listener.on_warning)
+                                warn=self.listener.on_warning, on_task=self.listener.on_task)
 
     def _finished_times(self, run_dir: Path) -> None:
         """A step checkpoint's state was written before its invocation ended: the end times

@@ -8,14 +8,18 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-def open_checkpoint(ref, warn: Optional[Callable[[str], None]] = None, read_tensors: bool = True):
+def open_checkpoint(ref, warn: Optional[Callable[[str], None]] = None, read_tensors: bool = True,
+                    on_task: Optional[Callable] = None):
     """Load a resolved checkpoint (or only its config and headers: `read_tensors=False`);
-    the loader's assumptions go to `warn`."""
+    the loader's assumptions go to `warn`; reading the tensors is a task for `on_task` (a
+    Listener's: a line when it takes a while, a bf16 130m model's decode ~2 s)."""
     from memengine.engine.io.checkpoint import load_checkpoint
+    from memengine.engine.listener import TaskMeter
 
     remote = list(ref.headers) if getattr(ref, "headers", None) else None
     assert remote is None or not read_tensors, "a model id resolved without its weights has only headers"
-    c = load_checkpoint(ref.path, model_type=ref.model_type, read_tensors=read_tensors, headers=remote)
+    with TaskMeter(on_task if read_tensors else None, f"reading {ref}", None):
+        c = load_checkpoint(ref.path, model_type=ref.model_type, read_tensors=read_tensors, headers=remote)
     for w in c.warnings:
         if warn is not None:
             warn(w)

@@ -30,7 +30,15 @@ when some token is not) and meta.json.  It is written to a temporary directory b
 renamed into place, so a run killed meanwhile leaves no half entry, and reused by later
 runs on the same data and by --resume (the data is hashed first: one read of the files).
 The sha256 of the ids as int32 (the data's fingerprint in trainer_state.json) is computed
-while writing.  A text document larger than one piece (4 MiB) is tokenized in pieces cut
+while writing.
+
+The cache's bound.  After a run has its token file, the entries beyond
+`MEMENGINE_CACHE_MAX_BYTES` (default 32GB; units as --max-shard-size's) are removed, the
+least recently used first (a use touches meta.json), never the run's own entry nor one used
+in the last `RECENT` seconds (another run may be opening it); a removed entry's live
+memory maps stay valid (POSIX), a later run on that data tokenizes it again.  The partial
+entries and spool files of a process that no longer runs (killed: their names carry its pid)
+go at the same time.  A text document larger than one piece (4 MiB) is tokenized in pieces cut
 after a newline (for the byte-level tokenizer exactly; a BPE tokenizer may merge across a
 cut differently than over the whole text).
 """
@@ -65,6 +73,9 @@ DEFAULT_STREAM_CAP = 16 << 30        # stdin / FIFO bytes, unless MEMENGINE_MAX_
 RESERVE = 256 << 20                  # disk space a token file leaves free
 SPLITS = {"train": "train.jsonl", "valid": "valid.jsonl", "test": "test.jsonl"}
 RECORD_SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
+DEFAULT_CACHE_MAX = "32GB"           # the token cache's bound, unless MEMENGINE_CACHE_MAX_BYTES says otherwise
+RECENT = 60.0                        # seconds: an entry used this recently is never removed
+LEFTOVER_AGE = 86400.0               # seconds: a partial entry or spool file without a pid, older, is a leftover
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -77,7 +88,9 @@ def cache_root() -> Path:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         root = Path(base) / "memengine"
     if root.exists() and not root.is_dir():
-        raise MemengineError(f"MEMENGINE_CACHE_DIR {root}: is {file_kind(root.stat().st_mode)}, not a directory")
+        mode = root.stat().st_mode
+        kind = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+        raise MemengineError(f"MEMENGINE_CACHE_DIR {root}: is {kind}, not a directory")
     return root
 
 
@@ -108,6 +121,89 @@ def stream_cap(d: Path) -> int:
         except (ValueError, AssertionError):
             raise MemengineError(f"MEMENGINE_MAX_STREAM_BYTES={env!r}: must be a positive number of bytes") from None
     return min(cap, max(_free_bytes(d) // 3, PIECE))
+
+
+def cache_max_bytes() -> int:
+    from memengine.engine.io.shards import parse_size
+
+    env = os.environ.get("MEMENGINE_CACHE_MAX_BYTES", "").strip()
+    return parse_size(env or DEFAULT_CACHE_MAX, "MEMENGINE_CACHE_MAX_BYTES")
+
+
+def _tree_bytes(d: Path) -> int:
+    n = 0
+    for dirpath, _, files in os.walk(d):
+        for f in files:
+            with contextlib.suppress(OSError):
+                n += os.lstat(os.path.join(dirpath, f)).st_size
+    return n
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0   # someone else's live process (or a pid beyond the range: not ours)
+    return True
+
+
+def _leftover(p: Path, prefix: str, now: float) -> bool:
+    """A partial entry / spool file whose writer is gone: its pid (in its name) no longer
+    runs, or, without one (an older version's), it is older than LEFTOVER_AGE."""
+    pid = p.name[len(prefix):].split("-", 1)[0]
+    if pid.isdigit() and "-" in p.name[len(prefix):]:
+        return not _pid_alive(int(pid))
+    try:
+        return now - p.lstat().st_mtime > LEFTOVER_AGE
+    except OSError:
+        return False
+
+
+def trim_cache(keep: Optional[Path] = None) -> list:
+    """Keep the token cache within its bound (module docstring); returns what was removed."""
+    root = cache_root()
+    cap = cache_max_bytes()
+    now = time.time()
+    removed = []
+
+    def rm(p: Path) -> None:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+        if not os.path.lexists(p):
+            removed.append(p)
+
+    for sub_dir, prefix in (("tokens", ".tmp-"), ("spool", "stream-")):
+        d = root / sub_dir
+        with contextlib.suppress(OSError):
+            for p in d.iterdir():
+                if p.name.startswith(prefix) and _leftover(p, prefix, now):
+                    rm(p)
+    entries = []
+    with contextlib.suppress(OSError):
+        for p in (root / "tokens").iterdir():
+            if p.name.startswith(".") or not p.is_dir() or p.is_symlink():
+                continue
+            try:
+                used = (p / "meta.json").stat().st_mtime
+            except OSError:
+                used = p.lstat().st_mtime
+            entries.append((used, p, _tree_bytes(p)))
+    total = sum(e[2] for e in entries)
+    keep = Path(keep).resolve() if keep is not None else None
+    for used, p, size in sorted(entries, key=lambda e: e[0]):
+        if total <= cap:
+            break
+        if (keep is not None and p.resolve() == keep) or now - used < RECENT:
+            continue
+        rm(p)
+        if p in removed:
+            total -= size
+    return removed
 
 
 _SPOOLED: list = []
@@ -162,7 +258,7 @@ def _spool(stream, name: str, on_task: Optional[Callable]) -> Source:
     at most `stream_cap` bytes, an interrupt check between pieces."""
     d = _ensure(cache_root() / "spool")
     cap = stream_cap(d)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix="stream-")
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f"stream-{os.getpid()}-")
     _SPOOLED.append(tmp)
     h = hashlib.sha256()
     n = 0
@@ -221,6 +317,7 @@ def resolve_sources(paths: list, flag: str = "--data", *, stdin: Optional[Binary
     """The files `paths` name, checked, hashed, and stdin/FIFOs spooled (read once)."""
     if not paths:
         raise MemengineError(f"{flag} is required (a file, several files, a directory, or - for stdin)")
+    stream_cap(_ensure(cache_root()))   # MEMENGINE_MAX_STREAM_BYTES checked whatever the data
     items = []
     for p in paths:
         p = str(p)
@@ -613,18 +710,21 @@ def token_file(sources: Sources, tok, vocab_size: int, *, prompt_loss: bool = Fa
                on_task: Optional[Callable] = None) -> TokenFile:
     """The token file of `sources` under `tok`: from the cache, else tokenized into it."""
     flag, desc = sources.flag, sources.description
+    cache_max_bytes()   # its variable checked before the work
     key = _key(sources, tok, prompt_loss, vocab_size)
     root = _ensure(cache_root() / "tokens")
     final = root / key if key is not None else None
     tf = _open_entry(final, desc) if final is not None and final.is_dir() else None
     if tf is not None:
         tf.reused = True
+        with contextlib.suppress(OSError):
+            os.utime(final / "meta.json")   # used now: the cache's bound removes the least recently used
     else:
         if final is not None and os.path.lexists(final):
             shutil.rmtree(final, ignore_errors=True)  # an incomplete or damaged entry of ours
         limit = int(getattr(tok, "vocab_size", 1 << 31))
         dtype = _dtype(limit)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{os.getpid()}-"))
         try:
             with interrupts.staging_dir(tmp):
                 w = _Writer(tmp, dtype, limit)
@@ -655,6 +755,7 @@ def token_file(sources: Sources, tok, vocab_size: int, *, prompt_loss: bool = Fa
         tf = _open_entry(final, desc)
         if tf is None:  # pragma: no cover - the entry was just written
             raise MemengineError(f"{flag} {desc}: the token file {final} cannot be read back")
+    trim_cache(keep=tf.path)
     if tf.max_id >= vocab_size:
         _vocab_error(tf, vocab_size, desc)
     return tf

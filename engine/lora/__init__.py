@@ -343,9 +343,10 @@ class Opened:
 
 
 def open_source(spec, *, revision=None, model_type=None, base=None,
-                warn: Optional[Callable[[str], None]] = None) -> Opened:
+                warn: Optional[Callable[[str], None]] = None, on_task: Optional[Callable] = None) -> Opened:
     """CKPT as a run reads it: a checkpoint, or an adapter directory (its base, from --base
-    or the adapter's config, loaded and checked against it)."""
+    or the adapter's config, loaded and checked against it); the read is a task for
+    `on_task` (engine/listener.py)."""
     from memengine.engine.app.setup import open_checkpoint
     from memengine.engine.io.resolve import resolve_checkpoint
 
@@ -357,11 +358,11 @@ def open_source(spec, *, revision=None, model_type=None, base=None,
         ad = read_adapter(spec)
         ref = resolve_checkpoint(base_spec(Path(spec), ad.spec, base), revision if base else ad.spec.revision,
                                  model_type)
-        ckpt = open_checkpoint(ref, warn)
+        ckpt = open_checkpoint(ref, warn, on_task=on_task)
         check_against(ad, ckpt.config, str(Path(spec) / ADAPTER_WEIGHTS))
         return Opened(ckpt, ref, ad)
     ref = resolve_checkpoint(spec, revision, model_type)
-    return Opened(open_checkpoint(ref, warn), ref)
+    return Opened(open_checkpoint(ref, warn, on_task=on_task), ref)
 
 
 def adapter_tokenizer(adapter: Optional[Adapter], override: Optional[str]) -> Optional[str]:

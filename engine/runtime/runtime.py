@@ -44,6 +44,16 @@ def parse_bytes(text: str, what: str) -> int:
     return n
 
 
+def env_flag(name: str) -> bool:
+    """An on/off variable: unset, empty, 0/false/no/off, or 1/true/yes/on; else one error line."""
+    v = os.environ.get(name, "").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise MemengineError(f"{name}={os.environ.get(name)!r}: expected 1 (on) or 0 (off)")
+
+
 def env_bytes(name: str) -> int | None:
     v = os.environ.get(name, "").strip()
     return parse_bytes(v, name) if v else None
@@ -100,7 +110,7 @@ class Runtime:
             feats.append(b.FEATURES[SUBGROUPS])
         # f16 arithmetic and storage in shaders (--precision mixed: the f16 matmul path)
         self.has_f16 = b.FEATURES[SHADER_F16] in adapter_features
-        self.shader_checks = os.environ.get(ENV_SHADER_CHECKS, "").strip() not in ("", "0")
+        self.shader_checks = env_flag(ENV_SHADER_CHECKS)
         if self.has_f16:
             feats.append(b.FEATURES[SHADER_F16])
         # f16 subgroup matrices (tensor cores from WGSL): --precision mixed's products on

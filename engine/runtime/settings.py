@@ -10,6 +10,7 @@ from dataclasses import dataclass
 # "reference" forces the plain matmul kernel everywhere (the fast ones must match it);
 # "nosplit" turns split-K off; "tiles" keeps matmul_fast where matmul_lanes would run
 ENV_MATMUL = "MEMENGINE_MATMUL"
+MATMUL_CHOICES = ("auto", "reference", "nosplit", "tiles")
 
 
 @dataclass
@@ -33,4 +34,9 @@ class KernelSettings:
 
     @classmethod
     def from_env(cls) -> "KernelSettings":
-        return cls(matmul=os.environ.get(ENV_MATMUL, "auto"))
+        v = os.environ.get(ENV_MATMUL, "").strip() or "auto"
+        if v not in MATMUL_CHOICES:
+            from memengine.engine.errors import MemengineError
+
+            raise MemengineError(f"{ENV_MATMUL}={v!r}: must be one of {', '.join(MATMUL_CHOICES)}")
+        return cls(matmul=v)

@@ -17,6 +17,7 @@ the same sums, so the weights stay identical.  Rank 0 alone writes outputs and r
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import uuid
@@ -28,8 +29,24 @@ from memengine.engine.errors import MemengineError
 
 INSTALL_HINT = ("--nproc-per-node > 1 needs torch (torch.distributed): pip install 'memengine[distributed]' "
                 "(torch==2.13.0; the CPU build is enough)")
-# seconds a collective waits for the other ranks before it fails (a rank that hangs)
-TIMEOUT_S = float(os.environ.get("MEMENGINE_DIST_TIMEOUT", "600"))
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A number of seconds from the environment; anything else is one error line."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return float(default)
+    try:
+        v = float(text)
+        assert math.isfinite(v) and v > 0
+    except (ValueError, AssertionError):
+        raise MemengineError(f"{name}={text!r}: expected a positive number of seconds") from None
+    return v
+
+
+# seconds a collective waits for the other ranks before it fails (a rank that hangs):
+# MEMENGINE_DIST_TIMEOUT, read when the group is made
+TIMEOUT_S = 600.0
 
 
 class PeerLost(MemengineError):
@@ -80,7 +97,8 @@ class Group:
         self.rank, self.world, self.local_rank = env_world()
         self.dist = _torch_dist()
         if not self.dist.is_initialized():
-            self.dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+            self.dist.init_process_group("gloo", timeout=datetime.timedelta(
+                seconds=env_seconds("MEMENGINE_DIST_TIMEOUT", TIMEOUT_S)))
 
     def _collective(self, fn):
         try:
@@ -163,7 +181,7 @@ def launch(nproc: int, argv: list) -> tuple[int, Optional[str]]:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=int(nproc), run_id=f"memengine-{uuid.uuid4().hex}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                          shutdown_timeout=int(os.environ.get("MEMENGINE_DIST_SHUTDOWN_S", "20")))
+                          shutdown_timeout=max(1, round(env_seconds("MEMENGINE_DIST_SHUTDOWN_S", 20))))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         elastic_launch(config, sys.executable)("-m", "memengine.cli", *argv)

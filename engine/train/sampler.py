@@ -136,10 +136,17 @@ def split_windows(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
 
 def held_out(n: int, fraction: float, seed: int) -> np.ndarray:
     """The held-out window indices of `split_windows`, in file order (the training ones are
-    the rest: `Windows.without`)."""
+    the rest: `Windows.without`).  Up to PERMUTE_MAX windows numpy draws them (`choice`,
+    which permutes all n when k > n/50); beyond, they are the first k of a permutation
+    computed where it is read (`_Shuffled`), so the draw takes the memory of the k indices
+    only, not 8 bytes of every window."""
     k = max(1, int(round(fraction * n)))
     if k >= n:
         raise MemengineError(f"--val-fraction {fraction:g}: holding out {k} of {n} window(s) leaves none "
                              "to train on; use a smaller fraction or more data")
     rng = np.random.Generator(np.random.PCG64([int(seed), 0x76616C]))  # its own stream ("val")
-    return np.sort(rng.choice(n, size=k, replace=False))
+    if n <= PERMUTE_MAX:
+        return np.sort(rng.choice(n, size=k, replace=False))
+    held = _Shuffled(n, rng)[0:k]
+    held.sort()
+    return held

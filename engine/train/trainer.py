@@ -276,30 +276,76 @@ class Trainer:
         return both[:n], both[self.capacity:self.capacity + n]
 
 
+EVAL_READ_WINDOWS = 1 << 16   # window sums read back at a time (and added up per block of this many)
+
+
+def eval_group(batch_size: int, total: int) -> int:
+    """Batches whose per-window sums one read-back of `evaluate` holds (its GPU buffer)."""
+    return max(1, min(int(total), EVAL_READ_WINDOWS // max(1, int(batch_size))))
+
+
+class _WindowSums:
+    """The (loss, top-1, top-5) sums of windows added in window order, in float64, in blocks
+    of EVAL_READ_WINDOWS windows counted from the first (numpy's sum within a block, the
+    blocks one after the other): the same for any batching, and O(1) memory however many
+    windows there are (a pass of up to one block adds up exactly as one sum of them all)."""
+
+    def __init__(self):
+        self.total = np.zeros(3, np.float64)
+        self.pending: list = []
+        self.n = 0
+
+    def add(self, cols: np.ndarray) -> None:
+        self.pending.append(cols)
+        self.n += cols.shape[1]
+        while self.n >= EVAL_READ_WINDOWS:
+            cat = np.concatenate(self.pending, axis=1)
+            self.total += cat[:, :EVAL_READ_WINDOWS].sum(axis=1)
+            rest = cat[:, EVAL_READ_WINDOWS:]
+            self.pending, self.n = [rest], rest.shape[1]
+
+    def result(self) -> np.ndarray:
+        if self.n:
+            self.total += np.concatenate(self.pending, axis=1).sum(axis=1)
+            self.pending, self.n = [], 0
+        return self.total
+
+
 def evaluate(model: LanguageModel, batches: list, on_progress: Callable | None = None,
              fence: StepFence | None = None) -> EvalResult:
     """Mean next-token loss, perplexity, bits per token and top-1/top-5 next-token accuracy
-    over the batches.  Everything is summed on the GPU, per window, into one buffer read
-    back once at the end and added up in float64 in window order, so the result does not
-    depend on how the windows were batched (a training run's held-out pass at its batch
-    size equals `memengine eval` at batch size 1).  `fence`: a training loop's own, so
-    repeated evaluations create no buffers."""
+    over the batches.  Everything is summed on the GPU, per window, into a buffer of
+    `eval_group` batches read back each time it is full and added up in float64 in window
+    order (`_WindowSums`), so the result does not depend on how the windows were batched (a
+    training run's held-out pass at its batch size equals `memengine eval` at batch size 1)
+    and neither GPU nor host memory grows with the number of windows.  `fence`: a training
+    loop's own, so repeated evaluations create no buffers."""
     rt = model.rt
     B, L = batch_shape(batches)
     ws = model.workspace(B, L, grad=False)
     M = ws.M
     hits = rt.scratch(("eval.hits", M), (2 * M,))
+    total = len(batches)
+    group = eval_group(B, total)
     # per batch: window r's loss / top-1 / top-5 sums go to block[k * B + r] (fixed slots, so
-    # fixed bindings), and the block is copied to sums[batch] (a buffer copy)
+    # fixed bindings), and the block is copied to sums[batch % group] (a buffer copy)
     block = rt.scratch(("eval.block", B), (3 * B,))
-    sums = rt.scratch(("eval.sums", len(batches), B), (len(batches) * 3 * B,))
+    sums = rt.scratch(("eval.sums", group, B), (group * 3 * B,))
     rec = rt.recorder()
     n_targets = 0
-    total = len(batches)
     fence = fence or StepFence(rt)
-    windows = np.zeros(total, np.int64)
+    windows = np.zeros(group, np.int64)
+    acc = _WindowSums()
+
+    def read_back(k: int) -> None:   # the first k slots of sums, in window order
+        per = rt.read(sums).astype(np.float64).reshape(group, 3, B)
+        acc.add(np.concatenate([per[j, :, :int(windows[j])] for j in range(k)], axis=1))
+
     for i, batch in enumerate(batches):
-        windows[i] = int(batch.n_windows)
+        g = i % group
+        if g == 0 and i > 0:
+            read_back(group)
+        windows[g] = int(batch.n_windows)
         fence.wait()
         n_targets += model.write_batch(ws, batch.ids, batch.targets)
         model.record_forward(rec, ws)
@@ -308,14 +354,13 @@ def evaluate(model: LanguageModel, batches: list, on_progress: Callable | None =
         for r in range(int(batch.n_windows)):
             for k, x in enumerate((ws.loss_rows, hits.view((M,)), hits.view((M,), M))):
                 sum_into(rec, block.view((1,), k * B + r), x.view((L,), r * L))
-        rec.copy(block, sums.view((3 * B,), 3 * B * i), slot=True)
+        rec.copy(block, sums.view((3 * B,), 3 * B * g), slot=True)
         fence.mark(rec)
         rec.submit()
         if on_progress is not None:
             on_progress(i + 1, total)
-    per = rt.read(sums).astype(np.float64).reshape(len(batches), 3, B)
-    by_window = np.concatenate([per[i, :, :int(windows[i])] for i in range(total)], axis=1)
-    s = by_window.sum(axis=1)  # in window order: the same for any batching
+    read_back((total - 1) % group + 1)
+    s = acc.result()  # in window order: the same for any batching
     n = max(n_targets, 1)
     loss = float(s[0] / n)
     return EvalResult(loss=loss, perplexity=perplexity(loss), tokens=n_targets,
