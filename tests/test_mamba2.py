@@ -653,13 +653,26 @@ def _ssd_reference(xbc, dt, A_log, D, dy, H, P, N, G):
     return y.detach().numpy(), s.detach().numpy(), tx.grad.numpy(), tdt.grad.numpy(), tA.grad.numpy(), tD.grad.numpy()
 
 
-@pytest.mark.parametrize("B,L,H,P,N,G", [(2, 40, 24, 64, 16, 1), (2, 37, 8, 4, 3, 4), (1, 1, 3, 6, 7, 1),
-                                         (2, 150, 4, 8, 5, 2), (1, 200, 6, 70, 130, 3), (1, 128, 2, 16, 8, 1)])
-def test_ssd_kernels_against_torch(rt, B, L, H, P, N, G):
+SSD_SHAPES = [(2, 40, 24, 64, 16, 1), (2, 37, 8, 4, 3, 4), (1, 1, 3, 6, 7, 1), (2, 150, 4, 8, 5, 2),
+              (1, 200, 6, 70, 130, 3), (1, 128, 2, 16, 8, 1),
+              # the 8-lane kernels' shapes (P % 8 == 0, N % 4 == 0, passes of 16 states past 16)
+              (2, 150, 4, 8, 12, 2), (1, 70, 2, 8, 4, 1), (1, 1, 2, 16, 16, 2), (2, 90, 4, 16, 48, 2)]
+LANE_SSD = [s for s in SSD_SHAPES if s[3] % 8 == 0 and s[4] % 4 == 0 and (s[4] <= 16 or s[4] % 16 == 0)]
+
+
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "chunked"])
+@pytest.mark.parametrize("B,L,H,P,N,G", SSD_SHAPES)
+def test_ssd_kernels_against_torch(rt, monkeypatch, B, L, H, P, N, G, lanes):
     """The scan forward (y, the final saved state) and backward (dx, dB, dC, ddt, dA_log, dD)
-    against torch autograd; the first shape runs more loop iterations per sequence than
-    lavapipe lets one invocation run (the kernels go a chunk per dispatch)."""
+    against torch autograd, in the chunked form and (CPU adapters) the 8-lane kernels; the
+    first shape runs more loop iterations per sequence than lavapipe lets one invocation run
+    (the chunked kernels go a chunk per dispatch)."""
     from memengine.engine.kernels import ssd
+
+    if not lanes and not (ssd.lane_shape(L, P, N) and ssd.cpu_lanes(rt)):
+        pytest.skip("the chunked kernels run this shape in the other case")
+    monkeypatch.setattr(rt.kernels, "ssd_lanes", lanes)
+    assert ssd.takes_lanes(rt, L, P, N) == (lanes and ssd.lane_shape(L, P, N) and ssd.cpu_lanes(rt))
 
     Di = H * P
     C = Di + 2 * G * N
