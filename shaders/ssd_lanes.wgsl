@@ -250,3 +250,97 @@ fn ssd_lanes_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
         l_ddt[u.o_ddt + m * H + h] = s;
     }
 }
+
+// ---------------------------------------------------------------- the gated RMS norm (CPU adapters)
+// gnorm_forward / gnorm_backward of shaders/ssd.wgsl (the same parameters and results) as a
+// workgroup of 8 lanes per (row m, group g) instead of an invocation: lane l reads channels
+// 4l..4l+3 of each 32 as one vec4 (row-major rows make an invocation per row a gather over
+// rows) and the lanes sum by shuffles.  ssd.py takes them where Di, W, Di/G and every
+// offset are multiples of 4.
+struct SP { B: u32, L: u32, H: u32, P: u32, N: u32, G: u32, Q: u32, NC: u32,
+            C: u32, Di: u32, W: u32, nrows: u32,
+            o0: u32, o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32,
+            lo: f32, hi: f32, eps: f32, acc: u32 }
+
+@group(0) @binding(0) var<storage, read_write> g_out4: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read_write> g_rstd: array<f32>;
+@group(0) @binding(2) var<storage, read> g_y4: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> g_zx4: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> g_w4: array<vec4<f32>>;
+@group(0) @binding(5) var<uniform> UG: SP;
+
+fn silu4(x: vec4<f32>) -> vec4<f32> { return x / (1.0 + exp(-x)); }
+fn dsilu4(p: vec4<f32>) -> vec4<f32> { let s = 1.0 / (1.0 + exp(-p)); return s * (1.0 + p * (1.0 - s)); }
+fn sum4(v: vec4<f32>) -> f32 { return (v.x + v.y) + (v.z + v.w); }
+
+@compute @workgroup_size(8)
+fn gnorm_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                       @builtin(local_invocation_index) l: u32) {
+    let u = UG;
+    let i = wid.x + wid.y * nwg.x;
+    if (i >= u.nrows * u.G) { return; }
+    let m = i / u.G;
+    let S = u.Di / u.G;
+    let c0 = (i % u.G) * S;
+    let yb = (u.o2 + m * u.Di + c0) / 4u;
+    let zb = (u.o3 + m * u.W + c0) / 4u;
+    var acc = vec4<f32>(0.0);
+    for (var q = l; q < S / 4u; q += 8u) {
+        let v = g_y4[yb + q] * silu4(g_zx4[zb + q]);
+        acc = fma(v, v, acc);
+    }
+    let r = inverseSqrt(lanes_sum8(sum4(acc)) / f32(S) + u.eps);
+    if (l == 0u) { g_rstd[u.o1 + i] = r; }
+    let ob = (u.o0 + m * u.Di + c0) / 4u;
+    let wb = (u.o4 + c0) / 4u;
+    for (var q = l; q < S / 4u; q += 8u) {
+        let v = g_y4[yb + q] * silu4(g_zx4[zb + q]);
+        g_out4[ob + q] = g_w4[wb + q] * (v * r);
+    }
+}
+
+@group(0) @binding(0) var<storage, read> h_dout4: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> h_y4: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> h_zx4: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> h_w4: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> h_rstd: array<f32>;
+@group(0) @binding(5) var<storage, read_write> h_dy4: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read_write> h_dzx4: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read_write> h_part4: array<vec4<f32>>;
+@group(0) @binding(8) var<uniform> UH: SP;
+
+@compute @workgroup_size(8)
+fn gnorm_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                        @builtin(local_invocation_index) l: u32) {
+    let u = UH;
+    let i = wid.x + wid.y * nwg.x;
+    if (i >= u.nrows * u.G) { return; }
+    let m = i / u.G;
+    let S = u.Di / u.G;
+    let c0 = (i % u.G) * S;
+    let r = h_rstd[u.o4 + i];
+    let ob = (u.o0 + m * u.Di + c0) / 4u;
+    let yb = (u.o1 + m * u.Di + c0) / 4u;
+    let zb = (u.o2 + m * u.W + c0) / 4u;
+    let wb = (u.o3 + c0) / 4u;
+    var acc = vec4<f32>(0.0);
+    for (var q = l; q < S / 4u; q += 8u) {
+        let v = h_y4[yb + q] * silu4(h_zx4[zb + q]);
+        acc = fma(h_dout4[ob + q] * h_w4[wb + q], v, acc);
+    }
+    let k = r * r * r * lanes_sum8(sum4(acc)) / f32(S);
+    let db = (u.o5 + m * u.Di + c0) / 4u;
+    let dzb = (u.o6 + m * u.W + c0) / 4u;
+    let pb = (u.o7 + m * u.Di + c0) / 4u;
+    for (var q = l; q < S / 4u; q += 8u) {
+        let z = h_zx4[zb + q];
+        let y = h_y4[yb + q];
+        let sz = silu4(z);
+        let v = y * sz;
+        let go = h_dout4[ob + q];
+        let dv = r * go * h_w4[wb + q] - v * k;
+        h_dy4[db + q] = dv * sz;
+        h_dzx4[dzb + q] = dv * y * dsilu4(z);
+        h_part4[pb + q] = go * v * r;
+    }
+}

@@ -383,6 +383,14 @@ def ssd_backward(rec: Recorder, dxbc: Tensor, ddt: Tensor, dA_log: Tensor | None
             reduce(rec, dD, s.small, J=H, R=nb * NC, stride=H, P=1, acc=True, offset=s.o_pd)
 
 
+def _gnorm_lanes(rt, Di: int, G: int, W: int, bs, skip=()) -> bool:
+    """Whether the gated norm takes its 8-lane kernels (shaders/ssd_lanes.wgsl): CPU adapters
+    with 8-lane subgroups, rows and groups of whole vec4s (`bs`: the bound tensors; those in
+    `skip` are read as scalars)."""
+    return (Di % 4 == 0 and W % 4 == 0 and (Di // G) % 4 == 0 and rt.kernels.ssd_lanes and cpu_lanes(rt)
+            and all(o % 4 == 0 for k, (_, o) in enumerate(bs) if k not in skip))
+
+
 def gnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, y: Tensor, zxbcdt: Tensor, weight: Tensor,
                   eps: float, *, M: int, Di: int, G: int, W: int) -> None:
     """out[M, Di] = weight * rmsnorm_per_group(y * silu(zxbcdt[:, :Di])) (WRITE); rstd [M, G] WRITE."""
@@ -391,7 +399,11 @@ def gnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, y: Tensor, zxbcdt: T
         bs = [bound(rt, t) for t in (rows(out, r0, n, Di), rows(rstd, r0, n, G), rows(y, r0, n, Di),
                                      rows(zxbcdt, r0, n, W), weight)]
         u = rt.uniform(_u(G=G, Di=Di, W=W, nrows=n, offs=[o for _, o in bs], eps=eps))
-        rec.dispatch("ssd", "gnorm_forward", {**{k: t for k, (t, _) in enumerate(bs)}, 5: u}, cdiv(n * G, WG))
+        b = {**{k: t for k, (t, _) in enumerate(bs)}, 5: u}
+        if _gnorm_lanes(rt, Di, G, W, bs, skip=(1,)):
+            rec.dispatch("ssd_lanes", "gnorm_lanes_forward", b, n * G)
+        else:
+            rec.dispatch("ssd", "gnorm_forward", b, cdiv(n * G, WG))
 
 
 def gnorm_backward(rec: Recorder, dy: Tensor, dzxbcdt: Tensor, dweight: Tensor | None, dout: Tensor, y: Tensor,
@@ -404,7 +416,11 @@ def gnorm_backward(rec: Recorder, dy: Tensor, dzxbcdt: Tensor, dweight: Tensor |
         bs = [bound(rt, t) for t in (rows(dout, r0, n, Di), rows(y, r0, n, Di), rows(zxbcdt, r0, n, W), weight,
                                      rows(rstd, r0, n, G), rows(dy, r0, n, Di), rows(dzxbcdt, r0, n, W), part)]
         u = rt.uniform(_u(G=G, Di=Di, W=W, nrows=n, offs=[o for _, o in bs]))
-        rec.dispatch("ssd", "gnorm_backward", {**{k: t for k, (t, _) in enumerate(bs)}, 8: u}, cdiv(n * G, WG))
+        b = {**{k: t for k, (t, _) in enumerate(bs)}, 8: u}
+        if _gnorm_lanes(rt, Di, G, W, bs, skip=(4,)):
+            rec.dispatch("ssd_lanes", "gnorm_lanes_backward", b, n * G)
+        else:
+            rec.dispatch("ssd", "gnorm_backward", b, cdiv(n * G, WG))
         if dweight is not None:
             reduce(rec, dweight, part, J=Di, R=n, stride=Di, P=1, acc=True)
 
