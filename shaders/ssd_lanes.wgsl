@@ -36,7 +36,6 @@ struct SL { nb: u32, L: u32, NC: u32, nblk: u32,
 @group(0) @binding(7) var<storage, read> l_dy: array<f32>;           // dy [M, Di]
 @group(0) @binding(8) var<storage, read_write> l_dx: array<f32>;     // dxbc [M, C]
 @group(0) @binding(9) var<storage, read_write> l_pbc: array<vec4<f32>>;   // [M, nblk, 2, N]
-@group(0) @binding(9) var<storage, read> l_pbcf: array<f32>;        // the finishing kernel's view
 @group(0) @binding(10) var<storage, read_write> l_part: array<f32>;  // [M, Di] | dA_log | dD terms
 @group(0) @binding(11) var<storage, read_write> l_ddt: array<f32>;   // ddt [M, H]
 
@@ -223,31 +222,35 @@ fn ssd_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 }
 
 // dxbc's B and C columns (the sums of pbc over the group's channel blocks) and ddt [M, H]
-// (the sums of part over the head's P channels); one invocation per (m, j), j < 2GN + H
-@compute @workgroup_size(64)
+// (the sums of part over the head's P channels): a workgroup of 8 lanes per row m, lane l
+// summing vec4s 4l.. of the row's 2GN B|C columns (strided by 8 vec4s) and heads l, l + 8, ..
+// (an invocation per column, summing scalars strided over blocks, took 0.39 ms a layer at
+// mamba2-tiny, B 1, L 256)
+@group(0) @binding(8) var<storage, read_write> l_dx4: array<vec4<f32>>;
+@group(0) @binding(10) var<storage, read_write> l_part4: array<vec4<f32>>;
+
+@compute @workgroup_size(8)
 fn ssd_lanes_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                    @builtin(local_invocation_index) lid: u32) {
+                    @builtin(local_invocation_index) l: u32) {
     let u = U;
-    let i = (wid.x + wid.y * nwg.x) * 64u + lid;
-    if (i >= u.total) { return; }
-    let J = 2u * G * N + H;
-    let m = i / J;
-    let j = i % J;
-    if (j < 2u * G * N) {
-        let part = j / (G * N);
-        let g = (j % (G * N)) / N;
-        let n = j % N;
-        let nbg = Di / G / 8u;
-        var s = 0.0;
-        for (var q = 0u; q < nbg; q++) {
-            s += l_pbcf[((m * u.nblk + g * nbg + q) * 2u + part) * N + n];
+    let m = wid.x + wid.y * nwg.x;
+    if (m >= u.total) { return; }
+    let nbg = Di / G / 8u;
+    let NV = N / 4u;            // vec4s of one group's B (or C)
+    for (var j = l; j < 2u * G * NV; j += 8u) {   // j: vec4 j of the row's B|C columns
+        let part = j / (G * NV);
+        let g = (j % (G * NV)) / NV;
+        let q = j % NV;
+        var s = vec4<f32>(0.0);
+        for (var k = 0u; k < nbg; k++) {
+            s += l_pbc[(((m * u.nblk + g * nbg + k) * 2u + part) * N) / 4u + q];
         }
-        l_dx[u.o_dx + m * C + Di + j] = s;
-    } else {
-        let h = j - 2u * G * N;
-        var s = 0.0;
-        for (var p = 0u; p < P; p++) { s += l_part[m * Di + h * P + p]; }
-        l_ddt[u.o_ddt + m * H + h] = s;
+        l_dx4[(u.o_dx + m * C + Di) / 4u + j] = s;
+    }
+    for (var h = l; h < H; h += 8u) {
+        var s = vec4<f32>(0.0);
+        for (var p = 0u; p < P / 4u; p++) { s += l_part4[(m * Di + h * P) / 4u + p]; }
+        l_ddt[u.o_ddt + m * H + h] = (s.x + s.y) + (s.z + s.w);
     }
 }
 

@@ -264,8 +264,8 @@ class _Lanes:
         self.NC, self.Di = n_chunks(L), H * P
         self.nblk = self.Di // 8
         self.b = {k: bound(self.rt, t) for k, t in views.items()}
-        for k in ("xbc", "states"):   # read as vec4
-            assert self.b[k][1] % 4 == 0, (k, self.b[k][1])
+        for k in ("xbc", "states", "dxbc"):   # read or written as vec4s
+            assert k not in self.b or self.b[k][1] % 4 == 0, (k, self.b[k][1])
         self.shape = {"H": H, "P": P, "N": N, "G": G, "Q": Q, "NQ": min(N, 16) // 4}
         self.npass = lane_passes(N)
 
@@ -295,10 +295,9 @@ class _Lanes:
                               {1: b["states"][0], 2: b["xbc"][0], 3: b["dt"][0], 4: b["A"][0], 5: b["D"][0],
                                6: u, 7: b["dy"][0], 8: b["dxbc"][0], 9: pbc, 10: part},
                               self.nb * self.nblk, {**self.shape, "PASS": p})
-        total = nb * L * (2 * self.G * N + self.H)
         self.rec.dispatch("ssd_lanes", "ssd_lanes_finish",
-                          {6: self._uniform(total=total), 8: b["dxbc"][0], 9: pbc, 10: part, 11: b["ddt"][0]},
-                          cdiv(total, 64), self.shape)
+                          {6: self._uniform(total=nb * L), 8: b["dxbc"][0], 9: pbc, 10: part, 11: b["ddt"][0]},
+                          nb * L, self.shape)
         if dA_log is not None:
             reduce(self.rec, dA_log, part, J=self.H, R=self.npass * nb, stride=Di, P=self.P, acc=True, offset=o_pa)
         if dD is not None:
