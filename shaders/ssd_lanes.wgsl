@@ -17,7 +17,7 @@
 // its saved state, then the adjoint g_t = C_t dy_t + exp(dt_{t+1} A) g_{t+1}:
 //   dx_t += dt_t (g_t . B_t) (+ D dy_t)        -> dxbc[:, d]
 //   ddt terms  exp(dt A) A (g_t . s_{t-1}) + x_t (g_t . B_t)   -> part [M, Di] (summed over p)
-//   dB_t += dt_t x_t g_t, dC_t += dy_t s_t      summed over the 8 lanes -> pbc [M, nblk, 2, N]
+//   dB_t += dt_t x_t g_t, dC_t += dy_t s_t      summed over the 8 lanes -> pbc [passes, M, nblk, 2, 4 NQ]
 //   dA_log terms A sum_t dt_t exp(dt_t A) (g_t . s_{t-1}), dD terms sum_t dy_t x_t -> part
 // and ssd_lanes_finish sums pbc over a group's blocks (dB, dC) and part over a head (ddt).
 
@@ -35,7 +35,7 @@ struct SL { nb: u32, L: u32, NC: u32, nblk: u32,
 @group(0) @binding(6) var<uniform> U: SL;
 @group(0) @binding(7) var<storage, read> l_dy: array<f32>;           // dy [M, Di]
 @group(0) @binding(8) var<storage, read_write> l_dx: array<f32>;     // dxbc [M, C]
-@group(0) @binding(9) var<storage, read_write> l_pbc: array<vec4<f32>>;   // [M, nblk, 2, N]
+@group(0) @binding(9) var<storage, read_write> l_pbc: array<vec4<f32>>;   // [passes, M, nblk, 2, 4 NQ]
 @group(0) @binding(10) var<storage, read_write> l_part: array<f32>;  // [M, Di] | dA_log | dD terms
 @group(0) @binding(11) var<storage, read_write> l_ddt: array<f32>;   // ddt [M, H]
 
@@ -212,7 +212,7 @@ fn ssd_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
             // the 8 lanes' sums of dB and dC (the same in every lane): lane q < NQ stores dB's
             // 4q..4q+3, lane 4 + q dC's
             if (lq < NQ) {
-                l_pbc[(((m * u.nblk + ln.blk) * 2u + select(0u, 1u, isc)) * N + 16u * PASS) / 4u + lq] = select(
+                l_pbc[(((PASS * u.nb * u.L + m) * u.nblk + ln.blk) * 2u + select(0u, 1u, isc)) * NQ + lq] = select(
                     quad(j0.rb, j1.rb, j2.rb, j3.rb, l), quad(j0.rc, j1.rc, j2.rc, j3.rc, l), isc);
             }
         }
@@ -241,9 +241,10 @@ fn ssd_lanes_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
         let part = j / (G * NV);
         let g = (j % (G * NV)) / NV;
         let q = j % NV;
+        let ps = q / NQ;   // the pass of these states
         var s = vec4<f32>(0.0);
         for (var k = 0u; k < nbg; k++) {
-            s += l_pbc[(((m * u.nblk + g * nbg + k) * 2u + part) * N) / 4u + q];
+            s += l_pbc[(((ps * u.nb * u.L + m) * u.nblk + g * nbg + k) * 2u + part) * NQ + q % NQ];
         }
         l_dx4[(u.o_dx + m * C + Di) / 4u + j] = s;
     }
