@@ -669,10 +669,12 @@ def test_ssd_kernels_against_torch(rt, monkeypatch, B, L, H, P, N, G, lanes):
     (the chunked kernels go a chunk per dispatch)."""
     from memengine.engine.kernels import ssd
 
-    if not lanes and not (ssd.lane_shape(L, P, N) and ssd.cpu_lanes(rt)):
+    monkeypatch.setattr(rt.kernels, "ssd_lanes", True)
+    cpu = ssd.takes_lanes(rt, L, H, P, N, G)
+    if not lanes and not cpu:
         pytest.skip("the chunked kernels run this shape in the other case")
     monkeypatch.setattr(rt.kernels, "ssd_lanes", lanes)
-    assert ssd.takes_lanes(rt, L, P, N) == (lanes and ssd.lane_shape(L, P, N) and ssd.cpu_lanes(rt))
+    assert ssd.takes_lanes(rt, L, H, P, N, G) == (lanes and ssd.lane_shape(L, P, N) and ssd.cpu_lanes(rt))
 
     Di = H * P
     C = Di + 2 * G * N
@@ -703,6 +705,21 @@ def test_ssd_kernels_against_torch(rt, monkeypatch, B, L, H, P, N, G, lanes):
     # dA_log sums a chunk's terms da_i * sum_{k<=i} dt_k, each the difference of two larger
     # ones (the output's and the decay's share): a few f32 roundings more than the rest
     assert errs.pop("dA_log") < 3e-5 and max(errs.values()) < 1e-5, errs
+
+
+def test_the_lanes_scan_runs_only_where_its_partials_fit_a_binding(rt):
+    """The 8-lane scan's dB/dC partials are L x Di/8 x 2N values a sequence: at the mamba2-130m
+    shape (Di 1536, N 128) and L 2048 that is 400 MB, beyond lavapipe's 128 MiB binding, so the
+    chunked kernels run there (and the plan counts their scratch)."""
+    from memengine.engine.app import plan as plan_mod
+    from memengine.engine.kernels import ssd
+
+    if not ssd.cpu_lanes(rt):
+        pytest.skip("the 8-lane scan is for CPU adapters with 8-lane subgroups")
+    assert ssd.takes_lanes(rt, 512, 4, 32, 16, 1)
+    big = (2048, 24, 64, 128, 1)
+    assert ssd.lane_shape(2048, 64, 128) and not ssd.takes_lanes(rt, *big)
+    assert not ssd.plan_lanes(plan_mod.Limits.of(rt), *big)
 
 
 def test_info_of_a_built_in_shape_prints_the_plans_of_every_kind():

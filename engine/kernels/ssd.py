@@ -79,15 +79,21 @@ def lane_shape(L: int, P: int, N: int) -> bool:
     return P % 8 == 0 and N % 4 == 0 and (N <= 16 or N % 16 == 0) and 0 < L <= LANE_MAX_L
 
 
-def takes_lanes(rt, L: int, P: int, N: int) -> bool:
+def _lanes_fit(r, L: int, H: int, P: int, N: int, G: int) -> bool:
+    """Whether one sequence's 8-lane scratch (its dB/dC partials: L x Di/8 x 2N values) fits
+    one binding of the adapter; where not, the chunked kernels run (their scratch is smaller)."""
+    return max(sequence_scratch(1, L, H, P, N, G, True, True)) <= r.adapter_max_binding - r.storage_align
+
+
+def takes_lanes(rt, L: int, H: int, P: int, N: int, G: int) -> bool:
     """Whether the runtime's scans of this shape take the 8-lane kernels (CPU adapters with
     8-lane subgroups, `rt.kernels.ssd_lanes`)."""
-    return bool(rt.kernels.ssd_lanes and lane_shape(L, P, N) and cpu_lanes(rt))
+    return bool(rt.kernels.ssd_lanes and lane_shape(L, P, N) and cpu_lanes(rt) and _lanes_fit(rt, L, H, P, N, G))
 
 
-def plan_lanes(lim, L: int, P: int, N: int) -> bool:
+def plan_lanes(lim, L: int, H: int, P: int, N: int, G: int) -> bool:
     """`takes_lanes` for a memory plan's limits (plan.Limits)."""
-    return bool(lim.lanes and lim.kernels.ssd_lanes and lane_shape(L, P, N))
+    return bool(lim.lanes and lim.kernels.ssd_lanes and lane_shape(L, P, N) and _lanes_fit(lim, L, H, P, N, G))
 
 
 def lane_passes(N: int) -> int:
@@ -321,7 +327,7 @@ def ssd_forward(rec: Recorder, y: Tensor, states: Tensor, xbc: Tensor, dt: Tenso
     assert y.numel == B * L * Di and xbc.numel == B * L * C and dt.numel == B * L * H and states.numel == B * S
     if B * L == 0:
         return
-    lanes = takes_lanes(rt, L, P, N)
+    lanes = takes_lanes(rt, L, H, P, N, G)
     parts = _sequences(rt, B, L, H, P, N, G, lanes=lanes)
     for b0, nb in parts:
         v = _views(parts, b0, nb, L, {"y": (y, L * Di), "states": (states, S), "xbc": (xbc, L * C),
@@ -350,7 +356,7 @@ def ssd_backward(rec: Recorder, dxbc: Tensor, ddt: Tensor, dA_log: Tensor | None
     S = (NC + 1) * Di * N
     if B * L == 0:
         return
-    lanes = takes_lanes(rt, L, P, N)
+    lanes = takes_lanes(rt, L, H, P, N, G)
     parts = _sequences(rt, B, L, H, P, N, G, backward=True, lanes=lanes)
     for b0, nb in parts:
         v = _views(parts, b0, nb, L, {"dy": (dy, L * Di), "y": (y, L * Di), "states": (states, S),

@@ -114,7 +114,7 @@ class Mamba2(Architecture):
         H, P, N, G, K = cfg.num_heads, cfg.head_dim, cfg.state_size, cfg.n_groups, cfg.conv_kernel
         Di, C = cfg.intermediate_size, cfg.conv_dim
         grad = kind != "eval"
-        lanes = ssd.plan_lanes(lim, L, P, N)   # the 8-lane scan: no chunked-form scratch
+        lanes = ssd.plan_lanes(lim, L, H, P, N, G)   # the 8-lane scan: no chunked-form scratch
         total = 0 if lanes else 2 * _buf(16)   # the scan's stand-ins for bindings a product does not read
         try:
             seqs = split(lim, B, lambda nb: ssd.sequence_windows(nb, L, H, P, N, G),
