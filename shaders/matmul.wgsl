@@ -466,3 +466,81 @@ fn matmul_lanes(@builtin(local_invocation_index) l: u32, @builtin(workgroup_id) 
     lanes_store(f, row0 + 28u, c, c70); lanes_store(f, row0 + 29u, c, c71); lanes_store(f, row0 + 30u, c, c72); lanes_store(f, row0 + 31u, c, c73);
 }
 
+
+// matmul_lanes_any: matmul_lanes for the shapes it does not take (K, N, a stride or an offset
+// no multiple of 4: x_proj and dt_proj of a time_step_rank such as 3), which otherwise went
+// to the plain 64x64 kernel, 4x slower per multiply-add on lavapipe.  The same 32x32 tile per
+// 8-lane workgroup and subgroup broadcasts; its operands are read as scalars through the
+// plain kernel's parameters (any strides; rows, columns and K past the ends read as zeros)
+// and its results stored as scalars.
+fn any_a1(p: Params, r: u32, k: u32) -> f32 {
+    let v = A[p.a_off + min(r, p.M - 1u) * p.a_rs + min(k, p.K - 1u) * p.a_cs];
+    return select(0.0, v, r < p.M && k < p.K);
+}
+fn any_b1(p: Params, k: u32, c: u32) -> f32 {
+    let v = Bmat[p.b_off + min(k, p.K - 1u) * p.b_rs + min(c, p.N - 1u) * p.b_cs];
+    return select(0.0, v, k < p.K && c < p.N);
+}
+// column j: the K values k..k+3 of row r0 + j
+fn any_a(p: Params, r0: u32, k: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        vec4<f32>(any_a1(p, r0, k), any_a1(p, r0, k + 1u), any_a1(p, r0, k + 2u), any_a1(p, r0, k + 3u)),
+        vec4<f32>(any_a1(p, r0 + 1u, k), any_a1(p, r0 + 1u, k + 1u), any_a1(p, r0 + 1u, k + 2u), any_a1(p, r0 + 1u, k + 3u)),
+        vec4<f32>(any_a1(p, r0 + 2u, k), any_a1(p, r0 + 2u, k + 1u), any_a1(p, r0 + 2u, k + 2u), any_a1(p, r0 + 2u, k + 3u)),
+        vec4<f32>(any_a1(p, r0 + 3u, k), any_a1(p, r0 + 3u, k + 1u), any_a1(p, r0 + 3u, k + 2u), any_a1(p, r0 + 3u, k + 3u)));
+}
+// column q: the K values k..k+3 of column c0 + q
+fn any_b(p: Params, c0: u32, k: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        vec4<f32>(any_b1(p, k, c0), any_b1(p, k + 1u, c0), any_b1(p, k + 2u, c0), any_b1(p, k + 3u, c0)),
+        vec4<f32>(any_b1(p, k, c0 + 1u), any_b1(p, k + 1u, c0 + 1u), any_b1(p, k + 2u, c0 + 1u), any_b1(p, k + 3u, c0 + 1u)),
+        vec4<f32>(any_b1(p, k, c0 + 2u), any_b1(p, k + 1u, c0 + 2u), any_b1(p, k + 2u, c0 + 2u), any_b1(p, k + 3u, c0 + 2u)),
+        vec4<f32>(any_b1(p, k, c0 + 3u), any_b1(p, k + 1u, c0 + 3u), any_b1(p, k + 2u, c0 + 3u), any_b1(p, k + 3u, c0 + 3u)));
+}
+fn any_store1(p: Params, r: u32, c: u32, v: f32) {
+    if (c >= p.N) { return; }
+    var x = v;
+    if (BIAS) { x += bias[p.bias_off + c]; }
+    let i = p.c_off + r * p.ldc + c;
+    if (ACC) { x += C[i]; }
+    C[i] = x;
+}
+fn any_store(p: Params, r: u32, c: u32, v: vec4<f32>) {
+    if (r >= p.M) { return; }
+    any_store1(p, r, c, v.x); any_store1(p, r, c + 1u, v.y); any_store1(p, r, c + 2u, v.z); any_store1(p, r, c + 3u, v.w);
+}
+
+@compute @workgroup_size(8)
+fn matmul_lanes_any(@builtin(local_invocation_index) l: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let f = P;   // read once, before the loop
+    let row0 = wid.y * 32u;
+    let c = wid.x * 32u + 4u * l;
+    var c00 = vec4<f32>(0.0); var c01 = vec4<f32>(0.0); var c02 = vec4<f32>(0.0); var c03 = vec4<f32>(0.0);
+    var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0); var c12 = vec4<f32>(0.0); var c13 = vec4<f32>(0.0);
+    var c20 = vec4<f32>(0.0); var c21 = vec4<f32>(0.0); var c22 = vec4<f32>(0.0); var c23 = vec4<f32>(0.0);
+    var c30 = vec4<f32>(0.0); var c31 = vec4<f32>(0.0); var c32 = vec4<f32>(0.0); var c33 = vec4<f32>(0.0);
+    var c40 = vec4<f32>(0.0); var c41 = vec4<f32>(0.0); var c42 = vec4<f32>(0.0); var c43 = vec4<f32>(0.0);
+    var c50 = vec4<f32>(0.0); var c51 = vec4<f32>(0.0); var c52 = vec4<f32>(0.0); var c53 = vec4<f32>(0.0);
+    var c60 = vec4<f32>(0.0); var c61 = vec4<f32>(0.0); var c62 = vec4<f32>(0.0); var c63 = vec4<f32>(0.0);
+    var c70 = vec4<f32>(0.0); var c71 = vec4<f32>(0.0); var c72 = vec4<f32>(0.0); var c73 = vec4<f32>(0.0);
+    for (var k = 0u; k < f.K; k += 4u) {
+        let am = any_a(f, row0 + 4u * l, k);
+        let bm = any_b(f, c, k);
+        c00 += sg_shuffle4(am[0], 0u) * bm; c01 += sg_shuffle4(am[1], 0u) * bm; c02 += sg_shuffle4(am[2], 0u) * bm; c03 += sg_shuffle4(am[3], 0u) * bm;
+        c10 += sg_shuffle4(am[0], 1u) * bm; c11 += sg_shuffle4(am[1], 1u) * bm; c12 += sg_shuffle4(am[2], 1u) * bm; c13 += sg_shuffle4(am[3], 1u) * bm;
+        c20 += sg_shuffle4(am[0], 2u) * bm; c21 += sg_shuffle4(am[1], 2u) * bm; c22 += sg_shuffle4(am[2], 2u) * bm; c23 += sg_shuffle4(am[3], 2u) * bm;
+        c30 += sg_shuffle4(am[0], 3u) * bm; c31 += sg_shuffle4(am[1], 3u) * bm; c32 += sg_shuffle4(am[2], 3u) * bm; c33 += sg_shuffle4(am[3], 3u) * bm;
+        c40 += sg_shuffle4(am[0], 4u) * bm; c41 += sg_shuffle4(am[1], 4u) * bm; c42 += sg_shuffle4(am[2], 4u) * bm; c43 += sg_shuffle4(am[3], 4u) * bm;
+        c50 += sg_shuffle4(am[0], 5u) * bm; c51 += sg_shuffle4(am[1], 5u) * bm; c52 += sg_shuffle4(am[2], 5u) * bm; c53 += sg_shuffle4(am[3], 5u) * bm;
+        c60 += sg_shuffle4(am[0], 6u) * bm; c61 += sg_shuffle4(am[1], 6u) * bm; c62 += sg_shuffle4(am[2], 6u) * bm; c63 += sg_shuffle4(am[3], 6u) * bm;
+        c70 += sg_shuffle4(am[0], 7u) * bm; c71 += sg_shuffle4(am[1], 7u) * bm; c72 += sg_shuffle4(am[2], 7u) * bm; c73 += sg_shuffle4(am[3], 7u) * bm;
+    }
+    any_store(f, row0 + 0u, c, c00); any_store(f, row0 + 1u, c, c01); any_store(f, row0 + 2u, c, c02); any_store(f, row0 + 3u, c, c03);
+    any_store(f, row0 + 4u, c, c10); any_store(f, row0 + 5u, c, c11); any_store(f, row0 + 6u, c, c12); any_store(f, row0 + 7u, c, c13);
+    any_store(f, row0 + 8u, c, c20); any_store(f, row0 + 9u, c, c21); any_store(f, row0 + 10u, c, c22); any_store(f, row0 + 11u, c, c23);
+    any_store(f, row0 + 12u, c, c30); any_store(f, row0 + 13u, c, c31); any_store(f, row0 + 14u, c, c32); any_store(f, row0 + 15u, c, c33);
+    any_store(f, row0 + 16u, c, c40); any_store(f, row0 + 17u, c, c41); any_store(f, row0 + 18u, c, c42); any_store(f, row0 + 19u, c, c43);
+    any_store(f, row0 + 20u, c, c50); any_store(f, row0 + 21u, c, c51); any_store(f, row0 + 22u, c, c52); any_store(f, row0 + 23u, c, c53);
+    any_store(f, row0 + 24u, c, c60); any_store(f, row0 + 25u, c, c61); any_store(f, row0 + 26u, c, c62); any_store(f, row0 + 27u, c, c63);
+    any_store(f, row0 + 28u, c, c70); any_store(f, row0 + 29u, c, c71); any_store(f, row0 + 30u, c, c72); any_store(f, row0 + 31u, c, c73);
+}

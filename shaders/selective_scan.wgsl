@@ -764,7 +764,15 @@ fn lane_of(p: Params, wid: vec3<u32>, nwg: vec3<u32>, l: u32) -> Lane {
 // Bm|Cm of row m: lane l holds entries 4l..4l+3 of the row's 2NS (one load).  The kernels
 // pass the parameters down: inside a loop lavapipe reads every uniform-buffer field as a
 // gather over the lanes, outside control flow as one load, so they copy P once at the top.
+// BC4 false (time_step_rank or xdbl's offset no multiple of 4): the same four entries as
+// scalar loads
+override BC4: bool = true;
 fn bc_load(p: Params, m: u32, l: u32) -> vec4<f32> {
+    if (!BC4) {
+        let i = p.o_xdbl + m * p.ldx + p.R + 4u * l;   // (binding 4 seen as vec4s here)
+        return vec4<f32>(xdbl4[i / 4u][i % 4u], xdbl4[(i + 1u) / 4u][(i + 1u) % 4u],
+                         xdbl4[(i + 2u) / 4u][(i + 2u) % 4u], xdbl4[(i + 3u) / 4u][(i + 3u) % 4u]);
+    }
     return xdbl4[(p.o_xdbl + m * p.ldx + p.R) / 4u + l];
 }
 fn bc_get(v: vec4<f32>, i: u32) -> f32 {   // entry i (0 <= i < 2NS) of the row, from its owner

@@ -654,13 +654,28 @@ def _ssd_reference(xbc, dt, A_log, D, dy, H, P, N, G):
     return y.detach().numpy(), s.detach().numpy(), tx.grad.numpy(), tdt.grad.numpy(), tA.grad.numpy(), tD.grad.numpy()
 
 
-@pytest.mark.parametrize("B,L,H,P,N,G", [(2, 40, 24, 64, 16, 1), (2, 37, 8, 4, 3, 4), (1, 1, 3, 6, 7, 1),
-                                         (2, 150, 4, 8, 5, 2), (1, 200, 6, 70, 130, 3), (1, 128, 2, 16, 8, 1)])
-def test_ssd_kernels_against_torch(rt, B, L, H, P, N, G):
+SSD_SHAPES = [(2, 40, 24, 64, 16, 1), (2, 37, 8, 4, 3, 4), (1, 1, 3, 6, 7, 1), (2, 150, 4, 8, 5, 2),
+              (1, 200, 6, 70, 130, 3), (1, 128, 2, 16, 8, 1),
+              # the 8-lane kernels' shapes (P % 8 == 0, N % 4 == 0, passes of 16 states past 16)
+              (2, 150, 4, 8, 12, 2), (1, 70, 2, 8, 4, 1), (1, 1, 2, 16, 16, 2), (2, 90, 4, 16, 48, 2)]
+LANE_SSD = [s for s in SSD_SHAPES if s[3] % 8 == 0 and s[4] % 4 == 0 and (s[4] <= 16 or s[4] % 16 == 0)]
+
+
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "chunked"])
+@pytest.mark.parametrize("B,L,H,P,N,G", SSD_SHAPES)
+def test_ssd_kernels_against_torch(rt, monkeypatch, B, L, H, P, N, G, lanes):
     """The scan forward (y, the final saved state) and backward (dx, dB, dC, ddt, dA_log, dD)
-    against torch autograd; the first shape runs more loop iterations per sequence than
-    lavapipe lets one invocation run (the kernels go a chunk per dispatch)."""
+    against torch autograd, in the chunked form and (CPU adapters) the 8-lane kernels; the
+    first shape runs more loop iterations per sequence than lavapipe lets one invocation run
+    (the chunked kernels go a chunk per dispatch)."""
     from memengine.engine.kernels import ssd
+
+    monkeypatch.setattr(rt.kernels, "ssd_lanes", True)
+    cpu = ssd.takes_lanes(rt, L, H, P, N, G)
+    if not lanes and not cpu:
+        pytest.skip("the chunked kernels run this shape in the other case")
+    monkeypatch.setattr(rt.kernels, "ssd_lanes", lanes)
+    assert ssd.takes_lanes(rt, L, H, P, N, G) == (lanes and ssd.lane_shape(L, P, N) and ssd.cpu_lanes(rt))
 
     Di = H * P
     C = Di + 2 * G * N
@@ -691,6 +706,21 @@ def test_ssd_kernels_against_torch(rt, B, L, H, P, N, G):
     # dA_log sums a chunk's terms da_i * sum_{k<=i} dt_k, each the difference of two larger
     # ones (the output's and the decay's share): a few f32 roundings more than the rest
     assert errs.pop("dA_log") < 3e-5 and max(errs.values()) < 1e-5, errs
+
+
+def test_the_lanes_scan_runs_only_where_its_partials_fit_a_binding(rt):
+    """The 8-lane scan's dB/dC partials are L x Di/8 x 2N values a sequence: at the mamba2-130m
+    shape (Di 1536, N 128) and L 2048 that is 400 MB, beyond lavapipe's 128 MiB binding, so the
+    chunked kernels run there (and the plan counts their scratch)."""
+    from memengine.engine.app import plan as plan_mod
+    from memengine.engine.kernels import ssd
+
+    if not ssd.cpu_lanes(rt):
+        pytest.skip("the 8-lane scan is for CPU adapters with 8-lane subgroups")
+    assert ssd.takes_lanes(rt, 512, 4, 32, 16, 1)
+    big = (2048, 24, 64, 128, 1)
+    assert ssd.lane_shape(2048, 64, 128) and not ssd.takes_lanes(rt, *big)
+    assert not ssd.plan_lanes(plan_mod.Limits.of(rt), *big)
 
 
 def test_info_of_a_built_in_shape_prints_the_plans_of_every_kind():

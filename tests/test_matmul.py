@@ -26,7 +26,8 @@ def run(rt, mode, a, b, c0, bias, M, N, K, ta, tb, acc=True, **kw):
         rt.kernels.matmul = old
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 4, 4), (132, 76, 68), (300, 260, 64), (8, 128, 1536), (7, 37, 13)])
+@pytest.mark.parametrize("M,N,K", [(1, 4, 4), (132, 76, 68), (300, 260, 64), (8, 128, 1536), (7, 37, 13),
+                                   (256, 19, 96), (130, 3, 250)])   # (CPU: matmul_lanes_any)
 @pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], [False, True])))
 def test_fast_and_reference_match_numpy(rt, M, N, K, ta, tb):
     rng = np.random.default_rng(M * 7 + N)

@@ -12,13 +12,14 @@ SHAPES = [  # B, L, Di, N, R
     (1, 1, 37, 5, 3),
     (2, 7, 37, 16, 4),
     (3, 300, 19, 5, 2),     # several chunks, a partial last one
-    (1, 130, 40, 16, 1),    # R % 4 != 0: the 8-lane scan reads Bm|Cm as vec4s, so other kernels run
+    (1, 130, 40, 16, 1),    # R % 4 != 0: the 8-lane scan reads Bm|Cm as scalars (BC4 0)
     (2, 129, 33, 16, 8),    # last chunk of one step, odd Di (a partial channel block)
     (1, 70, 20, 21, 2),     # more states than one pass over workgroup memory holds (16)
     (1, 9, 17, 300, 2),     # state_size beyond any model's: scan.MAX_N is None
     (2, 200, 13, 8, 4),     # the 8-lane scan's state sizes (N <= 16, N % 4 == 0): 8 and 4,
     (1, 65, 9, 4, 4),       # two blocks of 8 channels, the second with one live lane
     (1, 70, 11, 12, 4),     # 12: three of the 8-lane scan's four groups of states
+    (1, 90, 24, 8, 3),      # E 48's time_step_rank (3): Bm|Cm as scalars, rows at odd offsets
 ]
 def make_inputs(B, L, Di, N, R, seed=0, scale_delta=1.0, bias_shift=0.0):
     rng = np.random.default_rng(seed)
@@ -302,10 +303,10 @@ def test_lanes_kernels_run_on_cpu_adapters(rt, monkeypatch):
     run_backward(rt, make_inputs(*shape, seed=2), *shape, raw=True)
     assert "scan_lanes_forward" in seen and "scan_lanes_backward" in seen, seen
     assert "selective_scan_backward" not in seen
-    seen.clear()   # Bm|Cm not at a multiple of 4 (R = 2): the other kernels
+    seen.clear()   # Bm|Cm not at a multiple of 4 (R = 2): the 8-lane scan still (scalar loads)
     shape = (1, 9, 20, 16, 2)
     run_backward(rt, make_inputs(*shape, seed=2), *shape, raw=True)
-    assert "selective_scan_backward" in seen and "scan_lanes_backward" not in seen, seen
+    assert "scan_lanes_backward" in seen and "selective_scan_backward" not in seen, seen
 
 
 def test_workgroup_memory_leaves_room_for_two_workgroups_an_sm():

@@ -197,6 +197,11 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     flags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if a_cs == 1 else 0) | (8 if b_cs == 1 else 0)
     u = rec.rt.uniform(pack("16I", M, N, K, flags, a_col, a_rs, a_cs, b_col,
                             b_rs, b_cs, c_col, ldc, bias_off, 0, 0, 0))
+    if shader == "matmul" and mode not in ("reference", "tiles") and cpu_lanes(rt):
+        # CPU adapters: matmul_lanes' tile with scalar loads, for the shapes it does not take
+        rec.dispatch("matmul", "matmul_lanes_any", {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
+                     (cdiv(N, 32), cdiv(M, 32), 1), {"ACC": int(acc), "BIAS": int(bias is not None)})
+        return
     rec.dispatch("matmul", "matmul_forward",
                  {0: C, 1: A, 2: B, 3: bias if bias is not None else A, 4: u},
                  (cdiv(N, 64), cdiv(M, 64), 1))

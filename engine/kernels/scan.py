@@ -22,8 +22,8 @@ The shader's header comment has the details.  On CPU adapters with 8-lane subgro
 of one 8-lane subgroup per (batch row, 8 channels), each lane walking the sequence step by
 step (the same saved states and partial sums; `rt.kernels.scan_lanes = False` keeps the
 kernels above).
-They read Bm|Cm as vec4s, so they take time_step_rank values divisible by 4 (that of every
-released Mamba checkpoint); other calls take the kernels above.
+They read Bm|Cm as one vec4 a lane where time_step_rank and xdbl's offset are multiples of 4,
+else as four scalars (the pipeline constant BC4).
 
 Backward: dy may be du itself (the kernels read each step's dy from du before they write
 its du; a dy elsewhere is first copied into du).  Outputs: du, ddelta WRITE; ddt_bias, dA_log, dD ACC (+=; None: not computed); dxdbl
@@ -70,9 +70,14 @@ def channels_per_workgroup(lanes: bool, N: int) -> int:
 
 
 def _lanes(rt, N: int, R: int, xdbl_off: int) -> bool:
-    """Whether this call runs the 8-lane scan: it reads Bm|Cm as vec4s, so their columns
-    must start at a multiple of 4 (time_step_rank R, and xdbl's element offset)."""
-    return channels_per_workgroup(scan_lanes(rt), N) == LANE_DB and R % 4 == 0 and (xdbl_off + R) % 4 == 0
+    """Whether this call runs the 8-lane scan (any time_step_rank: `_lane_constants`)."""
+    return channels_per_workgroup(scan_lanes(rt), N) == LANE_DB
+
+
+def _lane_constants(N: int, R: int, xdbl_off: int) -> dict:
+    """The 8-lane scan reads Bm|Cm as one vec4 a lane where their columns start at multiples
+    of 4 (time_step_rank R, and xdbl's element offset), else as four scalars (BC4 0)."""
+    return {"NS": N, "BC4": int(R % 4 == 0 and (xdbl_off + R) % 4 == 0)}
 
 
 def scan_state_shape(B, L, Di, N) -> tuple:
@@ -184,7 +189,7 @@ def selective_scan_forward(rec: Recorder, y, states, u, delta, dt_bias, A_log, D
     bindings = {0: bt["y"], 1: bt["states"], 2: bt["u"], 3: bt["delta"], 4: bt["xdbl"], 5: bt["xz"],
                 6: work, 14: uni}
     if lanes:
-        rec.dispatch(SHADER, "scan_lanes_forward", bindings, B * lay["nblk"], {"NS": N})
+        rec.dispatch(SHADER, "scan_lanes_forward", bindings, B * lay["nblk"], _lane_constants(N, R, offs["xdbl"]))
     else:
         rec.dispatch(SHADER, "selective_scan_forward", bindings, B * lay["nblk"])
 
@@ -231,7 +236,7 @@ def selective_scan_backward(rec: Recorder, du, ddelta, ddt_bias, dA_log, dD, dxd
         head = work.view((lay["off_pbc"],), 0)
         partials = work.view((2 * lay["pbc_half"],), lay["off_pbc"])
         rec.dispatch(SHADER, "scan_lanes_backward", {**bindings, 6: head, 11: partials}, B * lay["nblk"],
-                     {"NS": N})
+                     _lane_constants(N, R, offs["xdbl"]))
     else:
         rec.dispatch(SHADER, "selective_scan_backward", bindings, B * lay["nblk"], _constants(rt))
     rec.dispatch(SHADER, "selective_scan_backward_dbc", {11: work, 12: bt["dxdbl"], 14: uni}, cdiv(M * N, 256))

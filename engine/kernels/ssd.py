@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import struct
 
-from memengine.engine.kernels.lanes import is_cpu
+from memengine.engine.kernels.lanes import cpu_lanes, is_cpu
 from memengine.engine.runtime import Recorder, Tensor, bound, cdiv, rows, span, split
 
 Q = 64          # steps per chunk of the SSD (its matrix form within, its state passed between)
@@ -68,19 +68,61 @@ def sequence_windows(nb: int, L: int, H: int, P: int, N: int, G: int) -> tuple:
     return (4 * nb * L * Di, 4 * nb * L * C, 4 * nb * L * H, 4 * math.prod(state_shape(nb, L, H, P, N)))
 
 
-def sequence_scratch(nb: int, L: int, H: int, P: int, N: int, G: int, backward: bool = True) -> tuple:
+LANE_MAX_L = 16384   # the longest sequence the 8-lane kernels walk (an invocation's loops run
+                     # about 2L iterations, under lavapipe's 65535)
+
+
+def lane_shape(L: int, P: int, N: int) -> bool:
+    """The shapes the 8-lane kernels (shaders/ssd_lanes.wgsl) take: head_dim a multiple of 8
+    (a workgroup's 8 channels share a head), N a multiple of 4 and at most 16 or a multiple of
+    16 (passes of 16 states)."""
+    return P % 8 == 0 and N % 4 == 0 and (N <= 16 or N % 16 == 0) and 0 < L <= LANE_MAX_L
+
+
+def _lanes_fit(r, L: int, H: int, P: int, N: int, G: int) -> bool:
+    """Whether one sequence's 8-lane scratch (its dB/dC partials: L x Di/8 x 2N values) fits
+    one binding of the adapter; where not, the chunked kernels run (their scratch is smaller)."""
+    return max(sequence_scratch(1, L, H, P, N, G, True, True)) <= r.adapter_max_binding - r.storage_align
+
+
+def takes_lanes(rt, L: int, H: int, P: int, N: int, G: int) -> bool:
+    """Whether the runtime's scans of this shape take the 8-lane kernels (CPU adapters with
+    8-lane subgroups, `rt.kernels.ssd_lanes`)."""
+    return bool(rt.kernels.ssd_lanes and lane_shape(L, P, N) and cpu_lanes(rt) and _lanes_fit(rt, L, H, P, N, G))
+
+
+def plan_lanes(lim, L: int, H: int, P: int, N: int, G: int) -> bool:
+    """`takes_lanes` for a memory plan's limits (plan.Limits)."""
+    return bool(lim.lanes and lim.kernels.ssd_lanes and lane_shape(L, P, N) and _lanes_fit(lim, L, H, P, N, G))
+
+
+def lane_passes(N: int) -> int:
+    return max(1, N // 16)
+
+
+def sequence_scratch(nb: int, L: int, H: int, P: int, N: int, G: int, backward: bool = True,
+                     lanes: bool = False) -> tuple:
     """Bytes of the scratch for nb sequences: (small, CB, and for the backward the state
-    gradients, the dx terms, dCB)."""
+    gradients, the dx terms, dCB); the 8-lane kernels' (`lanes`): none forward, the backward's
+    dB/dC partials and its ddt, dA_log and dD terms."""
     NC = n_chunks(L)
+    if lanes:
+        Di = H * P
+        return () if not backward else (4 * nb * L * (Di // 8) * 2 * N, 4 * _part_len(nb, L, Di, N))
     fwd = (4 * _small_len(nb, NC, H), 4 * nb * NC * G * Q * Q)
     if not backward:
         return fwd
     return fwd + (4 * math.prod(state_shape(nb, L, H, P, N)), 4 * nb * L * H * P, 4 * nb * NC * H * Q * Q)
 
 
-def _sequences(rt, B, L, H, P, N, G, backward=False) -> list:
+def _part_len(nb: int, L: int, Di: int, N: int) -> int:
+    """The 8-lane backward's `part`: ddt terms [nb*L, Di] | dA_log terms [passes, nb, Di] | dD [nb, Di]."""
+    return nb * L * Di + (lane_passes(N) + 1) * nb * Di
+
+
+def _sequences(rt, B, L, H, P, N, G, backward=False, lanes=False) -> list:
     return split(rt, B, lambda nb: sequence_windows(nb, L, H, P, N, G),
-                 scratch=lambda nb: sequence_scratch(nb, L, H, P, N, G, backward),
+                 scratch=lambda nb: sequence_scratch(nb, L, H, P, N, G, backward, lanes),
                  unit="one sequence of the SSD scan", detail=f"{L} steps of {H} heads x {P} x {N} states",
                  advice="a smaller --seq-len helps")
 
@@ -216,6 +258,58 @@ class _Scan:
         self.small_kernel(entry, Z, cdiv(Z, WG), out=out, slots=(0,))
 
 
+class _Lanes:
+    """One call of the 8-lane scan (shaders/ssd_lanes.wgsl) over nb sequences: a workgroup of
+    8 lanes per (sequence, 8 channels), one dispatch per pass of 16 states."""
+
+    KEYS = ("y", "states", "xbc", "dt", "A", "D", "dy", "dxbc", "ddt")
+
+    def __init__(self, rec, nb, L, H, P, N, G, views: dict):
+        self.rec, self.rt = rec, rec.rt
+        self.nb, self.L, self.H, self.P, self.N, self.G = nb, L, H, P, N, G
+        self.NC, self.Di = n_chunks(L), H * P
+        self.nblk = self.Di // 8
+        self.b = {k: bound(self.rt, t) for k, t in views.items()}
+        for k in ("xbc", "states", "dxbc"):   # read or written as vec4s
+            assert k not in self.b or self.b[k][1] % 4 == 0, (k, self.b[k][1])
+        self.shape = {"H": H, "P": P, "N": N, "G": G, "Q": Q, "NQ": min(N, 16) // 4}
+        self.npass = lane_passes(N)
+
+    def _uniform(self, total=0, o_pa=0, o_pd=0) -> object:
+        off = [self.b[k][1] if k in self.b else 0 for k in self.KEYS]
+        y, st, x, dt, A, D, dy, dx, ddt = off
+        return self.rt.uniform(struct.pack("16I", self.nb, self.L, self.NC, self.nblk, y, st, x, dt, A, D, dy, dx,
+                                           ddt, o_pa, o_pd, total))
+
+    def forward(self) -> None:
+        b = self.b
+        u = self._uniform()
+        for p in range(self.npass):
+            self.rec.dispatch("ssd_lanes", "ssd_lanes_forward",
+                              {0: b["y"][0], 1: b["states"][0], 2: b["xbc"][0], 3: b["dt"][0], 4: b["A"][0],
+                               5: b["D"][0], 6: u}, self.nb * self.nblk, {**self.shape, "PASS": p})
+
+    def backward(self, dA_log, dD) -> None:
+        rt, b, nb, L, Di, N = self.rt, self.b, self.nb, self.L, self.Di, self.N
+        pbc = rt.scratch("ssd_lanes_pbc", (nb * L * self.nblk * 2 * N,))
+        part = rt.scratch("ssd_lanes_part", (_part_len(nb, L, Di, N),))
+        o_pa = nb * L * Di
+        o_pd = o_pa + self.npass * nb * Di
+        u = self._uniform(o_pa=o_pa, o_pd=o_pd)
+        for p in range(self.npass):
+            self.rec.dispatch("ssd_lanes", "ssd_lanes_backward",
+                              {1: b["states"][0], 2: b["xbc"][0], 3: b["dt"][0], 4: b["A"][0], 5: b["D"][0],
+                               6: u, 7: b["dy"][0], 8: b["dxbc"][0], 9: pbc, 10: part},
+                              self.nb * self.nblk, {**self.shape, "PASS": p})
+        self.rec.dispatch("ssd_lanes", "ssd_lanes_finish",
+                          {6: self._uniform(total=nb * L), 8: b["dxbc"][0], 9: pbc, 10: part, 11: b["ddt"][0]},
+                          nb * L, self.shape)
+        if dA_log is not None:
+            reduce(self.rec, dA_log, part, J=self.H, R=self.npass * nb, stride=Di, P=self.P, acc=True, offset=o_pa)
+        if dD is not None:
+            reduce(self.rec, dD, part, J=self.H, R=nb, stride=Di, P=self.P, acc=True, offset=o_pd)
+
+
 def _views(parts, b0, nb, L, per: dict) -> dict:
     """The tensors of sequences b0 .. b0+nb (whole when there is one part)."""
     if len(parts) == 1:
@@ -233,10 +327,14 @@ def ssd_forward(rec: Recorder, y: Tensor, states: Tensor, xbc: Tensor, dt: Tenso
     assert y.numel == B * L * Di and xbc.numel == B * L * C and dt.numel == B * L * H and states.numel == B * S
     if B * L == 0:
         return
-    parts = _sequences(rt, B, L, H, P, N, G)
+    lanes = takes_lanes(rt, L, H, P, N, G)
+    parts = _sequences(rt, B, L, H, P, N, G, lanes=lanes)
     for b0, nb in parts:
         v = _views(parts, b0, nb, L, {"y": (y, L * Di), "states": (states, S), "xbc": (xbc, L * C),
                                       "dt": (dt, L * H)})
+        if lanes:
+            _Lanes(rec, nb, L, H, P, N, G, {**v, "A": A_log, "D": D}).forward()
+            continue
         v["cb"] = rt.scratch("ssd_cb", (nb * NC * G * Q * Q,))
         s = _Scan(rec, nb, L, H, P, N, G, v)
         s.constants(A_log, D)
@@ -258,11 +356,15 @@ def ssd_backward(rec: Recorder, dxbc: Tensor, ddt: Tensor, dA_log: Tensor | None
     S = (NC + 1) * Di * N
     if B * L == 0:
         return
-    parts = _sequences(rt, B, L, H, P, N, G, backward=True)
+    lanes = takes_lanes(rt, L, H, P, N, G)
+    parts = _sequences(rt, B, L, H, P, N, G, backward=True, lanes=lanes)
     for b0, nb in parts:
         v = _views(parts, b0, nb, L, {"dy": (dy, L * Di), "y": (y, L * Di), "states": (states, S),
                                       "xbc": (xbc, L * C), "dt": (dt, L * H), "dxbc": (dxbc, L * C),
                                       "ddt": (ddt, L * H)})
+        if lanes:
+            _Lanes(rec, nb, L, H, P, N, G, {**v, "A": A_log, "D": D}).backward(dA_log, dD)
+            continue
         v["cb"] = rt.scratch("ssd_cb", (nb * NC * G * Q * Q,))
         v["dstates"] = rt.scratch("ssd_dstates", (nb * S,))
         v["part"] = rt.scratch("ssd_part", (nb * L * Di,))
@@ -286,6 +388,14 @@ def ssd_backward(rec: Recorder, dxbc: Tensor, ddt: Tensor, dA_log: Tensor | None
             reduce(rec, dD, s.small, J=H, R=nb * NC, stride=H, P=1, acc=True, offset=s.o_pd)
 
 
+def _gnorm_lanes(rt, Di: int, G: int, W: int, bs, skip=()) -> bool:
+    """Whether the gated norm takes its 8-lane kernels (shaders/ssd_lanes.wgsl): CPU adapters
+    with 8-lane subgroups, rows and groups of whole vec4s (`bs`: the bound tensors; those in
+    `skip` are read as scalars)."""
+    return (Di % 4 == 0 and W % 4 == 0 and (Di // G) % 4 == 0 and rt.kernels.ssd_lanes and cpu_lanes(rt)
+            and all(o % 4 == 0 for k, (_, o) in enumerate(bs) if k not in skip))
+
+
 def gnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, y: Tensor, zxbcdt: Tensor, weight: Tensor,
                   eps: float, *, M: int, Di: int, G: int, W: int) -> None:
     """out[M, Di] = weight * rmsnorm_per_group(y * silu(zxbcdt[:, :Di])) (WRITE); rstd [M, G] WRITE."""
@@ -294,7 +404,11 @@ def gnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, y: Tensor, zxbcdt: T
         bs = [bound(rt, t) for t in (rows(out, r0, n, Di), rows(rstd, r0, n, G), rows(y, r0, n, Di),
                                      rows(zxbcdt, r0, n, W), weight)]
         u = rt.uniform(_u(G=G, Di=Di, W=W, nrows=n, offs=[o for _, o in bs], eps=eps))
-        rec.dispatch("ssd", "gnorm_forward", {**{k: t for k, (t, _) in enumerate(bs)}, 5: u}, cdiv(n * G, WG))
+        b = {**{k: t for k, (t, _) in enumerate(bs)}, 5: u}
+        if _gnorm_lanes(rt, Di, G, W, bs, skip=(1,)):
+            rec.dispatch("ssd_lanes", "gnorm_lanes_forward", b, n * G)
+        else:
+            rec.dispatch("ssd", "gnorm_forward", b, cdiv(n * G, WG))
 
 
 def gnorm_backward(rec: Recorder, dy: Tensor, dzxbcdt: Tensor, dweight: Tensor | None, dout: Tensor, y: Tensor,
@@ -307,7 +421,11 @@ def gnorm_backward(rec: Recorder, dy: Tensor, dzxbcdt: Tensor, dweight: Tensor |
         bs = [bound(rt, t) for t in (rows(dout, r0, n, Di), rows(y, r0, n, Di), rows(zxbcdt, r0, n, W), weight,
                                      rows(rstd, r0, n, G), rows(dy, r0, n, Di), rows(dzxbcdt, r0, n, W), part)]
         u = rt.uniform(_u(G=G, Di=Di, W=W, nrows=n, offs=[o for _, o in bs]))
-        rec.dispatch("ssd", "gnorm_backward", {**{k: t for k, (t, _) in enumerate(bs)}, 8: u}, cdiv(n * G, WG))
+        b = {**{k: t for k, (t, _) in enumerate(bs)}, 8: u}
+        if _gnorm_lanes(rt, Di, G, W, bs, skip=(4,)):
+            rec.dispatch("ssd_lanes", "gnorm_lanes_backward", b, n * G)
+        else:
+            rec.dispatch("ssd", "gnorm_backward", b, cdiv(n * G, WG))
         if dweight is not None:
             reduce(rec, dweight, part, J=Di, R=n, stride=Di, P=1, acc=True)
 

@@ -26,6 +26,8 @@ class KernelSettings:
     scan_subgroups: bool = True
     # False: the parallel scan kernels even where the 8-lane scan runs (kernels/scan.py)
     scan_lanes: bool = True
+    # False: Mamba-2's chunked SSD kernels even where its 8-lane scan runs (kernels/ssd.py)
+    ssd_lanes: bool = True
     # None: lanes.row_workgroup decides by the adapter; "cpu" / "gpu" force either choice
     row_workgroup: str | None = None
     # None: 8-invocation rows sum by subgroup shuffles where cpu_lanes; False: through

@@ -114,20 +114,23 @@ class Mamba2(Architecture):
         H, P, N, G, K = cfg.num_heads, cfg.head_dim, cfg.state_size, cfg.n_groups, cfg.conv_kernel
         Di, C = cfg.intermediate_size, cfg.conv_dim
         grad = kind != "eval"
-        total = 2 * _buf(16)   # the scan's stand-ins for bindings a product does not read
+        lanes = ssd.plan_lanes(lim, L, H, P, N, G)   # the 8-lane scan: no chunked-form scratch
+        total = 0 if lanes else 2 * _buf(16)   # the scan's stand-ins for bindings a product does not read
         try:
             seqs = split(lim, B, lambda nb: ssd.sequence_windows(nb, L, H, P, N, G),
-                         scratch=lambda nb: ssd.sequence_scratch(nb, L, H, P, N, G, grad))
+                         scratch=lambda nb: ssd.sequence_scratch(nb, L, H, P, N, G, grad, lanes))
         except BindingError:
             seqs = [(0, 1)]
         for nb in sorted({nb for _, nb in seqs}):
-            total += sum(_buf(b) for b in ssd.sequence_scratch(nb, L, H, P, N, G, grad))
+            total += sum(_buf(b) for b in ssd.sequence_scratch(nb, L, H, P, N, G, grad, lanes))
         if not grad:
             return total
         total += _buf(4 * B * L * Di)  # the gated norm's weight-gradient terms
         blocks = set()   # the column sums' block sums (dt_bias, the gated norm, A_log and D)
-        for J, R in [(H, B * L), (Di, B * L)] + [(H, nb * ssd.n_chunks(L)) for _, nb in seqs]:
-            blocks |= ssd.reduce_scratch(J, R, 1, lim.max_binding)
+        scan_sums = ([(H, ssd.lane_passes(N) * nb, P) for _, nb in seqs] + [(H, nb, P) for _, nb in seqs] if lanes
+                     else [(H, nb * ssd.n_chunks(L), 1) for _, nb in seqs])
+        for J, R, Pq in [(H, B * L, 1), (Di, B * L, 1)] + scan_sums:
+            blocks |= ssd.reduce_scratch(J, R, Pq, lim.max_binding)
         total += sum(_buf(4 * n) for n in blocks)
         if kind == "train":
             nch = conv1d.partial_rows(B, L)
