@@ -158,6 +158,15 @@ class Architecture:
     def check_kernel_limits(self, cfg, source: str | None = None) -> None:
         """Refuse a shape the GPU kernels cannot run, before any upload."""
 
+    # -- the shell's multipliers (Granite's; 1 for the others)
+    def embedding_scale(self, cfg) -> float:
+        """h[0] = embedding_scale * embeddings[ids]."""
+        return 1.0
+
+    def logits_scale(self, cfg) -> float:
+        """logits = logits_scale * lm_head(norm_f(h)) (Granite: 1 / logits_scaling)."""
+        return 1.0
+
     # -- training
     def wsla_names(self, cfg, names: list) -> list:
         """The tensors `adapt` (WSLA) trains, among `names`."""

@@ -29,6 +29,7 @@ from memengine.engine import models
 from memengine.engine.errors import MemengineError
 from memengine.engine.kernels.cross_entropy import cross_entropy
 from memengine.engine.kernels.embedding import EmbeddingBackward, embedding_forward
+from memengine.engine.kernels.lora import scale_
 from memengine.engine.kernels.matmul import cast_f16, linear_backward, linear_forward
 from memengine.engine.kernels.reduce import sum_into
 from memengine.engine.kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
@@ -186,6 +187,7 @@ class LanguageModel:
         self.names = list(self.shapes)
         self.gpu_shapes = {n: arch.gpu_shape(n, s) for n, s in self.shapes.items()}
         self.block = arch.block(config)
+        self.emb_scale, self.logit_scale = float(arch.embedding_scale(config)), float(arch.logits_scale(config))
         self.P = FlatStore(rt, self.gpu_shapes, "params")
         self.params = self.structured(self.P.views)
         self._G: FlatStore | None = None
@@ -343,12 +345,16 @@ class LanguageModel:
         c, p = self.cfg, self.params
         self.half.cast_weights(rec)
         embedding_forward(rec, ws.h[0], ws.ids, p.embeddings)
+        if self.emb_scale != 1.0:
+            scale_(rec, ws.h[0], self.emb_scale)
         for i in range(c.num_hidden_layers):
             self.block.forward(rec, self, ws, i, train=train)
             if after_layer is not None:
                 after_layer(rec, i)
             rec.boundary()  # a submission per layer while steps are slow (an interrupt acts within one)
         rmsnorm_forward(rec, ws.hf, ws.rstd_f, ws.h[-1], p.norm_f, c.layer_norm_epsilon)
+        if self.logit_scale != 1.0:   # logits = s * lm_head(hf): hf scaled (and its gradient below)
+            scale_(rec, ws.hf, self.logit_scale)
         self.half.act(rec, ws, "hf16", None, ws.hf)
 
     def head(self) -> Tensor:
@@ -400,11 +406,15 @@ class LanguageModel:
             return views[name]
 
         rec.clear(ws.dh)
+        if self.logit_scale != 1.0:
+            scale_(rec, ws.dhf, self.logit_scale)
         rmsnorm_backward(rec, ws.dh, grad(a.FINAL_NORM), ws.dhf, ws.h[-1], p.norm_f, ws.rstd_f)
         for i in reversed(range(c.num_hidden_layers)):
             self.block.backward(rec, self, ws, i, grad)
             rec.boundary()
         if a.EMBEDDINGS in trainable:
+            if self.emb_scale != 1.0:
+                scale_(rec, ws.dh, self.emb_scale)
             ws.emb_back.record(rec, self.grads.embeddings, ws.dh)
 
     # ------------------------------------------------------------------ conveniences

@@ -1,0 +1,297 @@
+"""The Mamba-2 + attention hybrids (engine/models/hybrid) against transformers'
+GraniteMoeHybridForCausalLM (dense: num_local_experts 0) and BambaForCausalLM (their PyTorch
+paths, eager attention) in float64: logits, loss, every gradient by name and AdamW steps
+against torch.optim.AdamW, on odd shapes: attention at irregular layer indices, GQA ratios of
+1, 3 and 2, partial RoPE (Bamba), full RoPE and no positional encoding (Granite), Granite's
+four multipliers away from 1, tied and untied heads, biases on and off."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from memengine.engine import models  # noqa: E402
+from memengine.engine.app.options import TrainOptions  # noqa: E402
+from memengine.engine.errors import MemengineError  # noqa: E402
+from memengine.engine.models.hybrid.config import HybridConfig  # noqa: E402
+from memengine.engine.models.lm import LanguageModel  # noqa: E402
+from memengine.engine.train.loop import fit  # noqa: E402
+
+GRANITE_BASE = dict(model_type="granitemoehybrid", num_local_experts=0, hidden_act="silu", mamba_d_conv=3,
+                    mamba_chunk_size=4, attention_dropout=0.0, initializer_range=0.1)
+BAMBA_BASE = dict(model_type="bamba", hidden_act="silu", mamba_d_conv=4, mamba_chunk_size=5, initializer_range=0.1)
+
+# (name, config kwargs, batch, seq_len); Di = mamba_expand * hidden_size = mamba_n_heads * mamba_d_head
+CASES = [
+    ("granite-rope-gqa3-tied-multipliers", dict(
+        GRANITE_BASE, vocab_size=67, hidden_size=24, num_hidden_layers=5, num_attention_heads=6, num_key_value_heads=2,
+        layer_types=["attention", "mamba", "mamba", "attention", "mamba"], position_embedding_type="rope",
+        rope_parameters={"rope_type": "default", "rope_theta": 300.0}, shared_intermediate_size=20,
+        embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=2.5,
+        mamba_n_heads=4, mamba_d_head=12, mamba_n_groups=2, mamba_d_state=5, mamba_expand=2,
+        tie_word_embeddings=True), 2, 11),
+    ("granite-nope-mha-untied-bias", dict(
+        GRANITE_BASE, vocab_size=53, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba"], position_embedding_type=None, shared_intermediate_size=12,
+        embedding_multiplier=0.5, residual_multiplier=1.3, attention_multiplier=0.2, logits_scaling=0.7,
+        attention_bias=True, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=6, mamba_expand=2,
+        mamba_proj_bias=True, tie_word_embeddings=False), 1, 13),
+    ("bamba-partial-rope-gqa3-untied", dict(
+        BAMBA_BASE, vocab_size=71, hidden_size=24, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1,
+        attn_layer_indices=[2], intermediate_size=28, mlp_bias=True, rope_parameters={"rope_type": "default",
+                                                                                      "rope_theta": 500.0},
+        mamba_n_heads=6, mamba_d_head=8, mamba_n_groups=3, mamba_d_state=4, mamba_expand=2,
+        tie_word_embeddings=False), 2, 9),
+    ("bamba-gqa2-tied-two-attention", dict(
+        BAMBA_BASE, vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        attn_layer_indices=[0, 3], intermediate_size=24, attention_bias=True, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0},
+        mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=7, mamba_expand=1,
+        mamba_conv_bias=False, tie_word_embeddings=True), 1, 17),
+]
+
+
+@contextlib.contextmanager
+def float64_oracle():
+    """transformers' hybrids cast to float32 on the way (the chunked scan's inputs, A_log, the
+    RMS norms, the attention softmax): within this context a float64 tensor stays float64 there,
+    so the oracle is float64 throughout (else it rounds A_log's and dt_bias's gradients to
+    about 1e-3 and hides errors of that size)."""
+    f, to, sm = torch.Tensor.float, torch.Tensor.to, torch.nn.functional.softmax
+
+    def keep_float(self, *a, **k):
+        return self if self.dtype == torch.float64 else f(self, *a, **k)
+
+    def keep_to(self, *a, **k):
+        if self.dtype == torch.float64 and ((a and a[0] is torch.float32) or k.get("dtype") is torch.float32):
+            a = tuple(torch.float64 if x is torch.float32 else x for x in a)
+            k = {n: (torch.float64 if v is torch.float32 else v) for n, v in k.items()}
+        return to(self, *a, **k)
+
+    def keep_softmax(x, *a, dtype=None, **k):
+        return sm(x, *a, dtype=torch.float64 if x.dtype == torch.float64 else dtype, **k)
+
+    torch.Tensor.float, torch.Tensor.to, torch.nn.functional.softmax = keep_float, keep_to, keep_softmax
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to, torch.nn.functional.softmax = f, to, sm
+
+
+def hf_class(kw):
+    return (transformers.GraniteMoeHybridForCausalLM if kw["model_type"] == "granitemoehybrid"
+            else transformers.BambaForCausalLM)
+
+
+def hf_config(kw):
+    kw = dict(kw)
+    cls = transformers.GraniteMoeHybridConfig if kw.pop("model_type") == "granitemoehybrid" else transformers.BambaConfig
+    return cls(**kw)
+
+
+def hf_model(kw, seed=0):
+    torch.manual_seed(seed)
+    cfg = hf_config(kw)
+    cfg._attn_implementation = "eager"
+    m = hf_class(kw)(cfg).double().eval()
+    with torch.no_grad():   # less symmetric than the default init (D = 1, A_log = log h, norms 1, biases 0)
+        for name, p in m.named_parameters():
+            if name.endswith(".D") or "norm" in name or name.endswith("A_log"):
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("dt_bias"):   # dt in [0.05, 0.5] (the hybrids' init
+                # puts dt_bias at 1: states that forget within a step, A_log's gradient a tiny difference)
+                dt = torch.exp(torch.rand_like(p) * (np.log(0.5) - np.log(0.05)) + np.log(0.05))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if name.endswith("bias"):
+                p.add_(0.05 * torch.randn_like(p))
+            if ".self_attn." in name:
+                p.mul_(2.0)   # attention far from uniform
+    return m
+
+
+def tensors_of(m) -> dict:
+    sd = {k: v.detach().to(torch.float32).numpy().copy() for k, v in m.state_dict().items()}
+    if m.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def our_config(m, kw):
+    return models.config_from_dict(dict(m.config.to_dict(), model_type=kw["model_type"]), "cfg")
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def batch(V, B, L, seed=1):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, V, size=(B, L)).astype(np.int32)
+    targets = rng.integers(0, V, size=(B, L)).astype(np.int32)
+    if B * L > 2:
+        targets[0, -1] = -1
+    return ids, targets
+
+
+@pytest.mark.parametrize("name,kw,B,L", CASES, ids=[c[0] for c in CASES])
+def test_the_tensor_table_is_transformers(name, kw, B, L):
+    m = hf_model(kw)
+    cfg = our_config(m, kw)
+    arch = models.of(cfg)
+    ours = list(arch.iter_shapes(cfg))
+    theirs = [(k, tuple(v.shape)) for k, v in m.state_dict().items()
+              if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    assert ours == theirs
+    assert arch.n_params(cfg) == sum(p.numel() for p in m.parameters())
+    # what we write back, transformers reads as the same model
+    back = hf_config(dict(cfg.to_hf_dict()))
+    assert back.layers_block_type == m.config.layers_block_type
+    assert back.num_key_value_heads == m.config.num_key_value_heads
+
+
+@pytest.mark.parametrize("name,kw,B,L", CASES, ids=[c[0] for c in CASES])
+def test_logits_loss_grads_match_transformers(rt, name, kw, B, L):
+    m = hf_model(kw)
+    cfg = our_config(m, kw)
+    V = kw["vocab_size"]
+    ids, targets = batch(V, B, L)
+    with float64_oracle():
+        logits_ref = m(input_ids=torch.tensor(ids, dtype=torch.long)).logits
+        loss_ref = torch.nn.functional.cross_entropy(logits_ref.reshape(-1, V), torch.tensor(targets, dtype=torch.long)
+                                                     .reshape(-1), ignore_index=-1)
+        loss_ref.backward()
+    grads_ref = {n: p.grad.numpy() for n, p in m.named_parameters()}
+    ours = LanguageModel(rt, cfg, tensors_of(m))
+    logits = ours.logits(ids)
+    loss = ours.loss_and_grads(ids, targets)
+    grads = ours.grad_dict()
+    e_logits = rel(logits, logits_ref.detach().numpy())
+    e_loss = abs(loss - loss_ref.item()) / abs(loss_ref.item())
+    print(f"\n[{name}] logits max rel err {e_logits:.2e}; loss {loss:.6f} vs {loss_ref.item():.6f} (rel {e_loss:.2e})")
+    assert e_logits < 1e-4 and e_loss < 1e-4
+    assert set(grads_ref) == set(grads), sorted(set(grads_ref) ^ set(grads))
+    worst = 0.0
+    largest = max(np.abs(g).max() for g in grads_ref.values())
+    for n, g_ref in grads_ref.items():
+        if n.endswith("k_proj.bias"):   # 0 in exact arithmetic (a constant added to a row's scores): both round
+            e = float(np.abs(grads[n] - g_ref).max() / largest)
+        else:
+            e = rel(grads[n], g_ref)
+        worst = max(worst, e)
+        print(f"  d{n:50s} max rel err {e:.2e}")
+        assert e < 1e-3, n
+    print(f"[{name}] largest gradient rel err {worst:.2e}")
+
+
+def test_the_oracle_can_fail(rt):
+    """The same weights with one multiplier read wrongly, or one attention layer's kv heads
+    paired with the wrong query heads, miss transformers: the comparisons above have teeth."""
+    name, kw, B, L = CASES[0]
+    m = hf_model(kw)
+    ids, _ = batch(kw["vocab_size"], B, L)
+    with float64_oracle():
+        ref = m(input_ids=torch.tensor(ids, dtype=torch.long)).logits.detach().numpy()
+    for change in (dict(residual_multiplier=0.41), dict(attention_multiplier=0.31), dict(embedding_multiplier=3.1)):
+        cfg = models.config_from_dict(dict(m.config.to_dict(), model_type=kw["model_type"], **change), "cfg")
+        assert rel(LanguageModel(rt, cfg, tensors_of(m)).logits(ids), ref) > 1e-4, change
+    t = tensors_of(m)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    t[k] = np.concatenate([t[k][4:], t[k][:4]])   # the two kv heads swapped
+    assert rel(LanguageModel(rt, our_config(m, kw), t).logits(ids), ref) > 1e-4
+
+
+@pytest.mark.parametrize("case", [0, 2], ids=["granite", "bamba"])
+def test_adamw_steps_match_torch(rt, case):
+    """Two training steps (clip + AdamW + weight decay) through the engine's loop against
+    transformers + torch.optim.AdamW.  eps 1e-6 in both: AdamW's first step moves an element
+    by lr * g / (|g| + eps), so a gradient near eps (some here are 1e-8, at f32's noise level
+    against the largest) would move by a different fraction of lr in each."""
+    name, kw, B, L = CASES[case]
+    hf = hf_model(kw, seed=4)
+    cfg = our_config(hf, kw)
+    tensors = tensors_of(hf)
+    V = kw["vocab_size"]
+    ids, tg = batch(V, 2, 10, seed=3)
+    tg[0, -1] = 5
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    norms = []
+    for _ in range(2):
+        opt.zero_grad()
+        with float64_oracle():
+            logits = hf(input_ids=torch.tensor(ids, dtype=torch.long)).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), torch.tensor(tg, dtype=torch.long)
+                                                     .reshape(-1))
+            loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(hf.parameters(), 0.5)))
+        opt.step()
+    model = LanguageModel(rt, cfg, tensors)
+    loop = fit(model, [(ids[0], tg[0]), (ids[1], tg[1])],
+               TrainOptions(epochs=2, lr=1e-2, batch_size=2, seq_len=10, max_grad_norm=0.5, eps=1e-6, shuffle=False))
+    ours = model.state_dict()
+    hist = [e for e in loop.state.history if e["event"] == "epoch"]
+    assert norms[0] > 0.5
+    np.testing.assert_allclose([h["grad_norm"] for h in hist], norms, rtol=1e-4)
+    sd = dict(hf.named_parameters())
+    worst = 0.0
+    for n in ours:
+        err = rel(ours[n], sd[n].detach().numpy())
+        worst = max(worst, err)
+        assert err < 1e-4, n
+    print(f"\n[adamw/{name}] weights after 2 steps: largest rel err {worst:.2e}")
+
+
+def test_refusals_are_one_line():
+    base = dict(CASES[0][1])
+    for bad, word in ((dict(num_local_experts=4, num_experts_per_tok=2), "num_local_experts"),
+                      (dict(num_key_value_heads=4), "num_key_value_heads"),
+                      (dict(layer_types=["mamba", "attention"]), "layer_types"),
+                      (dict(layer_types=["mamba", "cross", "mamba", "mamba", "mamba"]), "layer_types"),
+                      (dict(position_embedding_type="alibi"), "position_embedding_type"),
+                      (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), "rope_type"),
+                      (dict(mamba_d_head=5), "mamba_d_head"), (dict(mamba_n_groups=3), "mamba_n_groups"),
+                      (dict(attention_dropout=0.1), "attention_dropout"), (dict(hidden_act="gelu"), "hidden_act")):
+        with pytest.raises(MemengineError) as e:
+            HybridConfig.from_dict({**base, **bad}, "cfg.json")
+        assert word in str(e.value) and "\n" not in str(e.value) and "cfg.json" in str(e.value), str(e.value)
+    with pytest.raises(MemengineError) as e:
+        HybridConfig.from_dict({**dict(CASES[2][1]), "z_loss_coefficient": 0.1}, "cfg.json")
+    assert "z_loss_coefficient" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_adapt_trains_only_the_mamba_selection(rt):
+    """WSLA on a hybrid: the Mamba layers' in_proj rows of B, C and dt and dt_bias move;
+    attention, MLP, norms, embeddings and the z / x rows stay bit-identical."""
+    name, kw, B, L = CASES[0]
+    m = hf_model(kw, seed=5)
+    cfg = our_config(m, kw)
+    before = tensors_of(m)
+    model = LanguageModel(rt, cfg, before)
+    arch = models.of(cfg)
+    names = model.trainable_names(wsla=True)
+    assert names == [n for n in model.names if ".mamba." in n and n.endswith(("in_proj.weight", "dt_bias"))]
+    assert len(names) == 2 * (cfg.num_hidden_layers - len(cfg.attention_layers))
+    ids, tg = batch(kw["vocab_size"], 2, 10, seed=3)
+    from memengine.engine.app.options import AdaptOptions
+
+    fit(model, [(ids[0], tg[0]), (ids[1], tg[1])],
+        AdaptOptions(epochs=2, lr=1e-2, batch_size=2, seq_len=10, weight_decay=0.1, shuffle=False))
+    after = model.state_dict()
+    Di = cfg.mamba.intermediate_size
+    for n, w in before.items():
+        if n in names and n.endswith("in_proj.weight"):
+            np.testing.assert_array_equal(after[n][:2 * Di], w[:2 * Di])
+            assert not np.array_equal(after[n][2 * Di:], w[2 * Di:]), n
+        elif n in names:
+            assert not np.array_equal(after[n], w), n
+        else:
+            np.testing.assert_array_equal(after[n], w, err_msg=n)
+    assert arch.wsla_scope
