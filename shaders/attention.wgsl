@@ -261,3 +261,126 @@ fn ld_bq(i: u32) -> vec4<f32> { return vec4<f32>(bq[i], bq[i + 1u], bq[i + 2u], 
 fn ld_bk(i: u32) -> vec4<f32> { return vec4<f32>(bk[i], bk[i + 1u], bk[i + 2u], bk[i + 3u]); }
 fn ld_bv(i: u32) -> vec4<f32> { return vec4<f32>(bv[i], bv[i + 1u], bv[i + 2u], bv[i + 3u]); }
 fn ld_bdo(i: u32) -> vec4<f32> { return vec4<f32>(bdo[i], bdo[i + 1u], bdo[i + 2u], bdo[i + 3u]); }
+
+// ---------------------------------------------------------------- decoding (batch 1)
+// The KV cache of a layer: kc, vc [cap, Hkv*D]; pos[0] = the position of the step's token (the
+// number of tokens before it).  A step appends its k, v at row pos, then attends over rows
+// 0..pos in segments of SEG keys (one invocation per (head, segment): partial max, sum and
+// unnormalised output into `part` [Hq, nseg, D + 2]), and combines the segments per head.
+struct DP { Hq: u32, Hkv: u32, D4: u32, REP: u32, cap: u32, seg: u32, nseg: u32, ldk: u32,
+            scale: f32, p0: u32, p1: u32, p2: u32 }
+
+@group(0) @binding(0) var<storage, read> ak: array<f32>;
+@group(0) @binding(1) var<storage, read> av: array<f32>;
+@group(0) @binding(2) var<storage, read_write> akc: array<f32>;
+@group(0) @binding(3) var<storage, read_write> avc: array<f32>;
+@group(0) @binding(4) var<storage, read> apos: array<u32>;
+@group(0) @binding(5) var<uniform> AU: DP;
+
+@compute @workgroup_size(256)
+fn attention_decode_append(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                           @builtin(local_invocation_index) lid: u32) {
+    let u = AU;
+    let i = lin(wid, nwg, lid);
+    let p = apos[0];
+    if (i >= u.ldk || p >= u.cap) { return; }
+    akc[p * u.ldk + i] = ak[i];
+    avc[p * u.ldk + i] = av[i];
+}
+
+@group(0) @binding(0) var<storage, read> pq: array<f32>;
+@group(0) @binding(1) var<storage, read> pkc: array<f32>;
+@group(0) @binding(2) var<storage, read> pvc: array<f32>;
+@group(0) @binding(3) var<storage, read> ppos: array<u32>;
+@group(0) @binding(4) var<storage, read_write> ppart: array<f32>;
+@group(0) @binding(5) var<uniform> PU: DP;
+
+@compute @workgroup_size(256)
+fn attention_decode_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                            @builtin(local_invocation_index) lid: u32) {
+    let u = PU;
+    let i = lin(wid, nwg, lid);
+    if (i >= u.Hq * u.nseg) { return; }
+    let h = i / u.nseg;
+    let sg = i % u.nseg;
+    let g = h / u.REP;
+    let last = min(ppos[0], u.cap - 1u);
+    let j0 = sg * u.seg;
+    let j1 = min(j0 + u.seg, last + 1u);
+    let base = (h * u.nseg + sg) * (u.D4 * 4u + 2u);
+    var q: array<vec4<f32>, MAXD4>;
+    var o: array<vec4<f32>, MAXD4>;
+    for (var d = 0u; d < u.D4; d++) {
+        q[d] = ld_pq(h * u.D4 * 4u + 4u * d) * u.scale;
+        o[d] = vec4<f32>(0.0);
+    }
+    var m = -3.0e38;
+    var l = 0.0;
+    for (var j = j0; j < j1; j++) {
+        let kb = j * u.ldk + g * u.D4 * 4u;
+        var acc = vec4<f32>(0.0);
+        for (var d = 0u; d < u.D4; d++) {
+            acc += q[d] * ld_pkc(kb + 4u * d);
+        }
+        let s = acc.x + acc.y + acc.z + acc.w;
+        let mn = max(m, s);
+        let c = exp(m - mn);
+        let p = exp(s - mn);
+        l = l * c + p;
+        m = mn;
+        for (var d = 0u; d < u.D4; d++) {
+            o[d] = o[d] * c + p * ld_pvc(kb + 4u * d);
+        }
+    }
+    for (var d = 0u; d < u.D4; d++) {
+        let e = base + 4u * d;
+        ppart[e] = o[d].x; ppart[e + 1u] = o[d].y; ppart[e + 2u] = o[d].z; ppart[e + 3u] = o[d].w;
+    }
+    ppart[base + u.D4 * 4u] = m;
+    ppart[base + u.D4 * 4u + 1u] = l;
+}
+
+@group(0) @binding(0) var<storage, read> cpart: array<f32>;
+@group(0) @binding(1) var<storage, read_write> cout: array<f32>;
+@group(0) @binding(2) var<uniform> CU: DP;
+
+// out[h*D + d] = sum_s exp(m_s - M) o_s[d] / sum_s exp(m_s - M) l_s   (empty segments: l_s = 0)
+@compute @workgroup_size(256)
+fn attention_decode_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                            @builtin(local_invocation_index) lid: u32) {
+    let u = CU;
+    let i = lin(wid, nwg, lid);
+    let D = u.D4 * 4u;
+    if (i >= u.Hq * D) { return; }
+    let h = i / D;
+    let d = i % D;
+    var mx = -3.0e38;
+    for (var s = 0u; s < u.nseg; s++) {
+        let b = (h * u.nseg + s) * (D + 2u);
+        if (cpart[b + D + 1u] > 0.0) { mx = max(mx, cpart[b + D]); }
+    }
+    var num = 0.0;
+    var den = 0.0;
+    for (var s = 0u; s < u.nseg; s++) {
+        let b = (h * u.nseg + s) * (D + 2u);
+        let l = cpart[b + D + 1u];
+        if (l > 0.0) {
+            let w = exp(cpart[b + D] - mx);
+            num += w * cpart[b + d];
+            den += w * l;
+        }
+    }
+    cout[i] = num / den;
+}
+
+@group(0) @binding(0) var<storage, read_write> vpos: array<u32>;
+
+// the next step's position
+@compute @workgroup_size(1)
+fn attention_decode_advance() {
+    vpos[0] = vpos[0] + 1u;
+}
+
+fn ld_pq(i: u32) -> vec4<f32> { return vec4<f32>(pq[i], pq[i + 1u], pq[i + 2u], pq[i + 3u]); }
+fn ld_pkc(i: u32) -> vec4<f32> { return vec4<f32>(pkc[i], pkc[i + 1u], pkc[i + 2u], pkc[i + 3u]); }
+fn ld_pvc(i: u32) -> vec4<f32> { return vec4<f32>(pvc[i], pvc[i + 1u], pvc[i + 2u], pvc[i + 3u]); }

@@ -40,3 +40,24 @@ fn rope_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
                  @builtin(local_invocation_index) lid: u32) {
     rope_apply(lin(wid, nwg, lid), -1.0);
 }
+
+// One decode step's q or k (rows = 1) at the position the decoder keeps on the GPU (rpos[0]).
+@group(0) @binding(3) var<storage, read> rpos: array<u32>;
+
+@compute @workgroup_size(256)
+fn rope_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let u = RU;
+    let i = lin(wid, nwg, lid);
+    if (i >= u.nh * u.hr) { return; }
+    let p = i % u.hr;
+    let h = i / u.hr;
+    let t = rpos[0];
+    let c = rcs[t * 2u * u.hr + p];
+    let s = rcs[t * 2u * u.hr + u.hr + p];
+    let a = u.ox + h * u.D + p;
+    let x1 = rx[a];
+    let x2 = rx[a + u.hr];
+    rx[a] = x1 * c - x2 * s;
+    rx[a + u.hr] = x2 * c + x1 * s;
+}

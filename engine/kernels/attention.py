@@ -92,3 +92,38 @@ def attention_backward(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, delta:
         u = rt.uniform(_u(B, L, Hq, Hkv, D, s0, s1, s1 == L, M, (oq, ok, ov, odk, om, odv, odo, oe), scale))
         rec.dispatch("attention", "attention_backward_dkv",
                      {0: bq, 1: bk, 2: bv, 3: bdo, 4: bm, 5: be, 6: bdk, 7: bdv, 8: u}, cdiv(B * Hkv * s1, WG))
+
+
+# ---------------------------------------------------------------- decoding (batch 1)
+DECODE_SEGMENT = 128    # keys one invocation of a decode step walks
+
+
+def decode_segments(cap: int) -> int:
+    return cdiv(cap, DECODE_SEGMENT)
+
+
+def decode_part_elems(Hq: int, D: int, cap: int) -> int:
+    """The scratch a decode step's segments write: [Hq, nseg, D + 2]."""
+    return Hq * decode_segments(cap) * (D + 2)
+
+
+def attention_decode(rec: Recorder, out: Tensor, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor,
+                     pos: Tensor, part: Tensor, *, Hq: int, Hkv: int, D: int, cap: int, scale: float) -> None:
+    """One token at position pos[0] (a u32 on the GPU): append k, v [Hkv*D] to the cache rows
+    pos of kc, vc [cap, Hkv*D], then out [Hq*D] = softmax(scale q.k_j, j <= pos) . v_j."""
+    rt = rec.rt
+    nseg = decode_segments(cap)
+    u = rt.uniform(struct.pack("<8If3I", Hq, Hkv, D // 4, Hq // Hkv, cap, DECODE_SEGMENT, nseg, Hkv * D,
+                               float(scale), 0, 0, 0))
+    for t in (out, q, k, v, kc, vc, part):
+        assert t.offset % rt.storage_align == 0, "the decode step binds whole tensors"
+    rec.dispatch("attention", "attention_decode_append", {0: k, 1: v, 2: kc, 3: vc, 4: pos, 5: u},
+                 cdiv(Hkv * D, WG))
+    rec.dispatch("attention", "attention_decode_partial", {0: q, 1: kc, 2: vc, 3: pos, 4: part, 5: u},
+                 cdiv(Hq * nseg, WG))
+    rec.dispatch("attention", "attention_decode_combine", {0: part, 1: out, 2: u}, cdiv(Hq * D, WG))
+
+
+def decode_advance(rec: Recorder, pos: Tensor) -> None:
+    """pos[0] += 1 (after a step)."""
+    rec.dispatch("attention", "attention_decode_advance", {0: pos}, 1)

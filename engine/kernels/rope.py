@@ -53,3 +53,10 @@ def rope_backward(rec: Recorder, dx: Tensor, table: Tensor, *, rows: int, L: int
                   ld: int) -> None:
     """The gradient of rope_forward's input from its output's, in place."""
     _rope(rec, "rope_backward", dx, table, rows=rows, L=L, heads=heads, D=D, R=R, ld=ld)
+
+
+def rope_step(rec: Recorder, x: Tensor, table: Tensor, pos: Tensor, *, heads: int, D: int, R: int) -> None:
+    """One decode step's x [heads*D] rotated in place at the position pos[0] (a u32 on the GPU)."""
+    bx, ox = bound(rec.rt, x)
+    u = rec.rt.uniform(struct.pack("<8I", 1, 1, heads, D, R // 2, heads * D, ox, 0))
+    rec.dispatch("rope", "rope_step", {0: bx, 1: table, 2: u, 3: pos}, cdiv(heads * (R // 2), WG))

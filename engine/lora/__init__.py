@@ -423,6 +423,9 @@ def for_run(o, adapter: Optional[Adapter], cfg, base_name: str) -> Optional[RunL
         return RunLora(src.spec, src.tensors, False, src) if src is not None else None
     if src is None and o.lora_rank is None:
         return None
+    if not models.of(cfg).lora_targets:
+        raise MemengineError(f"--lora-rank: LoRA adapters are not yet supported for {cfg.model_type} models "
+                             "(train all weights, or adapt)")
     if src is not None:
         spec = LoraSpec(**{**src.spec.__dict__})
         targets = parse_targets(o.lora_targets, models.of(cfg)) if o.lora_targets is not None else None

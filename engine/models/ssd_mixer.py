@@ -167,6 +167,9 @@ class Mamba2Block(Block):
         st.zx, st.xbc, st.dt = e((W,), name="dec.zx"), e((C,), name="dec.xbc"), e((H,), name="dec.dt")
         st.y, st.yn, st.grstd = e((Di,), name="dec.y"), e((Di,), name="dec.yn"), e((G,), name="dec.grstd")
         made = [st.un, st.rstd, st.zx, st.xbc, st.dt, st.y, st.yn, st.grstd]
+        if self.scale != 1.0:
+            st.r = rt.upload(np.array([self.scale, 0, 0, 0], np.float32), name="dec.r")
+            made.append(st.r)
         nl = self.cfg.num_hidden_layers
         st.conv = [e((max(K - 1, 1), C), name=f"dec.conv{i}") for i in range(nl)]
         st.ssm = [e((H, P, N), name=f"dec.ssm{i}") for i in range(nl)]
@@ -194,4 +197,7 @@ class Mamba2Block(Block):
                           M=1, Di=Di, G=G, W=W)
         if self.scale != 1.0:
             scale_(rec, st.yn, self.scale)
-        matvec(rec, h, lp.out_proj_weight, st.yn, lp.out_proj_bias, rows=E, K=Di, acc=True)
+        bias, rbias = scaled_bias(lp.out_proj_bias, self.scale)
+        matvec(rec, h, lp.out_proj_weight, st.yn, bias, rows=E, K=Di, acc=True)
+        if rbias is not None:   # h += r * b: the [1, 1] value r times the [1, E] bias
+            matmul(rec, h, st.r, rbias, M=1, N=E, K=1, acc=True)

@@ -15,17 +15,22 @@ projection): r * W x = W (r x), and the weight's gradient dh^T (r x) is then tra
 
 from __future__ import annotations
 
+import numpy as np
 from memengine.engine.errors import MemengineError
 from memengine.engine.kernels import attention as attn
 from memengine.engine.kernels.lora import scale_
-from memengine.engine.kernels.matmul import linear_backward, linear_forward
+from memengine.engine.kernels.decode import matvec
+from memengine.engine.kernels.matmul import linear_backward, linear_forward, matmul
 from memengine.engine.kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
-from memengine.engine.kernels.rope import rope_backward, rope_forward, rope_table
+from memengine.engine.kernels.rope import rope_backward, rope_forward, rope_step, rope_table
 from memengine.engine.kernels.swiglu import swiglu_backward, swiglu_forward
 from memengine.engine.models.base import Block
 from memengine.engine.models.hybrid.config import ATTENTION
 from memengine.engine.models.hybrid.tensors import BAMBA, GRANITE, LAYER_FIELDS, names
 from memengine.engine.models.ssd_mixer import Mamba2Block, add_scaled_bias, bias_ones, scaled_bias
+
+
+DECODE_CAPACITY = 4096   # positions of the KV cache generate keeps (at most max_position_embeddings)
 
 
 class HybridBlock(Block):
@@ -172,7 +177,87 @@ class HybridBlock(Block):
         rmsnorm_backward(rec, ws.dh, grad(f"{model.arch.LAYER_PREFIX}{i}.input_layernorm.weight"), ws.dun,
                          ws.h[i], lp.norm_weight, ws.rstd[i])
 
-    # -- recurrent decoding
+    # -- recurrent decoding (batch 1): the Mamba layers' states (ssd_mixer), the attention
+    # layers' KV cache of `decode_capacity` positions, the position on the GPU
+    @property
+    def decode_capacity(self) -> int:
+        return min(self.cfg.max_position_embeddings, DECODE_CAPACITY)
+
     def decode_state(self, rt):
-        raise MemengineError(f"generate does not yet run {self.cfg.model_type} models (their attention layers need "
-                             "a KV cache the decoder does not have yet)")
+        c = self.cfg
+        E, I, Hq, Hkv, D = self.E, self.I, self.Hq, self.Hkv, self.D
+        st, made = self.mamba.decode_state(rt)
+        e = rt.empty
+        st.un2, st.rstd2, st.gu, st.act = e((E,), name="dec.un2"), e((1,), name="dec.rstd2"), \
+            e((2 * I,), name="dec.gu"), e((I,), name="dec.act")
+        made += [st.un2, st.rstd2, st.gu, st.act]
+        if c.attention_layers:
+            cap = self.decode_capacity
+            st.q, st.k, st.v, st.att = (e((Hq * D,), name="dec.q"), e((Hkv * D,), name="dec.k"),
+                                        e((Hkv * D,), name="dec.v"), e((Hq * D,), name="dec.att"))
+            st.part = e((attn.decode_part_elems(Hq, D, cap),), name="dec.part")
+            st.pos = rt.zeros((4,), "u32", name="dec.pos")
+            st.kc = {i: e((cap, Hkv * D), name=f"dec.kc{i}") for i in c.attention_layers}
+            st.vc = {i: e((cap, Hkv * D), name=f"dec.vc{i}") for i in c.attention_layers}
+            made += [st.q, st.k, st.v, st.att, st.part, st.pos, *st.kc.values(), *st.vc.values()]
+            if c.rope:
+                st.rope = rt.upload(rope_table(cap, c.rotary_dims, c.rope_theta), name="dec.rope")
+                made.append(st.rope)
+            if self.r != 1.0 and not hasattr(st, "r"):
+                st.r = rt.upload(np.array([self.r, 0, 0, 0], np.float32), name="dec.r")
+                made.append(st.r)
+        return st, made
+
+    def decode_prefill(self, rec, model, st, ws, i: int, L: int) -> None:
+        c = self.cfg
+        if c.layer_kinds[i] != ATTENTION:
+            self.mamba.decode_prefill(rec, model, st, ws, i, L)
+            return
+        cap = self.decode_capacity
+        if L >= cap:
+            raise MemengineError(f"the prompt ({L} tokens) does not fit the attention layers' KV cache "
+                                 f"({cap} positions)")
+        n = L * self.Hkv * self.D
+        rec.copy(ws.k[i].view((n,)), st.kc[i].view((n,)))
+        rec.copy(ws.v[i].view((n,)), st.vc[i].view((n,)))
+        if i == c.attention_layers[0]:
+            rec.rt.write(st.pos, np.array([L, 0, 0, 0], np.uint32))
+
+    def decode_step(self, rec, model, st, i: int, h) -> None:
+        c = self.cfg
+        E, I = self.E, self.I
+        lp = model.params.layers[i]
+        if c.layer_kinds[i] == ATTENTION:
+            self._attention_step(rec, model, st, i, h)
+        else:
+            self.mamba.decode_step(rec, model, st, i, h)
+        rmsnorm_forward(rec, st.un2, st.rstd2, h, lp.norm2_weight, c.rms_norm_eps)
+        if self.granite:
+            matvec(rec, st.gu, lp.gu_weight, st.un2, rows=2 * I, K=E)
+        else:
+            matvec(rec, st.gu.view((I,)), lp.gate_weight, st.un2, lp.gate_bias, rows=I, K=E)
+            matvec(rec, st.gu.view((I,), I), lp.up_weight, st.un2, lp.up_bias, rows=I, K=E)
+        swiglu_forward(rec, st.act, st.gu, rows=1, I=I, r=self.r)
+        matvec(rec, h, lp.down_weight, st.act, None if self.granite else lp.down_bias, rows=E, K=I, acc=True)
+        if c.attention_layers and i == c.num_hidden_layers - 1:
+            attn.decode_advance(rec, st.pos)
+
+    def _attention_step(self, rec, model, st, i: int, h) -> None:
+        c = self.cfg
+        E, Hq, Hkv, D = self.E, self.Hq, self.Hkv, self.D
+        lp = model.params.layers[i]
+        rmsnorm_forward(rec, st.un, st.rstd, h, lp.norm_weight, c.rms_norm_eps)
+        matvec(rec, st.q, lp.q_weight, st.un, lp.q_bias, rows=Hq * D, K=E)
+        matvec(rec, st.k, lp.k_weight, st.un, lp.k_bias, rows=Hkv * D, K=E)
+        matvec(rec, st.v, lp.v_weight, st.un, lp.v_bias, rows=Hkv * D, K=E)
+        if c.rope:
+            rope_step(rec, st.q, st.rope, st.pos, heads=Hq, D=D, R=c.rotary_dims)
+            rope_step(rec, st.k, st.rope, st.pos, heads=Hkv, D=D, R=c.rotary_dims)
+        attn.attention_decode(rec, st.att, st.q, st.k, st.v, st.kc[i], st.vc[i], st.pos, st.part, Hq=Hq, Hkv=Hkv,
+                              D=D, cap=self.decode_capacity, scale=c.attention_scale)
+        if self.r != 1.0:
+            scale_(rec, st.att, self.r)
+        bias, rbias = scaled_bias(lp.o_bias, self.r)
+        matvec(rec, h, lp.o_weight, st.att, bias, rows=E, K=Hq * D, acc=True)
+        if rbias is not None:
+            matmul(rec, h, st.r, rbias, M=1, N=E, K=1, acc=True)
