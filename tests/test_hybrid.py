@@ -472,3 +472,19 @@ def test_cli_refusals_are_one_line(tmp_path):
                     "--max-steps", 1, "--lora-rank", 2), "LoRA adapters are not yet supported for granitemoehybrid")
     _one_error(_cli("train", tmp_path / "m", "--data", tmp_path / "d.txt", "-o", tmp_path / "p", "--seq-len", 8,
                     "--max-steps", 1, "--precision", "mixed"), "mixed")
+
+
+@pytest.mark.parametrize("name", ["granite-4.0-h-350m", "bamba-9b"])
+def test_named_shapes_build_in_transformers(name):
+    """configs/ holds the real checkpoints' shapes (written from their published config.json
+    without a download): each parses, transformers builds the same model from our config.json
+    (on the meta device) and the parameter counts agree with our tensor table, name by name."""
+    cfg = models.load_config(name)
+    arch = models.of(cfg)
+    d = cfg.to_hf_dict()
+    with torch.device("meta"):
+        m = transformers.AutoModelForCausalLM.from_config(hf_config(d))
+    theirs = {k: tuple(v.shape) for k, v in m.state_dict().items()
+              if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+    assert dict(arch.iter_shapes(cfg)) == theirs
+    print(f"\n{name}: {arch.n_params(cfg):,} parameters, attention at {cfg.attention_layers}")

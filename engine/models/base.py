@@ -43,7 +43,8 @@ class Block:
     def workspace_table(self, B: int, L: int, grad: bool, mixed: bool) -> dict:
         """name -> (shape, dtype, per_layer) of the layers' buffers for one (B, L): per-layer
         buffers are kept for every layer when `grad` (else one set, shared), others are one
-        buffer shared by all layers.  `mixed`: the f16 copies the products read."""
+        buffer shared by all layers; per_layer may be a list of layer indices (a hybrid's
+        buffers of one layer kind): then those layers' only, `ws.<name>[i]` None elsewhere.  `mixed`: the f16 copies the products read."""
         raise NotImplementedError
 
     def d16_elems(self, M: int) -> int:

@@ -60,7 +60,8 @@ def workspace_shapes(cfg, B: int, L: int, grad: bool, max_binding: int, mixed: b
     chunk = logits_chunk_rows(max_binding, M, V)
     t = {"ids": ((M,), "i32", 1), "targets": ((M,), "i32", 1), "loss_scale": ((1,), "f32", 1),
          "loss_rows": ((M,), "f32", 1), "h": ((M, E), "f32", nl + 1 if grad else 2)}
-    t.update({name: (shape, dtype, per if per_layer else 1)
+    t.update({name: (shape, dtype, (min(per, len(per_layer)) if isinstance(per_layer, (list, tuple)) else per)
+                     if per_layer else 1)
               for name, (shape, dtype, per_layer) in block.workspace_table(B, L, grad, mixed).items()})
     t.update({"rstd_f": ((M,), "f32", 1), "hf": ((M, E), "f32", 1), "logits": ((chunk, V), "f32", 1)})
     if grad:  # the final norm's and the head's gradients, the embedding's scatter plan
@@ -86,11 +87,14 @@ class Workspace:
         shapes = workspace_shapes(c, B, L, grad, rt.max_binding, self.mixed, model.block)
         made = {name: [rt.empty(shape, dtype, name=f"{name}{i}") for i in range(copies)]
                 for name, (shape, dtype, copies) in shapes.items() if name != "embedding_csr"}
-        per_layer = {n for n, (_, _, per_layer) in model.block.workspace_table(B, L, grad, self.mixed).items()
-                     if per_layer}
+        per_layer = {n: p for n, (_, _, p) in model.block.workspace_table(B, L, grad, self.mixed).items() if p}
         for name, bufs in made.items():
             if name == "h":
                 self.h = [bufs[i % len(bufs)] for i in range(nl + 1)]
+            elif name in per_layer and isinstance(per_layer[name], (list, tuple)):   # those layers' only
+                layers = list(per_layer[name])
+                setattr(self, name, [(bufs[layers.index(i) % len(bufs)] if i in layers else None)
+                                     for i in range(nl)])
             elif name in per_layer:
                 setattr(self, name, [bufs[i % len(bufs)] for i in range(nl)])
             else:

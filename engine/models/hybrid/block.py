@@ -54,15 +54,20 @@ class HybridBlock(Block):
             raise MemengineError(f"--precision mixed is not yet supported for {self.cfg.model_type}")
         E, I, Hq, Hkv, D = self.E, self.I, self.Hq, self.Hkv, self.D
         M = B * L
-        t = dict(self.mamba.workspace_table(B, L, grad, mixed))
+        att = list(self.cfg.attention_layers)
+        mam = [i for i in range(self.cfg.num_hidden_layers) if i not in att]
+        t = {n: (shape, dt, mam if per else False) for n, (shape, dt, per) in
+             self.mamba.workspace_table(B, L, grad, mixed).items()}
+        # the pre-norm's output and rstd serve both kinds
+        t["un"], t["rstd"] = ((M, E), "f32", True), ((M,), "f32", True)
         t.update({"hm": ((M, E), "f32", True), "un2": ((M, E), "f32", True), "rstd2": ((M,), "f32", True),
                   "gu": ((M, 2 * I), "f32", True), "act": ((M, I), "f32", True)})
         if self.r != 1.0:
             t["rones"] = ((M,), "f32", False)   # M values r: the scaled biases (ssd_mixer.bias_ones)
         if self.cfg.attention_layers:
-            t.update({"q": ((M, Hq * D), "f32", True), "k": ((M, Hkv * D), "f32", True),
-                      "v": ((M, Hkv * D), "f32", True), "att": ((M, Hq * D), "f32", True),
-                      "lse": ((M, Hq), "f32", True), "lsum": ((M, Hq), "f32", False)})
+            t.update({"q": ((M, Hq * D), "f32", att), "k": ((M, Hkv * D), "f32", att),
+                      "v": ((M, Hkv * D), "f32", att), "att": ((M, Hq * D), "f32", att),
+                      "lse": ((M, Hq), "f32", att), "lsum": ((M, Hq), "f32", False)})
             if self.cfg.rope:
                 t["rope"] = ((L, self.cfg.rotary_dims), "f32", False)
             if grad:

@@ -161,8 +161,9 @@ class HybridConfig:
                        if isinstance(d.get("rope_scaling"), dict) else "default")
         if granite:
             pet = d.get("position_embedding_type")
-            if pet not in (None, "rope"):
-                raise bad("position_embedding_type", 'must be null (no positional encoding) or "rope"', pet)
+            if pet not in (None, "nope", "rope"):
+                raise bad("position_embedding_type", 'must be "rope", or "nope" or null (no positional encoding)',
+                          pet)
             self.rope = pet == "rope"
             factor = 1.0
         else:
