@@ -469,7 +469,9 @@ def test_cli_refusals_are_one_line(tmp_path):
     (tmp_path / "d.txt").write_text(TEXT)
     assert _cli("init", tmp_path / "c.json", "-o", tmp_path / "m").exit_code == 0
     _one_error(_cli("train", tmp_path / "m", "--data", tmp_path / "d.txt", "-o", tmp_path / "l", "--seq-len", 8,
-                    "--max-steps", 1, "--lora-rank", 2), "LoRA adapters are not yet supported for granitemoehybrid")
+                    "--max-steps", 1, "--lora-rank", 2, "--lora-targets", "conv1d"), "--lora-targets conv1d")
+    _one_error(_cli("train", tmp_path / "m", "--data", tmp_path / "d.txt", "-o", tmp_path / "l", "--seq-len", 8,
+                    "--max-steps", 1, "--lora-rank", 2, "--lora-targets", "x_proj"), "x_proj")
     _one_error(_cli("train", tmp_path / "m", "--data", tmp_path / "d.txt", "-o", tmp_path / "p", "--seq-len", 8,
                     "--max-steps", 1, "--precision", "mixed"), "mixed")
 
@@ -488,3 +490,72 @@ def test_named_shapes_build_in_transformers(name):
               if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
     assert dict(arch.iter_shapes(cfg)) == theirs
     print(f"\n{name}: {arch.n_params(cfg):,} parameters, attention at {cfg.attention_layers}")
+
+
+# ----------------------------------------------------------------------------- LoRA (PEFT)
+@pytest.mark.parametrize("case", [0, 1, 2, 3], ids=[c[0] for c in CASES])
+def test_lora_round_trip_with_peft(rt, tmp_path, case):
+    """A LoRA adapter on every layer PEFT adapts in these models (the Mamba layers' in_proj and
+    out_proj; q, k, v, o; the MLP's layers), written by memengine in PEFT's format: PEFT
+    loads it onto transformers' model, and the loss, the logits and every adapter gradient
+    equal PEFT's autograd (float64); the merged weights equal PEFT's merge_and_unload; what
+    PEFT saves, memengine reads back to the same tensors; generate with the adapter applied
+    equals the merged model's step logits."""
+    peft = pytest.importorskip("peft")
+    from memengine.engine import lora as el
+    from memengine.engine.app.generate import Decoder
+    from memengine.engine.io.checkpoint import save_checkpoint
+
+    name, kw, B, L = CASES[case]
+    m = hf_model(kw, seed=6)
+    sd = tensors_of(m)
+    cfg = our_config(m, kw)
+    arch = models.of(cfg)
+    save_checkpoint(tmp_path / "base", cfg, sd, dtype="F32")
+    spec = el.LoraSpec(r=3, alpha=5.0, targets=arch.lora_targets, base=str(tmp_path / "base"))
+    rng = np.random.default_rng(1)
+    tensors = {n: (0.3 * rng.standard_normal(s)).astype(np.float32) for n, s in el.shapes(cfg, spec).items()}
+    assert any(".self_attn.o_proj." in n for n in tensors) and any(".mamba.out_proj." in n for n in tensors)
+    el.write_adapter(tmp_path / "ad", spec, tensors)
+    el.check_against(el.read_adapter(tmp_path / "ad"), cfg, "ad")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager").double()
+    pm = peft.PeftModel.from_pretrained(base, tmp_path / "ad", is_trainable=True)
+    ids = rng.integers(0, cfg.vocab_size, size=(2, 10))
+    x, y = torch.tensor(ids[:, :-1]), torch.tensor(ids[:, 1:])
+    with float64_oracle():
+        logits_ref = pm(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits_ref.reshape(-1, cfg.vocab_size), y.reshape(-1))
+        loss.backward()
+    want = {n[len("base_model.model."):].replace(".default", ""): p.grad.numpy()
+            for n, p in pm.named_parameters() if p.requires_grad}
+    assert set(want) == set(tensors), sorted(set(want) ^ set(tensors))
+    model = LanguageModel(rt, cfg, sd)
+    model.lora = el.LoraAdapter(rt, cfg, spec, tensors, train=True)
+    assert rel(model.logits(ids[:, :-1]), logits_ref.detach().numpy()) < 1e-4
+    got = model.loss_and_grads(ids[:, :-1], ids[:, 1:], trainable=set(model.lora.names))
+    assert rel(got, loss.item()) < 1e-5
+    grads = model.lora.grad_dict()
+    errs = {n: rel(grads[n], want[n]) for n in tensors}
+    worst = max(errs, key=errs.get)
+    print(f"\n[{name}] LoRA vs PEFT: loss rel {rel(got, loss.item()):.2e}, gradients max rel {errs[worst]:.2e} "
+          f"({worst})")
+    assert errs[worst] < 1e-4, worst
+    # merge: ours = PEFT's merge_and_unload
+    merged = el.merged_tensors(sd, el.read_adapter(tmp_path / "ad"))
+    theirs = {k: v.detach().numpy() for k, v in pm.merge_and_unload().state_dict().items()}
+    for k, v in merged.items():
+        assert rel(v, theirs[k]) < 1e-6, k
+    # what PEFT saves, we read back
+    pm2 = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                              peft.LoraConfig(r=2, lora_alpha=4, target_modules=list(arch.lora_targets),
+                                              task_type="CAUSAL_LM"))
+    pm2.save_pretrained(tmp_path / "theirs")
+    back = el.read_adapter(tmp_path / "theirs")
+    el.check_against(back, cfg, "theirs")
+    assert set(back.tensors) == set(el.shapes(cfg, el.LoraSpec(r=2, alpha=4, targets=arch.lora_targets)))
+    # decoding with the adapter applied = the merged model's sequence logits
+    dec = Decoder(model)
+    seq = ids[0]
+    steps = [dec.prefill_logits(seq[:3])] + [dec.push_logits(int(t)) for t in seq[3:]]
+    full = LanguageModel(rt, cfg, merged).logits(seq[None])[0]
+    assert rel(np.array(steps), full[2:]) < 1e-4

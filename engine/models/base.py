@@ -182,6 +182,12 @@ class Architecture:
         """(in_features, out_features) of a LoRA target layer."""
         raise NotImplementedError
 
+    def lora_module(self, cfg, layer: int, target: str):
+        """Where layer `layer` holds the LoRA target `target`, after the layer prefix (the
+        adapter's tensor names: `{LAYER_PREFIX}{layer}.{module}.lora_A.weight`), or None
+        when that layer has no such module (a hybrid's layers of the other kind)."""
+        return f"mixer.{target}"
+
     def block(self, cfg) -> Block:
         raise NotImplementedError
 

@@ -129,6 +129,8 @@ class Mamba2Block(Block):
                        x16=half.act(rec, ws, "yn16", i, ws.yn[i]), w16=half.weight(i, "out_proj_weight"))
         if rbias is not None:
             add_scaled_bias(rec, ws, hn, rbias, self.scale, M=M, N=E)
+        if lora is not None:   # (an adapter on out_proj: the hybrids')
+            lora.forward(rec, ws, i, "out_proj", ws.yn[i], hn, train=train)
 
     def backward(self, rec, model, ws, i: int, grad) -> None:
         half, lora = model.half, model.lora
@@ -140,6 +142,8 @@ class Mamba2Block(Block):
         linear_backward(rec, ws.dyn, grad(mz + "out_proj.weight"), grad(mz + "out_proj.bias"),
                         ws.dh, ws.yn[i], lp.out_proj_weight, bias_ones(rec, ws, self.scale), M=M, N=E, K=Di,
                         **half.operands(ws, "yn16", i, "out_proj_weight"))
+        if lora is not None:
+            lora.backward(rec, ws, i, "out_proj", ws.dh, ws.yn[i], ws.dyn)
         if self.scale != 1.0:
             scale_(rec, ws.dyn, self.scale)
         ssd.gnorm_backward(rec, ws.dy, ws.dzx, grad(mz + "norm.weight"), ws.dyn, ws.y[i], ws.zx[i],
@@ -201,3 +205,5 @@ class Mamba2Block(Block):
         matvec(rec, h, lp.out_proj_weight, st.yn, bias, rows=E, K=Di, acc=True)
         if rbias is not None:   # h += r * b: the [1, 1] value r times the [1, E] bias
             matmul(rec, h, st.r, rbias, M=1, N=E, K=1, acc=True)
+        if lora is not None:
+            lora.step(rec, i, "out_proj", st.yn, h)

@@ -19,7 +19,7 @@ from memengine.engine import models
 from memengine.engine.errors import MemengineError
 from memengine.engine.kernels import attention, conv1d
 from memengine.engine.models.base import Architecture
-from memengine.engine.models.hybrid.config import ATTENTION, MODEL_TYPES, HybridConfig
+from memengine.engine.models.hybrid.config import ATTENTION, MAMBA, MODEL_TYPES, HybridConfig
 from memengine.engine.models.hybrid.tensors import BAMBA, GRANITE, iter_expected_shapes
 
 _LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
@@ -29,7 +29,9 @@ class _Hybrid(Architecture):
     LAYER_PREFIX = "model.layers."
     EMBEDDINGS = "model.embed_tokens.weight"
     precisions = ("fp32",)
-    lora_targets = ()
+    lora_refused = {"conv1d": "transformers reads the Mamba layers' conv1d weight directly (causal_conv1d_fn), "
+                              "so a LoRA adapter on it would have no effect there"}
+    MLP_TARGETS: tuple = ()
     wsla_scope = ("each Mamba layer's in_proj rows of B, C and dt, and dt_bias (the selection); attention and "
                   "MLP layers are frozen")
 
@@ -92,6 +94,27 @@ class _Hybrid(Architecture):
             return 2 * Di, cfg.mamba.in_proj_rows - 2 * Di
         return None
 
+    # -- LoRA: the Mamba layers' in_proj and out_proj, attention's q, k, v, o, the MLP's layers
+    @property
+    def lora_targets(self) -> tuple:
+        return ("in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj") + self.MLP_TARGETS
+
+    def lora_module(self, cfg, layer: int, target: str):
+        kind = cfg.layer_kinds[layer] if 0 <= layer < len(cfg.layer_kinds) else None
+        if target in ("in_proj", "out_proj"):
+            return f"mamba.{target}" if kind == MAMBA else None
+        if target in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            return f"self_attn.{target}" if kind == ATTENTION else None
+        return f"{self.MLP_MODULE}.{target}" if kind is not None else None
+
+    def lora_dims(self, cfg, target: str) -> tuple[int, int]:
+        E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        return {"in_proj": (E, cfg.mamba.in_proj_rows), "out_proj": (cfg.mamba.intermediate_size, E),
+                "q_proj": (E, Hq * D), "k_proj": (E, Hkv * D), "v_proj": (E, Hkv * D), "o_proj": (Hq * D, E),
+                "input_linear": (E, 2 * I), "output_linear": (I, E),
+                "gate_proj": (E, I), "up_proj": (E, I), "down_proj": (I, E)}[target]
+
     def block(self, cfg):
         from memengine.engine.models.hybrid.block import HybridBlock
 
@@ -145,12 +168,14 @@ class GraniteHybrid(_Hybrid):
     name = "Granite 4.0-H (dense)"
     model_types = {"granitemoehybrid": MODEL_TYPES["granitemoehybrid"]}
     FINAL_NORM = GRANITE["final_norm"]
+    MLP_MODULE, MLP_TARGETS = "shared_mlp", ("input_linear", "output_linear")
 
 
 class Bamba(_Hybrid):
     name = "Bamba"
     model_types = {"bamba": MODEL_TYPES["bamba"]}
     FINAL_NORM = BAMBA["final_norm"]
+    MLP_MODULE, MLP_TARGETS = "feed_forward", ("gate_proj", "up_proj", "down_proj")
 
 
 GRANITE_ARCH, BAMBA_ARCH = GraniteHybrid(), Bamba()

@@ -44,6 +44,7 @@ class HybridBlock(Block):
         self.Hq, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.granite = cfg.model_type == "granitemoehybrid"
         self.n = names(cfg)
+        self.down = "output_linear" if self.granite else "down_proj"
         other = BAMBA if self.granite else GRANITE   # the other model type's names of the same fields
         self.LAYER_FIELDS = {k: f for k, f in LAYER_FIELDS.items()
                              if not (k == other["norm2"] or k.startswith(other["mlp"]))}
@@ -107,9 +108,13 @@ class HybridBlock(Block):
             for col, w, b, t in ((0, lp.gate_weight, lp.gate_bias, "gate_proj"), (I, lp.up_weight, lp.up_bias,
                                                                                     "up_proj")):
                 linear_forward(rec, gu, un2, w, b, M=M, N=I, K=E, ldo=2 * I, out_col=col)
+                if lora is not None:
+                    lora.forward(rec, ws, i, t, un2, gu, train=train, ldo=2 * I, out_col=col)
         swiglu_forward(rec, ws.act[i], gu, rows=M, I=I, r=self.r)
         linear_forward(rec, ws.h[i + 1], ws.act[i], lp.down_weight, None if self.granite else lp.down_bias, M=M, N=E,
                        K=I, acc=True)
+        if lora is not None:
+            lora.forward(rec, ws, i, self.down, ws.act[i], ws.h[i + 1], train=train)
 
     def _attention_forward(self, rec, model, ws, i: int, *, train: bool) -> None:
         c = self.cfg
@@ -120,6 +125,10 @@ class HybridBlock(Block):
         linear_forward(rec, q, ws.un[i], lp.q_weight, lp.q_bias, M=M, N=Hq * D, K=E)
         linear_forward(rec, k, ws.un[i], lp.k_weight, lp.k_bias, M=M, N=Hkv * D, K=E)
         linear_forward(rec, v, ws.un[i], lp.v_weight, lp.v_bias, M=M, N=Hkv * D, K=E)
+        lora = model.lora
+        if lora is not None:
+            for t, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                lora.forward(rec, ws, i, t, ws.un[i], out, train=train)
         if c.rope:
             table = self._rope_table(rec, ws)
             R = c.rotary_dims
@@ -134,9 +143,11 @@ class HybridBlock(Block):
         linear_forward(rec, ws.hm[i], att, lp.o_weight, bias, M=M, N=E, K=Hq * D, acc=True)
         if rbias is not None:
             add_scaled_bias(rec, ws, ws.hm[i], rbias, self.r, M=M, N=E)
+        if lora is not None:
+            lora.forward(rec, ws, i, "o_proj", att, ws.hm[i], train=train)
 
     def backward(self, rec, model, ws, i: int, grad) -> None:
-        c = self.cfg
+        c, lora = self.cfg, model.lora
         E, I, M = self.E, self.I, ws.M
         lp = model.params.layers[i]
         pre = f"{model.arch.LAYER_PREFIX}{i}."
@@ -144,14 +155,21 @@ class HybridBlock(Block):
         d = "output_linear" if self.granite else "down_proj"
         linear_backward(rec, ws.dact, grad(f"{mlp}{d}.weight"), grad(f"{mlp}{d}.bias"), ws.dh, ws.act[i],
                         lp.down_weight, ws.ones, M=M, N=E, K=I)
+        if lora is not None:
+            lora.backward(rec, ws, i, self.down, ws.dh, ws.act[i], ws.dact)
         swiglu_backward(rec, ws.dgu, ws.dact, ws.gu[i], rows=M, I=I, r=self.r)
         if self.granite:
             linear_backward(rec, ws.dun2, grad(mlp + "input_linear.weight"), None, ws.dgu, ws.un2[i],
                             lp.gu_weight, M=M, N=2 * I, K=E)
+            if lora is not None:
+                lora.backward(rec, ws, i, "input_linear", ws.dgu, ws.un2[i], ws.dun2)
         else:
             for col, w, t in ((0, lp.gate_weight, "gate_proj"), (I, lp.up_weight, "up_proj")):
                 linear_backward(rec, ws.dun2, grad(f"{mlp}{t}.weight"), grad(f"{mlp}{t}.bias"), ws.dgu, ws.un2[i],
                                 w, ws.ones, M=M, N=I, K=E, lddo=2 * I, dout_col=col, dx_acc=col > 0)
+            if lora is not None:
+                for col, t in ((0, "gate_proj"), (I, "up_proj")):
+                    lora.backward(rec, ws, i, t, ws.dgu, ws.un2[i], ws.dun2, lddo=2 * I, dout_col=col)
         rmsnorm_backward(rec, ws.dh, grad(pre + self.n["norm2"]), ws.dun2, ws.hm[i], lp.norm2_weight, ws.rstd2[i])
         if c.layer_kinds[i] == ATTENTION:
             self._attention_backward(rec, model, ws, i, grad)
@@ -165,6 +183,9 @@ class HybridBlock(Block):
         a = f"{model.arch.LAYER_PREFIX}{i}.self_attn."
         linear_backward(rec, ws.datt, grad(a + "o_proj.weight"), grad(a + "o_proj.bias"), ws.dh, ws.att[i],
                         lp.o_weight, bias_ones(rec, ws, self.r), M=M, N=E, K=Hq * D)
+        lora = model.lora
+        if lora is not None:
+            lora.backward(rec, ws, i, "o_proj", ws.dh, ws.att[i], ws.datt)
         if self.r != 1.0:
             scale_(rec, ws.datt, self.r)
         attn.attention_backward(rec, ws.dq, ws.dk, ws.dv, ws.delta, ws.datt, ws.att[i], ws.lse[i], ws.q[i],
@@ -179,6 +200,9 @@ class HybridBlock(Block):
                                              ("v_proj", lp.v_weight, ws.dv, Hkv * D))):
             linear_backward(rec, ws.dun, grad(f"{a}{t}.weight"), grad(f"{a}{t}.bias"), dout, ws.un[i], w, ws.ones,
                             M=M, N=n, K=E, dx_acc=j > 0)
+        if lora is not None:
+            for t, dout in (("q_proj", ws.dq), ("k_proj", ws.dk), ("v_proj", ws.dv)):
+                lora.backward(rec, ws, i, t, dout, ws.un[i], ws.dun)
         rmsnorm_backward(rec, ws.dh, grad(f"{model.arch.LAYER_PREFIX}{i}.input_layernorm.weight"), ws.dun,
                          ws.h[i], lp.norm_weight, ws.rstd[i])
 
@@ -236,14 +260,22 @@ class HybridBlock(Block):
             self._attention_step(rec, model, st, i, h)
         else:
             self.mamba.decode_step(rec, model, st, i, h)
+        lora = model.lora
         rmsnorm_forward(rec, st.un2, st.rstd2, h, lp.norm2_weight, c.rms_norm_eps)
         if self.granite:
             matvec(rec, st.gu, lp.gu_weight, st.un2, rows=2 * I, K=E)
+            if lora is not None:
+                lora.step(rec, i, "input_linear", st.un2, st.gu)
         else:
             matvec(rec, st.gu.view((I,)), lp.gate_weight, st.un2, lp.gate_bias, rows=I, K=E)
             matvec(rec, st.gu.view((I,), I), lp.up_weight, st.un2, lp.up_bias, rows=I, K=E)
+            if lora is not None:
+                lora.step(rec, i, "gate_proj", st.un2, st.gu.view((I,)))
+                lora.step(rec, i, "up_proj", st.un2, st.gu.view((I,), I))
         swiglu_forward(rec, st.act, st.gu, rows=1, I=I, r=self.r)
         matvec(rec, h, lp.down_weight, st.act, None if self.granite else lp.down_bias, rows=E, K=I, acc=True)
+        if lora is not None:
+            lora.step(rec, i, self.down, st.act, h)
         if c.attention_layers and i == c.num_hidden_layers - 1:
             attn.decode_advance(rec, st.pos)
 
@@ -255,6 +287,10 @@ class HybridBlock(Block):
         matvec(rec, st.q, lp.q_weight, st.un, lp.q_bias, rows=Hq * D, K=E)
         matvec(rec, st.k, lp.k_weight, st.un, lp.k_bias, rows=Hkv * D, K=E)
         matvec(rec, st.v, lp.v_weight, st.un, lp.v_bias, rows=Hkv * D, K=E)
+        lora = model.lora
+        if lora is not None:
+            for t, out in (("q_proj", st.q), ("k_proj", st.k), ("v_proj", st.v)):
+                lora.step(rec, i, t, st.un, out)
         if c.rope:
             rope_step(rec, st.q, st.rope, st.pos, heads=Hq, D=D, R=c.rotary_dims)
             rope_step(rec, st.k, st.rope, st.pos, heads=Hkv, D=D, R=c.rotary_dims)
@@ -266,3 +302,5 @@ class HybridBlock(Block):
         matvec(rec, h, lp.o_weight, st.att, bias, rows=E, K=Hq * D, acc=True)
         if rbias is not None:
             matmul(rec, h, st.r, rbias, M=1, N=E, K=1, acc=True)
+        if lora is not None:
+            lora.step(rec, i, "o_proj", st.att, h)
