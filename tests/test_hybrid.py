@@ -458,6 +458,18 @@ def test_cli_init_train_adapt_quantize_eval_equal_transformers(tmp_path, tiny):
     res = _cli("generate", tmp_path / "t", "-p", "the quick", "-n", 8, "-t", 0, "--json")
     assert res.exit_code == 0, res.stderr
     assert len(json.loads(res.stdout.strip().splitlines()[-1])["tokens"]) == 8
+    # a LoRA adapter from the command line, evaluated applied and merged
+    res = _cli("train", tmp_path / "t", "--data", data, "-o", tmp_path / "l", "--seq-len", 16, "--max-steps", 3,
+               "--lora-rank", 4, "--lora-alpha", 8, "--lr", 1e-2, "--json")
+    assert res.exit_code == 0, res.stderr
+    assert (tmp_path / "l" / "adapter_model.safetensors").is_file()
+    res = _cli("merge", tmp_path / "l", "-o", tmp_path / "lm")
+    assert res.exit_code == 0, res.stderr
+    ev = [json.loads(_cli("eval", d, "--data", data, "--seq-len", 16, "--json").stdout.strip().splitlines()[-1])
+          for d in (tmp_path / "l", tmp_path / "lm", tmp_path / "t")]
+    assert abs(ev[0]["loss"] - ev[1]["loss"]) < 1e-5 * ev[1]["loss"] and ev[0]["loss"] != ev[2]["loss"]
+    res = _cli("generate", tmp_path / "l", "-p", "the quick", "-n", 4, "-t", 0, "--json")
+    assert res.exit_code == 0, res.stderr
 
 
 def test_cli_refusals_are_one_line(tmp_path):

@@ -2,7 +2,7 @@
 (configs/granite-4.0-h-350m.json: V 100352, E 768, 32 layers of which 4 attention, 12 / 4
 heads x 64, Mamba 48 heads x 32, N 128; random weights from transformers' init, nothing
 downloaded), saved by transformers' `save_pretrained` as shards, through `info`, `eval`,
-`train`, `adapt` and `generate` with 128 MiB storage bindings, although its embedding table
+`train`, a LoRA adapter, `adapt` and `generate` with 128 MiB storage bindings, although its embedding table
 (294 MiB) is larger than one such binding.  Oracles: transformers' GraniteMoeHybridForCausalLM
 on the same shards (its PyTorch path, float64): the loss, the greedy tokens.  The data is one
 16-token window.  Marked `slow` (minutes on lavapipe): `make test-slow`."""
@@ -44,7 +44,7 @@ def g350(tmp_path_factory):
     get_runtime()
 
 
-def test_granite_350m_shape_sharded_info_eval_train_adapt(rt, g350, tmp_path):
+def test_granite_350m_shape_sharded_info_eval_train_lora_adapt(rt, g350, tmp_path):
     src, data, ref = g350
     shards = sorted(p.name for p in src.glob("model-*.safetensors"))
     assert len(shards) >= 3 and (src / "model.safetensors.index.json").is_file()
@@ -61,6 +61,9 @@ def test_granite_350m_shape_sharded_info_eval_train_adapt(rt, g350, tmp_path):
     assert tr["steps"] == 1 and abs(tr["first_loss"] - ref) <= 1e-4 * ref, (tr["first_loss"], ref)
     out = transformers.GraniteMoeHybridForCausalLM.from_pretrained(tmp_path / "trained")
     assert out.config.vocab_size == 100352 and out.config.num_hidden_layers == 32
+    lo = _timed(times, "lora", "train", src, "-o", tmp_path / "lora", "--lora-rank", 4, *common)
+    assert lo["steps"] == 1 and abs(lo["first_loss"] - ref) <= 1e-4 * ref
+    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()
     ad = _timed(times, "adapt", "adapt", src, "-o", tmp_path / "adapted", "--no-rollback", *common)
     assert abs(np.log(ad["perplexity_before"]) - ref) <= 1e-4 * ref
     assert ad["changed_tensors"] and all(n.endswith(("mamba.in_proj.weight", "mamba.dt_bias"))
