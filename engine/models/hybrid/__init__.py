@@ -17,7 +17,7 @@ import re
 
 from memengine.engine import models
 from memengine.engine.errors import MemengineError
-from memengine.engine.kernels import attention, conv1d
+from memengine.engine.kernels import attention, conv1d, ssd
 from memengine.engine.models.base import Architecture
 from memengine.engine.models.hybrid.config import ATTENTION, MAMBA, MODEL_TYPES, HybridConfig
 from memengine.engine.models.hybrid.tensors import BAMBA, GRANITE, iter_expected_shapes
@@ -135,6 +135,24 @@ class _Hybrid(Architecture):
         out = {(M, o, i) for o, i in lin}
         if grad:
             out |= {(M, i, o) for o, i in lin} | {(o, i, M) for o, i in lin}
+        return out
+
+    def plan_units(self, cfg, B: int, L: int, grad: bool, sequence: str = "at --seq-len {}") -> list:
+        out = []
+        c = cfg.mamba
+        if len(cfg.attention_layers) < cfg.num_hidden_layers:
+            H, P, N, G = c.num_heads, c.head_dim, c.state_size, c.n_groups
+            out += [(f"one sequence of the SSD scan {sequence.format(L)}",
+                     max(ssd.sequence_windows(1, L, H, P, N, G)), True, "tensor"),
+                    (f"one sequence of the conv1d {sequence.format(L)} ({L} x {c.in_proj_rows} values)",
+                     4 * L * c.in_proj_rows, True, "tensor")]
+            if grad:
+                out.append((f"the SSD scan's scratch for one sequence {sequence.format(L)}",
+                            max(ssd.sequence_scratch(1, L, H, P, N, G)), True, "adapter"))
+        if cfg.attention_layers:   # the attention kernels bind the batch's q (and o) whole
+            n = B * L * cfg.num_attention_heads * cfg.head_dim
+            out.append((f"the attention's queries of the batch {sequence.format(L)} ({B * L} x "
+                        f"{cfg.num_attention_heads * cfg.head_dim} values)", 4 * n, True, "tensor"))
         return out
 
     def describe(self, cfg) -> list:
