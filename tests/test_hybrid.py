@@ -571,3 +571,39 @@ def test_lora_round_trip_with_peft(rt, tmp_path, case):
     steps = [dec.prefill_logits(seq[:3])] + [dec.push_logits(int(t)) for t in seq[3:]]
     full = LanguageModel(rt, cfg, merged).logits(seq[None])[0]
     assert rel(np.array(steps), full[2:]) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["eval", "train", "adapt", "lora"])
+def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
+    """A whole run of a hybrid (eval; train with held-out windows; adapt; a LoRA adapter
+    trained): the memory plan it passed is what it allocated (the Mamba buffers for the
+    Mamba layers only, the attention buffers for the attention layers only)."""
+    from memengine.engine.app import plan
+    from memengine.engine.app.options import AdaptOptions, EvalOptions, TrainOptions
+    from memengine.engine.app.run import run_adapt, run_eval, run_train
+    from memengine.engine.io.checkpoint import save_checkpoint
+
+    cfg = HybridConfig.from_dict(dict(TINY_GRANITE))
+    B, L = 2, 100
+    save_checkpoint(tmp_path / "m", cfg, models.of(cfg).init_weights(cfg, 0), dtype="F32")
+    rng = np.random.default_rng(0)
+    (tmp_path / "d.txt").write_text("".join(chr(c) for c in rng.integers(97, 123, 5 * B * L)), encoding="utf-8")
+    common = dict(ckpt=str(tmp_path / "m"), data=[str(tmp_path / "d.txt")], batch_size=B, seq_len=L)
+    seen = {}
+    real = plan.check_run
+    mp = pytest.MonkeyPatch()
+    mp.setattr(plan, "check_run", lambda *a, **kw: seen.setdefault("plan", real(*a, **kw)))
+    try:
+        if kind == "eval":
+            run_eval(EvalOptions(**common))
+        elif kind == "lora":
+            run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o", lora_rank=4))
+        elif kind == "train":
+            run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o"))
+        else:
+            run_adapt(AdaptOptions(**common, epochs=1, output=tmp_path / "o"))
+    finally:
+        mp.undo()
+    est, got = seen["plan"], rt.bytes_allocated
+    print(f"\n{kind}: plan {est.total:,} bytes, allocated {got:,} bytes")
+    assert got - 4096 <= est.total <= 1.05 * got

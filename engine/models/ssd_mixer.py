@@ -22,13 +22,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from memengine.engine.kernels import ssd
+from memengine.engine.kernels import conv1d, ssd
 from memengine.engine.kernels.decode import matvec
 from memengine.engine.kernels.conv1d import conv1d_backward, conv1d_forward
 from memengine.engine.kernels.lora import scale_
 from memengine.engine.kernels.matmul import linear_backward, linear_forward, matmul
 from memengine.engine.kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from memengine.engine.models.base import Block
+from memengine.engine.runtime import BindingError, split
 
 LAYER_FIELDS = {
     "norm.weight": "norm_weight",                 # [E]
@@ -65,6 +66,40 @@ def bias_ones(rec, ws, r: float):
 def add_scaled_bias(rec, ws, out, bias, r: float, *, M: int, N: int) -> None:
     """out[M, N] += r * bias (a product of the [M, 1] values r and the [1, N] bias)."""
     matmul(rec, out, bias_ones(rec, ws, r), bias, M=M, N=N, K=1, acc=True)
+
+
+def plan_scratch(lim, cfg, B: int, L: int, kind: str) -> int:
+    """Bytes of the Mamba-2 layers' kernel scratch for a `kind` run (eval, train, adapt, lora):
+    the memory plan's share of the SSD scan, its column sums and the conv's partials (`cfg`:
+    the layer's shape, as Mamba2Block reads it)."""
+    H, P, N, G, K = cfg.num_heads, cfg.head_dim, cfg.state_size, cfg.n_groups, cfg.conv_kernel
+    Di, C = cfg.intermediate_size, cfg.conv_dim
+    grad = kind != "eval"
+    total = 2 * _buf16(16)   # the scan's stand-ins for bindings a product does not read
+    try:
+        seqs = split(lim, B, lambda nb: ssd.sequence_windows(nb, L, H, P, N, G),
+                     scratch=lambda nb: ssd.sequence_scratch(nb, L, H, P, N, G, grad))
+    except BindingError:
+        seqs = [(0, 1)]
+    for nb in sorted({nb for _, nb in seqs}):
+        total += sum(_buf16(b) for b in ssd.sequence_scratch(nb, L, H, P, N, G, grad))
+    if not grad:
+        return total
+    total += _buf16(4 * B * L * Di)  # the gated norm's weight-gradient terms
+    blocks = set()   # the column sums' block sums (dt_bias, the gated norm, A_log and D)
+    for J, R in [(H, B * L), (Di, B * L)] + [(H, nb * ssd.n_chunks(L)) for _, nb in seqs]:
+        blocks |= ssd.reduce_scratch(J, R, 1, lim.max_binding)
+    total += sum(_buf16(4 * n) for n in blocks)
+    if kind == "train":
+        nch = conv1d.partial_rows(B, L)
+        total += _buf16(4 * nch * C * (K + 1)) + _buf16(4 * C * K) + _buf16(4 * C)
+    else:
+        total += _buf16(4 * C)
+    return total
+
+
+def _buf16(nbytes: int) -> int:
+    return max(16, (int(nbytes) + 15) // 16 * 16)
 
 
 class Mamba2Block(Block):

@@ -21,6 +21,7 @@ from memengine.engine.kernels import attention, conv1d, ssd
 from memengine.engine.models.base import Architecture
 from memengine.engine.models.hybrid.config import ATTENTION, MAMBA, MODEL_TYPES, HybridConfig
 from memengine.engine.models.hybrid.tensors import BAMBA, GRANITE, iter_expected_shapes
+from memengine.engine.models.ssd_mixer import plan_scratch as ssd_plan_scratch
 
 _LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
 
@@ -136,6 +137,11 @@ class _Hybrid(Architecture):
         if grad:
             out |= {(M, i, o) for o, i in lin} | {(o, i, M) for o, i in lin}
         return out
+
+    def plan_scratch(self, lim, cfg, B: int, L: int, kind: str) -> int:
+        if len(cfg.attention_layers) == cfg.num_hidden_layers:
+            return 0
+        return ssd_plan_scratch(lim, cfg.mamba, B, L, kind)   # the attention kernels take no scratch
 
     def plan_units(self, cfg, B: int, L: int, grad: bool, sequence: str = "at --seq-len {}") -> list:
         out = []
