@@ -20,7 +20,8 @@ PY := $(VENV)/bin/python
 # shapes run), and the tests marked slow.
 DAWN_TESTS ?= tests/test_backend.py tests/test_oracle.py tests/test_mamba2.py tests/test_matmul.py \
 	tests/test_scan.py tests/test_ops_elementwise.py tests/test_reduce.py tests/test_optim.py \
-	tests/test_copy.py tests/test_mixed.py tests/test_generate.py tests/test_lora.py
+	tests/test_copy.py tests/test_mixed.py tests/test_generate.py tests/test_lora.py tests/test_attention.py \
+	tests/test_hybrid.py
 DAWN_DESELECT ?= \
 	--deselect "tests/test_matmul.py::test_every_tile_configuration_matches_numpy[128x64x16-0]" \
 	--deselect "tests/test_matmul.py::test_every_tile_configuration_matches_numpy[128x64x16-1]" \

@@ -31,6 +31,7 @@ from memengine.engine.errors import MemengineError
 from memengine.engine.io.inputs import decode_utf8, read_json
 from memengine.engine.kernels.decode import matvec, sample
 from memengine.engine.kernels.embedding import embedding_forward
+from memengine.engine.kernels.lora import scale_
 from memengine.engine.kernels.rmsnorm import rmsnorm_forward
 from memengine.engine.runtime import BindingError, Program, Tensor
 
@@ -127,9 +128,13 @@ class Decoder:
         m, c, p = self.model, self.cfg, self.model.params
         E, V = c.hidden_size, c.vocab_size
         embedding_forward(rec, self.h, self.io.view((1,), 1), p.embeddings)
+        if m.emb_scale != 1.0:   # the architecture's multipliers, as LanguageModel.record_forward
+            scale_(rec, self.h, m.emb_scale)
         for i in range(c.num_hidden_layers):
             m.block.decode_step(rec, m, self.state, i, self.h)
         rmsnorm_forward(rec, self.hf, self.rstd_f, self.h, p.norm_f, c.layer_norm_epsilon)
+        if m.logit_scale != 1.0:
+            scale_(rec, self.hf, m.logit_scale)
         matvec(rec, self.logits, m.head(), self.hf, rows=V, K=E)
         if sampling is not None:
             sample(rec, self.io, self.logits, V=V, **sampling)
@@ -211,6 +216,10 @@ class Decoder:
         and returns True to stop.  Returns (time to the first token, time after it)."""
         ids = self._check_ids(ids)
         n_max = int(n_max)
+        cap = getattr(self.model.block, "decode_capacity", None)   # a KV cache's positions
+        if cap is not None and ids.size + n_max > cap:
+            raise MemengineError(f"the prompt ({ids.size} tokens) and --max-new-tokens {n_max} exceed the "
+                                 f"{cap} positions of the attention layers' KV cache")
         prog = self._program(sampling)
         t0 = time.perf_counter()
         rec = self.rt.recorder()

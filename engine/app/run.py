@@ -533,7 +533,7 @@ class _Run:
             for d in snapshots.later_steps(self.out, snap.step):
                 staging.remove_dir(d)
         lp = self.loop
-        what = (f"adapting {len(self.trainer.names)} x_proj tensor(s)" if o.WSLA
+        what = (f"adapting {len(self.trainer.names)} selection tensor(s) ({self.model.arch.wsla_scope})" if o.WSLA
                 else f"training {len(self.trainer.names)} tensors")
         if run_lora is not None and run_lora.train:
             n = sum(t.numel for t in self.trainer.params.values())

@@ -47,7 +47,10 @@ from memengine.engine import models
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
-_NAME = re.compile(r"^backbone\.layers\.(\d+)\.mixer\.(\w+)\.lora_([AB])\.weight$")
+# a layer's adapter matrix: <prefix>layers.<i>.<module path>.<target>.lora_<A|B>.weight, where
+# the module path is the architecture's (`Architecture.lora_module`: Mamba "mixer", the
+# hybrids' "mamba", "self_attn", "shared_mlp" / "feed_forward")
+_NAME = re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.(?:\w+\.)*?(\w+)\.lora_([AB])\.weight$")
 
 
 def known_targets() -> tuple:
@@ -93,8 +96,24 @@ def dims(cfg, target: str) -> tuple[int, int]:
     return models.of(cfg).lora_dims(cfg, target)
 
 
-def tensor_name(layer: int, target: str, which: str) -> str:
-    return f"backbone.layers.{layer}.mixer.{target}.lora_{which}.weight"
+def tensor_name(layer: int, target: str, which: str, cfg=None) -> str:
+    """An adapter matrix's name (memengine's: without PEFT's `base_model.model.`); the
+    architecture of `cfg` places the target (default: Mamba's `backbone.layers.{i}.mixer.`)."""
+    if cfg is None:
+        return f"backbone.layers.{layer}.mixer.{target}.lora_{which}.weight"
+    arch = models.of(cfg)
+    return f"{arch.LAYER_PREFIX}{layer}.{arch.lora_module(cfg, layer, target)}.lora_{which}.weight"
+
+
+def base_weight(name: str) -> str:
+    """The base layer's weight an adapter matrix adapts: ...<target>.lora_A.weight -> ...<target>.weight."""
+    return re.sub(r"\.lora_[AB]\.weight$", ".weight", name)
+
+
+def other_half(name: str) -> str:
+    """lora_A's name <-> lora_B's."""
+    return re.sub(r"\.lora_([AB])\.weight$", lambda m: ".lora_" + ("B" if m.group(1) == "A" else "A") + ".weight",
+                  name)
 
 
 # --------------------------------------------------------------------------- the config
@@ -176,11 +195,15 @@ class LoraSpec:
 def shapes(cfg, spec: LoraSpec, layers: Optional[list] = None) -> dict:
     """name -> shape of every adapter tensor, layer by layer, A before B."""
     out = {}
+    arch = models.of(cfg)
     for i in (range(cfg.num_hidden_layers) if layers is None else layers):
         for t in spec.targets:
+            if t not in arch.lora_targets or arch.lora_module(cfg, i, t) is None:
+                # another architecture's target, or a layer without that module (a hybrid's other kind)
+                continue
             fan_in, fan_out = dims(cfg, t)
-            out[tensor_name(i, t, "A")] = (spec.r, fan_in)
-            out[tensor_name(i, t, "B")] = (fan_out, spec.r)
+            out[tensor_name(i, t, "A", cfg)] = (spec.r, fan_in)
+            out[tensor_name(i, t, "B", cfg)] = (fan_out, spec.r)
     return out
 
 
@@ -247,7 +270,7 @@ def read_adapter(path) -> Adapter:
         if m is None or m.group(2) not in targets_known:
             raise MemengineError(f"{weights}: tensor '{key}' is not a LoRA matrix of "
                                  f"{', '.join(targets_known)} (base_model.model.backbone.layers.N.mixer.<layer>."
-                                 "lora_A.weight / lora_B.weight)")
+                                 "lora_A.weight / lora_B.weight, or the hybrids' model.layers.N.<module>.<layer>...)")
         if a.dtype.kind != "f" or a.ndim != 2:
             raise MemengineError(f"{weights}: tensor '{key}' is not a floating matrix")
         if not np.isfinite(a).all():
@@ -279,12 +302,22 @@ def check_against(adapter: Adapter, cfg, where: str) -> None:
         if i >= cfg.num_hidden_layers:
             raise MemengineError(f"{where}: tensor '{PREFIX + name}' is for layer {i}; the base model has "
                                  f"{cfg.num_hidden_layers} (the adapter belongs to another model)")
+        arch = models.of(cfg)
+        if t not in arch.lora_targets:
+            why = arch.lora_refused.get(t, f"not a layer LoRA can adapt in {cfg.model_type} models")
+            raise MemengineError(f"{where}: tensor '{PREFIX + name}': {why} (choose from "
+                                 f"{', '.join(arch.lora_targets)})")
+        module = arch.lora_module(cfg, i, t)
+        if module is None or name != tensor_name(i, t, which, cfg):
+            raise MemengineError(f"{where}: tensor '{PREFIX + name}' names no layer of this base model (layer {i} "
+                                 f"has {'no ' + t if module is None else tensor_name(i, t, which, cfg)}; the adapter "
+                                 "belongs to another model)")
         fan_in, fan_out = dims(cfg, t)
         want = (r, fan_in) if which == "A" else (fan_out, r)
         if tuple(a.shape) != want:
             raise MemengineError(f"{where}: tensor '{PREFIX + name}' has shape {list(a.shape)}, expected "
                                  f"{list(want)} for r={r} on this base model (the adapter belongs to another model)")
-        other = tensor_name(i, t, "B" if which == "A" else "A")
+        other = other_half(name)
         if other not in adapter.tensors:
             raise MemengineError(f"{where}: tensor '{PREFIX + name}' has no '{PREFIX + other}'")
 
@@ -297,6 +330,9 @@ def write_adapter(directory, spec: LoraSpec, tensors: dict) -> None:
     d.mkdir(parents=True, exist_ok=True)
     payload = {PREFIX + n: np.ascontiguousarray(a, np.float32) for n, a in tensors.items()}
     write_safetensors(d / ADAPTER_WEIGHTS, payload, {"format": "pt"})
+    present = {_NAME.match(n).group(2) for n in tensors if _NAME.match(n)}
+    if present:   # target_modules: the layers adapted (a spec's default names every architecture's)
+        spec = LoraSpec(**{**spec.__dict__, "targets": tuple(t for t in spec.targets if t in present)})
     atomic_write_bytes(d / ADAPTER_CONFIG, (json.dumps(spec.to_peft(), indent=2, sort_keys=True) + "\n").encode())
 
 
@@ -406,6 +442,15 @@ def check_rank(r: int, cfg, targets) -> None:
                              f"a rank of at most {most} is full rank here")
 
 
+def _targets_for(value: str, cfg) -> tuple:
+    """--lora-targets against the model's own architecture (the flag's first check knows every
+    architecture's targets): one line naming the flag."""
+    try:
+        return parse_targets(value, models.of(cfg))
+    except ValueError as e:
+        raise MemengineError(f"--lora-targets {value}: {e} in {cfg.model_type} models") from None
+
+
 def for_run(o, adapter: Optional[Adapter], cfg, base_name: str) -> Optional[RunLora]:
     """What adapter a run uses: `adapter` is CKPT's (or the resumed step's) when it was one.
     A LoRA run's effective rank, alpha, dropout and targets are the result's `options()`
@@ -424,9 +469,12 @@ def for_run(o, adapter: Optional[Adapter], cfg, base_name: str) -> Optional[RunL
         return RunLora(src.spec, src.tensors, False, src) if src is not None else None
     if src is None and o.lora_rank is None:
         return None
+    if not models.of(cfg).lora_targets:
+        raise MemengineError(f"--lora-rank: LoRA adapters are not yet supported for {cfg.model_type} models "
+                             "(train all weights, or adapt)")
     if src is not None:
         spec = LoraSpec(**{**src.spec.__dict__})
-        targets = parse_targets(o.lora_targets, models.of(cfg)) if o.lora_targets is not None else None
+        targets = _targets_for(o.lora_targets, cfg) if o.lora_targets is not None else None
         for name, mine, theirs in (("lora_rank", o.lora_rank, spec.r), ("lora_alpha", o.lora_alpha, spec.alpha),
                                    ("lora_targets", targets, spec.targets)):
             if mine is not None and mine != theirs:
@@ -437,7 +485,7 @@ def for_run(o, adapter: Optional[Adapter], cfg, base_name: str) -> Optional[RunL
             spec.dropout = float(o.lora_dropout)
         tensors = src.tensors
     else:
-        targets = parse_targets(o.lora_targets or default_targets(models.of(cfg)), models.of(cfg))
+        targets = _targets_for(o.lora_targets or default_targets(models.of(cfg)), cfg)
         check_rank(int(o.lora_rank), cfg, targets)
         spec = LoraSpec(r=int(o.lora_rank), alpha=float(o.lora_alpha if o.lora_alpha is not None else o.lora_rank),
                         dropout=float(o.lora_dropout or 0.0), targets=targets)
@@ -483,9 +531,8 @@ def merged_tensors(base: dict, adapter: Adapter) -> dict:
         m = _NAME.match(name)
         if m.group(3) != "A":
             continue
-        i, t = int(m.group(1)), m.group(2)
-        A, B = adapter.tensors[name], adapter.tensors[tensor_name(i, t, "B")]
-        w = f"backbone.layers.{i}.mixer.{t}.weight"
+        A, B = adapter.tensors[name], adapter.tensors[other_half(name)]
+        w = base_weight(name)
         out[w] = (np.asarray(base[w], np.float32) + (B @ A) * s).astype(np.float32)
     return out
 
@@ -533,8 +580,7 @@ def merge(adapter_path, output, *, base: Optional[str] = None, revision: Optiona
                         extra_files=side_files(op.ckpt.directory, tok_file.parent if tok_file else None),
                         metadata={"producer": f"memengine {version()}", "merged_adapter": Path(adapter_path).name},
                         max_shard_size=max_shard_size)
-    changed = sorted({f"backbone.layers.{_NAME.match(n).group(1)}.mixer.{_NAME.match(n).group(2)}.weight"
-                      for n in op.adapter.tensors})
+    changed = sorted({base_weight(n) for n in op.adapter.tensors})
     return MergeReport(str(adapter_path), op.ref.public_name, Path(output), dtype, changed, op.adapter.spec.r,
                        op.adapter.spec.scaling)
 
@@ -566,6 +612,8 @@ class LoraAdapter:
         self.pairs = sorted({(int(_NAME.match(n).group(1)), _NAME.match(n).group(2)) for n in self.names},
                             key=lambda k: (k[0], self.targets.index(k[1])))
         self._pair_set = set(self.pairs)
+        self._names = {((int(_NAME.match(n).group(1)), _NAME.match(n).group(2)), _NAME.match(n).group(3)): n
+                       for n in self.names}
         self.fan_in = {t: dims(cfg, t)[0] for t in self.targets}
         self.P = FlatStore(rt, self.shapes, "lora.params")
         self.G = FlatStore(rt, self.shapes, "lora.grads") if train else None
@@ -599,10 +647,14 @@ class LoraAdapter:
             lw = self._ws[ws.M] = LoraWorkspace(self, ws.M)
         return lw
 
+    def _name(self, key, which: str) -> str:
+        return self._names[(key, which)]
+
     def _salt(self, key) -> int:
         return key[0] * len(self.targets) + self.targets.index(key[1]) + 1
 
-    def forward(self, rec, ws, layer: int, target: str, x, out, *, train: bool, ldx=None, x_col: int = 0) -> None:
+    def forward(self, rec, ws, layer: int, target: str, x, out, *, train: bool, ldx=None, x_col: int = 0,
+                ldo=None, out_col: int = 0) -> None:
         """out[M, out] += s * (drop(x) A^T) B^T for this layer's adapted `target` (if any)."""
         from memengine.engine.kernels.lora import dropout, scale_
         from memengine.engine.kernels.matmul import linear_forward
@@ -612,7 +664,7 @@ class LoraAdapter:
             return
         K, N = dims(self.cfg, target)
         r, M = self.spec.r, ws.M
-        A, B = self.P.views[tensor_name(layer, target, "A")], self.P.views[tensor_name(layer, target, "B")]
+        A, B = self.P.views[self._name(key, "A")], self.P.views[self._name(key, "B")]
         lw = self.workspace(ws)
         t = lw.t[key]
         if train and self.dropout_on:
@@ -622,7 +674,7 @@ class LoraAdapter:
         linear_forward(rec, t, x, A, None, M=M, N=r, K=K, ldx=ldx, x_col=x_col)
         if self.spec.scaling != 1.0:
             scale_(rec, t, self.spec.scaling)
-        linear_forward(rec, out, t, B, None, M=M, N=N, K=r, acc=True)
+        linear_forward(rec, out, t, B, None, M=M, N=N, K=r, acc=True, ldo=ldo, out_col=out_col)
 
     def step(self, rec, layer: int, target: str, x, out) -> None:
         """Decoding, one token: out[out] += s * B (A x) for this layer's adapted `target`."""
@@ -635,13 +687,13 @@ class LoraAdapter:
         K, N = dims(self.cfg, target)
         r = self.spec.r
         t = self.rt.scratch(("lora.step", r), (r,))
-        matvec(rec, t, self.P.views[tensor_name(layer, target, "A")], x, rows=r, K=K)
+        matvec(rec, t, self.P.views[self._name(key, "A")], x, rows=r, K=K)
         if self.spec.scaling != 1.0:
             scale_(rec, t, self.spec.scaling)
-        matvec(rec, out, self.P.views[tensor_name(layer, target, "B")], t, rows=N, K=r, acc=True)
+        matvec(rec, out, self.P.views[self._name(key, "B")], t, rows=N, K=r, acc=True)
 
     def backward(self, rec, ws, layer: int, target: str, dout, x, dx, *, ldx=None, x_col: int = 0,
-                 lddx=None, dx_col: int = 0) -> None:
+                 lddx=None, dx_col: int = 0, lddo=None, dout_col: int = 0) -> None:
         """dx += the adapter's part of d(out)/dx; with training, dA and dB too (ACC)."""
         from memengine.engine.kernels.lora import dropout, scale_
         from memengine.engine.kernels.matmul import linear_backward
@@ -651,13 +703,13 @@ class LoraAdapter:
             return
         K, N = dims(self.cfg, target)
         r, M = self.spec.r, ws.M
-        nA, nB = tensor_name(layer, target, "A"), tensor_name(layer, target, "B")
+        nA, nB = self._name(key, "A"), self._name(key, "B")
         A, B = self.P.views[nA], self.P.views[nB]
         dA = self.G.views[nA] if self.train else None
         dB = self.G.views[nB] if self.train else None
         lw = self.workspace(ws)
         dt = self.rt.scratch(("lora.dt", M, r), (M, r))
-        linear_backward(rec, dt, dB, None, dout, lw.t[key], B, M=M, N=N, K=r)
+        linear_backward(rec, dt, dB, None, dout, lw.t[key], B, M=M, N=N, K=r, lddo=lddo, dout_col=dout_col)
         if self.spec.scaling != 1.0:
             scale_(rec, dt, self.spec.scaling)
         if self.dropout_on:

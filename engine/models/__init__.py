@@ -1,6 +1,7 @@
 """The architectures the engine runs, by `model_type` (config.json's key).
 
-Built in: Mamba-1 and Falcon-Mamba (engine/models/mamba1), Mamba-2 (engine/models/mamba2).  Another architecture is a
+Built in: Mamba-1 and Falcon-Mamba (engine/models/mamba1), Mamba-2 (engine/models/mamba2), the
+Mamba-2 + attention hybrids Granite 4.0-H (dense) and Bamba (engine/models/hybrid).  Another architecture is a
 module that calls `register(MyArchitecture())` when imported (engine/models/base.py says
 what it provides); the engine imports the modules named in MEMENGINE_MODELS (comma-separated
 module names) and those of the `memengine.models` entry-point group the first time it looks
@@ -21,7 +22,8 @@ ENV_MODELS = "MEMENGINE_MODELS"
 ENTRY_POINTS = "memengine.models"
 # model_type -> the module that registers it (imported on first use)
 BUILTIN = {"mamba": "memengine.engine.models.mamba1", "falcon_mamba": "memengine.engine.models.mamba1",
-           "mamba2": "memengine.engine.models.mamba2"}
+           "mamba2": "memengine.engine.models.mamba2",
+           "granitemoehybrid": "memengine.engine.models.hybrid", "bamba": "memengine.engine.models.hybrid"}
 
 _REGISTRY: dict = {}
 _loaded = False

@@ -43,7 +43,8 @@ class Block:
     def workspace_table(self, B: int, L: int, grad: bool, mixed: bool) -> dict:
         """name -> (shape, dtype, per_layer) of the layers' buffers for one (B, L): per-layer
         buffers are kept for every layer when `grad` (else one set, shared), others are one
-        buffer shared by all layers.  `mixed`: the f16 copies the products read."""
+        buffer shared by all layers; per_layer may be a list of layer indices (a hybrid's
+        buffers of one layer kind): then those layers' only, `ws.<name>[i]` None elsewhere.  `mixed`: the f16 copies the products read."""
         raise NotImplementedError
 
     def d16_elems(self, M: int) -> int:
@@ -158,6 +159,15 @@ class Architecture:
     def check_kernel_limits(self, cfg, source: str | None = None) -> None:
         """Refuse a shape the GPU kernels cannot run, before any upload."""
 
+    # -- the shell's multipliers (Granite's; 1 for the others)
+    def embedding_scale(self, cfg) -> float:
+        """h[0] = embedding_scale * embeddings[ids]."""
+        return 1.0
+
+    def logits_scale(self, cfg) -> float:
+        """logits = logits_scale * lm_head(norm_f(h)) (Granite: 1 / logits_scaling)."""
+        return 1.0
+
     # -- training
     def wsla_names(self, cfg, names: list) -> list:
         """The tensors `adapt` (WSLA) trains, among `names`."""
@@ -171,6 +181,12 @@ class Architecture:
     def lora_dims(self, cfg, target: str) -> tuple[int, int]:
         """(in_features, out_features) of a LoRA target layer."""
         raise NotImplementedError
+
+    def lora_module(self, cfg, layer: int, target: str):
+        """Where layer `layer` holds the LoRA target `target`, after the layer prefix (the
+        adapter's tensor names: `{LAYER_PREFIX}{layer}.{module}.lora_A.weight`), or None
+        when that layer has no such module (a hybrid's layers of the other kind)."""
+        return f"mixer.{target}"
 
     def block(self, cfg) -> Block:
         raise NotImplementedError

@@ -29,6 +29,7 @@ from memengine.engine import models
 from memengine.engine.errors import MemengineError
 from memengine.engine.kernels.cross_entropy import cross_entropy
 from memengine.engine.kernels.embedding import EmbeddingBackward, embedding_forward
+from memengine.engine.kernels.lora import scale_
 from memengine.engine.kernels.matmul import cast_f16, linear_backward, linear_forward
 from memengine.engine.kernels.reduce import sum_into
 from memengine.engine.kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
@@ -59,7 +60,8 @@ def workspace_shapes(cfg, B: int, L: int, grad: bool, max_binding: int, mixed: b
     chunk = logits_chunk_rows(max_binding, M, V)
     t = {"ids": ((M,), "i32", 1), "targets": ((M,), "i32", 1), "loss_scale": ((1,), "f32", 1),
          "loss_rows": ((M,), "f32", 1), "h": ((M, E), "f32", nl + 1 if grad else 2)}
-    t.update({name: (shape, dtype, per if per_layer else 1)
+    t.update({name: (shape, dtype, (min(per, len(per_layer)) if isinstance(per_layer, (list, tuple)) else per)
+                     if per_layer else 1)
               for name, (shape, dtype, per_layer) in block.workspace_table(B, L, grad, mixed).items()})
     t.update({"rstd_f": ((M,), "f32", 1), "hf": ((M, E), "f32", 1), "logits": ((chunk, V), "f32", 1)})
     if grad:  # the final norm's and the head's gradients, the embedding's scatter plan
@@ -85,11 +87,14 @@ class Workspace:
         shapes = workspace_shapes(c, B, L, grad, rt.max_binding, self.mixed, model.block)
         made = {name: [rt.empty(shape, dtype, name=f"{name}{i}") for i in range(copies)]
                 for name, (shape, dtype, copies) in shapes.items() if name != "embedding_csr"}
-        per_layer = {n for n, (_, _, per_layer) in model.block.workspace_table(B, L, grad, self.mixed).items()
-                     if per_layer}
+        per_layer = {n: p for n, (_, _, p) in model.block.workspace_table(B, L, grad, self.mixed).items() if p}
         for name, bufs in made.items():
             if name == "h":
                 self.h = [bufs[i % len(bufs)] for i in range(nl + 1)]
+            elif name in per_layer and isinstance(per_layer[name], (list, tuple)):   # those layers' only
+                layers = list(per_layer[name])
+                setattr(self, name, [(bufs[layers.index(i) % len(bufs)] if i in layers else None)
+                                     for i in range(nl)])
             elif name in per_layer:
                 setattr(self, name, [bufs[i % len(bufs)] for i in range(nl)])
             else:
@@ -186,6 +191,7 @@ class LanguageModel:
         self.names = list(self.shapes)
         self.gpu_shapes = {n: arch.gpu_shape(n, s) for n, s in self.shapes.items()}
         self.block = arch.block(config)
+        self.emb_scale, self.logit_scale = float(arch.embedding_scale(config)), float(arch.logits_scale(config))
         self.P = FlatStore(rt, self.gpu_shapes, "params")
         self.params = self.structured(self.P.views)
         self._G: FlatStore | None = None
@@ -343,12 +349,16 @@ class LanguageModel:
         c, p = self.cfg, self.params
         self.half.cast_weights(rec)
         embedding_forward(rec, ws.h[0], ws.ids, p.embeddings)
+        if self.emb_scale != 1.0:
+            scale_(rec, ws.h[0], self.emb_scale)
         for i in range(c.num_hidden_layers):
             self.block.forward(rec, self, ws, i, train=train)
             if after_layer is not None:
                 after_layer(rec, i)
             rec.boundary()  # a submission per layer while steps are slow (an interrupt acts within one)
         rmsnorm_forward(rec, ws.hf, ws.rstd_f, ws.h[-1], p.norm_f, c.layer_norm_epsilon)
+        if self.logit_scale != 1.0:   # logits = s * lm_head(hf): hf scaled (and its gradient below)
+            scale_(rec, ws.hf, self.logit_scale)
         self.half.act(rec, ws, "hf16", None, ws.hf)
 
     def head(self) -> Tensor:
@@ -400,11 +410,15 @@ class LanguageModel:
             return views[name]
 
         rec.clear(ws.dh)
+        if self.logit_scale != 1.0:
+            scale_(rec, ws.dhf, self.logit_scale)
         rmsnorm_backward(rec, ws.dh, grad(a.FINAL_NORM), ws.dhf, ws.h[-1], p.norm_f, ws.rstd_f)
         for i in reversed(range(c.num_hidden_layers)):
             self.block.backward(rec, self, ws, i, grad)
             rec.boundary()
         if a.EMBEDDINGS in trainable:
+            if self.emb_scale != 1.0:
+                scale_(rec, ws.dh, self.emb_scale)
             ws.emb_back.record(rec, self.grads.embeddings, ws.dh)
 
     # ------------------------------------------------------------------ conveniences

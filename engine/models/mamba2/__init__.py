@@ -15,13 +15,9 @@ from memengine.engine.errors import MemengineError
 from memengine.engine.kernels import conv1d, ssd
 from memengine.engine.models.base import Architecture
 from memengine.engine.models.mamba2.config import MODEL_TYPES, Mamba2Config, iter_expected_shapes
-from memengine.engine.runtime import BindingError, split
+from memengine.engine.models.ssd_mixer import plan_scratch as ssd_plan_scratch
 
 _LAYER = re.compile(r"backbone\.layers\.(\d{1,9})\.")
-
-
-def _buf(nbytes: int) -> int:
-    return max(16, (int(nbytes) + 15) // 16 * 16)
 
 
 class Mamba2(Architecture):
@@ -111,33 +107,7 @@ class Mamba2(Architecture):
         return out
 
     def plan_scratch(self, lim, cfg, B: int, L: int, kind: str) -> int:
-        H, P, N, G, K = cfg.num_heads, cfg.head_dim, cfg.state_size, cfg.n_groups, cfg.conv_kernel
-        Di, C = cfg.intermediate_size, cfg.conv_dim
-        grad = kind != "eval"
-        lanes = ssd.plan_lanes(lim, L, H, P, N, G)   # the 8-lane scan: no chunked-form scratch
-        total = 0 if lanes else 2 * _buf(16)   # the scan's stand-ins for bindings a product does not read
-        try:
-            seqs = split(lim, B, lambda nb: ssd.sequence_windows(nb, L, H, P, N, G),
-                         scratch=lambda nb: ssd.sequence_scratch(nb, L, H, P, N, G, grad, lanes))
-        except BindingError:
-            seqs = [(0, 1)]
-        for nb in sorted({nb for _, nb in seqs}):
-            total += sum(_buf(b) for b in ssd.sequence_scratch(nb, L, H, P, N, G, grad, lanes))
-        if not grad:
-            return total
-        total += _buf(4 * B * L * Di)  # the gated norm's weight-gradient terms
-        blocks = set()   # the column sums' block sums (dt_bias, the gated norm, A_log and D)
-        scan_sums = ([(H, ssd.lane_passes(N) * nb, P) for _, nb in seqs] + [(H, nb, P) for _, nb in seqs] if lanes
-                     else [(H, nb * ssd.n_chunks(L), 1) for _, nb in seqs])
-        for J, R, Pq in [(H, B * L, 1), (Di, B * L, 1)] + scan_sums:
-            blocks |= ssd.reduce_scratch(J, R, Pq, lim.max_binding)
-        total += sum(_buf(4 * n) for n in blocks)
-        if kind == "train":
-            nch = conv1d.partial_rows(B, L)
-            total += _buf(4 * nch * C * (K + 1)) + _buf(4 * C * K) + _buf(4 * C)
-        else:
-            total += _buf(4 * C)
-        return total
+        return ssd_plan_scratch(lim, cfg, B, L, kind)
 
     def plan_units(self, cfg, B: int, L: int, grad: bool, sequence: str = "at --seq-len {}") -> list:
         H, P, N, G = cfg.num_heads, cfg.head_dim, cfg.state_size, cfg.n_groups

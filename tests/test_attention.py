@@ -1,0 +1,136 @@
+"""The attention, RoPE and SwiGLU kernels (engine/kernels/attention.py, rope.py, swiglu.py)
+against torch autograd in float64: causal softmax attention with grouped KV heads (GQA
+ratios 1, 3 and 4), head dims 4..128, lengths past one key segment (so that the online
+softmax carries its state across dispatches), partial and full rotary dims, and the
+residual multiplier folded into the output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from memengine.engine.errors import MemengineError  # noqa: E402
+from memengine.engine.kernels import attention, rope, swiglu  # noqa: E402
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def torch_attention(q, k, v, B, L, Hq, Hkv, D, scale):
+    q = q.reshape(B, L, Hq, D).transpose(1, 2)
+    k = k.reshape(B, L, Hkv, D).transpose(1, 2).repeat_interleave(Hq // Hkv, dim=1)
+    v = v.reshape(B, L, Hkv, D).transpose(1, 2).repeat_interleave(Hq // Hkv, dim=1)
+    s = (q @ k.transpose(2, 3)) * scale
+    mask = torch.triu(torch.ones(L, L, dtype=torch.bool), 1)
+    s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, -1)
+    lse = torch.logsumexp(s, -1)                       # [B, Hq, L]
+    o = (p @ v).transpose(1, 2).reshape(B * L, Hq * D)
+    return o, lse.permute(0, 2, 1).reshape(B * L, Hq)
+
+
+CASES = [   # B, L, Hq, Hkv, D, segment budget (None: the default)
+    (2, 7, 3, 1, 4, None),
+    (1, 37, 6, 2, 12, 100),     # GQA 3, several key segments of a few keys
+    (2, 19, 4, 4, 8, 60),
+    (1, 70, 8, 2, 128, 3000),   # the real head_dim, GQA 4, segments of ~23 keys
+]
+
+
+@pytest.mark.parametrize("B,L,Hq,Hkv,D,budget", CASES)
+def test_attention_forward_backward_against_torch(rt, monkeypatch, B, L, Hq, Hkv, D, budget):
+    if budget is not None:
+        monkeypatch.setattr(attention, "LOOP_BUDGET", budget)
+    M = B * L
+    g = torch.Generator().manual_seed(B * 100 + L)
+    q = torch.randn(M, Hq * D, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(M, Hkv * D, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(M, Hkv * D, dtype=torch.float64, generator=g, requires_grad=True)
+    do = torch.randn(M, Hq * D, dtype=torch.float64, generator=g)
+    scale, r = 0.7 / D ** 0.5, 1.7
+    o_ref, lse_ref = torch_attention(q, k, v, B, L, Hq, Hkv, D, scale)
+    (o_ref * do).sum().backward()
+    f32 = lambda t: t.detach().numpy().astype(np.float32)
+    tq, tk, tv = rt.upload(f32(q)), rt.upload(f32(k)), rt.upload(f32(v))
+    to, tl, ts = rt.empty((M, Hq * D)), rt.empty((M, Hq)), rt.empty((M, Hq))
+    rec = rt.recorder()
+    attention.attention_forward(rec, to, tl, tq, tk, tv, ts, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, scale=scale)
+    rec.submit()
+    o, lse = rt.read(to).reshape(M, Hq * D), rt.read(tl).reshape(M, Hq)
+    assert rel(o, o_ref.detach().numpy()) < 1e-5 and rel(lse, lse_ref.detach().numpy()) < 1e-5
+    # the backward from o scaled by r (the residual multiplier folded in), do / r given
+    tos = rt.upload((o * r).astype(np.float32))
+    tdo = rt.upload(f32(do))
+    dq, dk, dv, delta = rt.empty((M, Hq * D)), rt.empty((M, Hkv * D)), rt.empty((M, Hkv * D)), rt.empty((M, Hq))
+    rec = rt.recorder()
+    attention.attention_backward(rec, dq, dk, dv, delta, tdo, tos, tl, tq, tk, tv, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D,
+                                 scale=scale, o_scale=r)
+    rec.submit()
+    for name, ours, ref in (("dq", dq, q.grad), ("dk", dk, k.grad), ("dv", dv, v.grad)):
+        e = rel(rt.read(ours).reshape(ref.shape), ref.numpy())
+        print(f"  {name} max rel err {e:.2e}")
+        assert e < 1e-4, name
+
+
+def test_attention_refuses_head_dims_it_does_not_run():
+    for D, hq, hkv in ((6, 2, 1), (260, 2, 2), (8, 4, 3)):
+        with pytest.raises(MemengineError) as e:
+            attention.check_shape(D, hq, hkv, "cfg.json")
+        assert "\n" not in str(e.value) and "cfg.json" in str(e.value)
+
+
+@pytest.mark.parametrize("D,R", [(8, 8), (12, 6), (16, 8)])
+def test_rope_forward_backward_against_transformers(rt, D, R):
+    from transformers.models.bamba.modeling_bamba import apply_rotary_pos_emb
+
+    B, L, H, theta, off = 2, 9, 3, 500.0, 5
+    table = rope.rope_table(L + off, R, theta)
+    inv = torch.tensor(rope.inv_freq(R, theta))
+    pos = torch.arange(L, dtype=torch.float32)
+    freqs = pos[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().double()[None], emb.sin().double()[None]
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(B, H, L, D, dtype=torch.float64, generator=g, requires_grad=True)
+    y_ref, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    dy = torch.randn(B, H, L, D, dtype=torch.float64, generator=g)
+    (y_ref * dy).sum().backward()
+    flat = lambda t: t.detach().permute(0, 2, 1, 3).reshape(B * L, H * D).numpy().astype(np.float32)
+    tt = rt.upload(table)
+    tx = rt.upload(flat(x))
+    rec = rt.recorder()
+    rope.rope_forward(rec, tx, tt, rows=B * L, L=L, heads=H, D=D, R=R, ld=H * D)
+    rec.submit()
+    assert rel(rt.read(tx).reshape(B * L, H * D), flat(y_ref)) < 1e-6
+    td = rt.upload(flat(dy))
+    rec = rt.recorder()
+    rope.rope_backward(rec, td, tt, rows=B * L, L=L, heads=H, D=D, R=R, ld=H * D)
+    rec.submit()
+    assert rel(rt.read(td).reshape(B * L, H * D), flat(x.grad)) < 1e-6
+    # a decode step at position off + 2 is the table's row off + 2
+    one = rt.upload(flat(x)[2:3])
+    rec = rt.recorder()
+    rope.rope_forward(rec, one, tt, rows=1, L=1, heads=H, D=D, R=R, ld=H * D, pos0=2)
+    rec.submit()
+    np.testing.assert_allclose(rt.read(one).reshape(-1), rt.read(tx).reshape(B * L, H * D)[2], rtol=1e-6, atol=1e-6)
+
+
+def test_swiglu_against_torch(rt):
+    rows, I, r = 7, 5, 0.6
+    g = torch.Generator().manual_seed(3)
+    gu = torch.randn(rows, 2 * I, dtype=torch.float64, generator=g, requires_grad=True)
+    out_ref = r * torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+    dout = torch.randn(rows, I, dtype=torch.float64, generator=g)
+    (out_ref * dout).sum().backward()
+    tg = rt.upload(gu.detach().numpy().astype(np.float32))
+    to, tdg = rt.empty((rows, I)), rt.empty((rows, 2 * I))
+    rec = rt.recorder()
+    swiglu.swiglu_forward(rec, to, tg, rows=rows, I=I, r=r)
+    swiglu.swiglu_backward(rec, tdg, rt.upload(dout.numpy().astype(np.float32)), tg, rows=rows, I=I, r=r)
+    rec.submit()
+    assert rel(rt.read(to).reshape(rows, I), out_ref.detach().numpy()) < 1e-6
+    assert rel(rt.read(tdg).reshape(rows, 2 * I), gu.grad.numpy()) < 1e-6
