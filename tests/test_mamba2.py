@@ -388,6 +388,37 @@ def test_cli_init_train_eval_equals_transformers(tmp_path):
     assert got["tokens"] == n and abs(got["loss"] - want) < 1e-5 * want
 
 
+def test_adapt_from_a_trained_checkpoint_and_its_resume(tmp_path):
+    """adapt from CKPT whose optimizer.safetensors came from full training (moments of all of
+    in_proj: adapt takes the rows it trains), and --resume of such an adapt run (moments of
+    those rows only), bit-identical to the run not interrupted; the other rows untouched.
+    Both were an internal error / a refusal before."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    (tmp_path / "c.json").write_text(json.dumps(TINY))
+    data = tmp_path / "d.txt"
+    data.write_text(TEXT)
+    assert _cli("init", tmp_path / "c.json", "-o", tmp_path / "m").exit_code == 0
+    args = ("--data", data, "--seq-len", 16, "--max-steps", 4)
+    res = _cli("train", tmp_path / "m", *args[:-2], "--max-steps", 2, "-o", tmp_path / "t")
+    assert res.exit_code == 0, res.stderr
+    assert (tmp_path / "t" / "optimizer.safetensors").exists()
+    res = _cli("adapt", tmp_path / "t", *args, "--save-every", 2, "-o", tmp_path / "a")
+    assert res.exit_code == 0, res.stderr
+    res = _cli("adapt", tmp_path / "t", *args, "--save-every", 2, "-o", tmp_path / "b",
+               "--resume", tmp_path / "a" / "checkpoints" / "step-2")
+    assert res.exit_code == 0, res.stderr
+    a, b, t = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("a", "b", "t"))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    cfg = Mamba2Config(**{k: v for k, v in TINY.items() if k != "model_type"})
+    r0 = 2 * cfg.intermediate_size
+    for k in a:
+        if k.endswith("in_proj.weight"):
+            assert np.array_equal(a[k][:r0], t[k][:r0]) and not np.array_equal(a[k][r0:], t[k][r0:])
+
+
 def test_cli_refusals_are_one_line(tmp_path):
     import json
 

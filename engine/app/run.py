@@ -413,8 +413,15 @@ class _Run:
 
         shapes = ({n: tuple(a.shape) for n, a in run_lora.tensors.items()} if run_lora is not None and run_lora.train
                   else models.of(self.ckpt.config).shapes(self.ckpt.config))
+        rows = {}   # adapt's row ranges (Mamba-2: in_proj's B, C, dt rows): an adapt run's moments
+        if self.o.WSLA and run_lora is None:
+            arch = models.of(self.ckpt.config)
+            for n, shape in shapes.items():
+                rr = arch.wsla_rows(self.ckpt.config, n)
+                if rr is not None:
+                    rows[n] = (rr[1],) + tuple(shape[1:])
         opt_file = opt_dir / optim_state.OPTIMIZER_FILE if opt_dir is not None else None
-        opt_state = optim_state.load(opt_file, shapes) if opt_file is not None else None
+        opt_state = optim_state.load(opt_file, shapes, rows) if opt_file is not None else None
         if snap is not None and opt_state is None:
             raise MemengineError(f"--resume {snap.dir}: no {optim_state.OPTIMIZER_FILE}; cannot continue exactly")
         return opt_state, opt_file

@@ -19,11 +19,12 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 FORMAT = "memengine-adamw"
 
 
-def load(path: Path, model) -> dict | None:
+def load(path: Path, model, rows: dict | None = None) -> dict | None:
     """The state in `path` (None when there is no file), checked against the model's tensor
-    shapes (`model`: name -> shape, or a model with `.shapes`): names, pairs, shapes and
-    dtypes from the header (strict, engine/safetensors_io.py) before any data is read, then
-    the values, all before any use."""
+    shapes (`model`: name -> shape, or a model with `.shapes`; `rows`: name -> the shape of
+    the rows an adapt run trains of it, which its moments may have too): names, pairs, shapes
+    and dtypes from the header (strict, engine/safetensors_io.py) before any data is read,
+    then the values, all before any use."""
     p = Path(path)
     if not os.path.lexists(p):
         return None
@@ -33,12 +34,12 @@ def load(path: Path, model) -> dict | None:
         hdr = read_header(p)  # a FIFO, a device or a malformed header is refused here
     except MemengineError as e:
         raise MemengineError(f"{p}: cannot read optimizer state ({e}){HINT}") from None
-    check_header({k: (i.shape, i.dtype) for k, i in hdr.tensors.items()}, model, str(p))
+    check_header({k: (i.shape, i.dtype) for k, i in hdr.tensors.items()}, model, str(p), rows)
     try:
         state, _, _ = read_safetensors(p)
     except MemengineError as e:
         raise MemengineError(f"{p}: cannot read optimizer state ({e}){HINT}") from None
-    check(state, model, str(p))
+    check(state, model, str(p), rows)
     return state
 
 
@@ -64,7 +65,7 @@ def _gpu_shape(name: str, shape: tuple) -> tuple:
     return tuple(shape[:1]) + tuple(shape[2:]) if name.endswith("conv1d.weight") else tuple(shape)
 
 
-def check_header(entries: dict, model, where: str) -> None:
+def check_header(entries: dict, model, where: str, rows: dict | None = None) -> None:
     """Every entry (name -> (shape, safetensors dtype)) is '__step__' (one number),
     '__loss_scale__' (--precision mixed: three F32 numbers) or one of
     a pair of F32 moments ('<tensor>.exp_avg', '<tensor>.exp_avg_sq') of a tensor of the
@@ -97,7 +98,8 @@ def check_header(entries: dict, model, where: str) -> None:
             raise _bad(where, key, f"is for tensor '{name}', which this model does not have (the state belongs "
                                    "to another model)")
         want = shapes[name]
-        if shape not in (want, _gpu_shape(name, want)):
+        part = tuple(int(d) for d in (rows or {}).get(name, want))
+        if shape not in (want, _gpu_shape(name, want), part):
             raise _bad(where, key, f"has shape {list(shape)}; the model's tensor '{name}' has {list(want)} (the "
                                    "state belongs to another model)")
         if str(dtype).upper() not in ("F32", "FLOAT32"):
@@ -108,14 +110,14 @@ def check_header(entries: dict, model, where: str) -> None:
                              f"bias correction needs){HINT}")
 
 
-def check(state: dict, model, where: str) -> None:
+def check(state: dict, model, where: str, rows: dict | None = None) -> None:
     """`check_header` on the arrays, then the values: '__step__' a finite integer >= 0,
     moments finite, second moments >= 0."""
     def st_dtype(a) -> str:  # numpy's dtype under its safetensors name (F32, I64, ...)
         d = np.asarray(a).dtype
         return f"{'F' if d.kind == 'f' else 'I' if d.kind == 'i' else 'U' if d.kind == 'u' else d.name}{8 * d.itemsize}"
 
-    check_header({k: (np.shape(a), st_dtype(a)) for k, a in state.items()}, model, where)
+    check_header({k: (np.shape(a), st_dtype(a)) for k, a in state.items()}, model, where, rows)
     for key in sorted(state):
         arr = np.asarray(state[key])
         if key == LOSS_SCALE_KEY:

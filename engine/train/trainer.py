@@ -145,7 +145,21 @@ class Trainer:
                                      "be adapted here")
             self.params[n] = self.params[n].view((nr,) + shape[1:], r0 * width)
             self.grads[n] = full_g.view((nr,) + shape[1:], r0 * width)
+            self._moment_rows(n, shape, r0, nr)
             self._norm_views = [self.grads[n] if v is full_g else v for v in self._norm_views]
+
+    def _moment_rows(self, name: str, shape: tuple, r0: int, nr: int) -> None:
+        """Moments of the whole tensor (CKPT's optimizer state from full training): keep the
+        rows adapt trains, as the moments of those rows."""
+        mv = self.opt.moments.get(name)
+        if mv is None or mv[0].numel != int(np.prod(shape)) or name in self.opt._flat_names:
+            return
+        rt = self.model.rt
+        rows = [rt.read(t).reshape(shape)[r0:r0 + nr] for t in mv]
+        for t in mv:
+            rt.free(t)
+        self.opt.moments[name] = tuple(rt.upload(np.ascontiguousarray(a, np.float32), name=f"{name}.{k}")
+                                       for a, k in zip(rows, ("exp_avg", "exp_avg_sq")))
 
     def optimizer_state(self) -> dict:
         """The moments by name (with --shard-moments gathered from their ranks: every rank
