@@ -76,13 +76,11 @@ class Runtime:
     for MEMENGINE_BACKEND or auto); `device` is the device it made, whose objects follow
     wgpu-py's API."""
 
-    def __init__(self, device: str = "auto", verbose: bool = False, backend: str | None = None,
-                 tensor_cores: bool = False):
-        found: dict = {}
-        self.backend, self.adapter = open_adapter(backend, device, verbose, tensor_cores=tensor_cores, found=found)
+    def __init__(self, device: str = "auto", verbose: bool = False, backend: str | None = None):
+        self.backend, self.adapter = open_adapter(backend, device, verbose)
         # --backend auto passed over Dawn's f16 subgroup matrices (a run without --precision
-        # mixed; get_runtime sets it for the runtime it resolved auto to)
-        self.dawn_tensor_cores = bool(found.get("dawn_tensor_cores"))
+        # mixed): get_runtime sets it on the runtime it resolved auto to
+        self.dawn_tensor_cores = False
         b = self.backend
         self.verbose = verbose
         info = b.adapter_info(self.adapter)
@@ -496,20 +494,21 @@ def get_runtime(device: str | None = None, verbose: bool = False, backend: str |
     run of `precision` (auto takes Dawn's tensor cores for "mixed" only)."""
     request = device or os.environ.get("MEMENGINE_DEVICE", "auto")
     which = backend_request(backend)
-    found: dict = {}
+    dawn_tc = False
     if which == AUTO:   # the backend auto resolves to for this run, once per process
         rkey = (request, precision == "mixed")
         if rkey not in _AUTO:
+            found: dict = {}
             b, _ = open_adapter(AUTO, request, verbose, tensor_cores=precision == "mixed", found=found)
             _AUTO[rkey] = (b.name, bool(found.get("dawn_tensor_cores")))
         which, dawn_tc = _AUTO[rkey]
-        found = {"dawn_tensor_cores": dawn_tc}
     key = (request, which)
     rt = _RUNTIMES.get(key)
     if rt is None:
         rt = Runtime(request, verbose, which)
-        rt.dawn_tensor_cores = bool(found.get("dawn_tensor_cores")) and not rt.has_subgroup_matrix
         _RUNTIMES[key] = rt
     else:
         rt.apply_env_limits()
+    if dawn_tc and not rt.has_subgroup_matrix:
+        rt.dawn_tensor_cores = True
     return rt
