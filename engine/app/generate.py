@@ -296,29 +296,18 @@ def read_prompt(value: str, stdin=None) -> str:
     if value != "-":
         return value
     import contextlib
-    import os
     import sys
 
-    from memengine.engine import interrupts
+    from memengine.engine.io import tokens
 
     stream = stdin if stdin is not None else getattr(sys.stdin, "buffer", sys.stdin)
     fd = None
     if stdin is None:
         with contextlib.suppress(AttributeError, OSError, ValueError):
             fd = stream.fileno()
-    parts, n = [], 0
-    while True:
-        interrupts.check()
-        raw = os.read(fd, 1 << 20) if fd is not None else stream.read(1 << 20)
-        if isinstance(raw, str):
-            raw = raw.encode("utf-8")
-        if not raw:
-            break
-        n += len(raw)
-        if n > PROMPT_MAX_BYTES:
-            raise MemengineError(f"--prompt -: more than {PROMPT_MAX_BYTES:,} bytes on stdin; a prompt is text, "
-                                 "and a model's prompt pass holds far less")
-        parts.append(raw)
+    parts = list(tokens.stream_pieces(fd if fd is not None else stream, PROMPT_MAX_BYTES, lambda: (
+        f"--prompt -: more than {PROMPT_MAX_BYTES:,} bytes on stdin; a prompt is text, and a model's prompt pass "
+        "holds far less")))
     return decode_utf8(b"".join(parts), "--prompt -: stdin")
 
 

@@ -253,6 +253,24 @@ def split_file(d: Path, split: str, flag: str = "--data", required: bool = True)
     return None
 
 
+def stream_pieces(stream, cap: int, too_much: Callable[[], str], piece: int = 1 << 20) -> Iterator[bytes]:
+    """The bytes of `stream` (a file descriptor, or a file object of bytes or text) in pieces
+    of at most `piece`, an interrupt check before each read; more than `cap` bytes in all is
+    one MemengineError, `too_much()`'s line."""
+    n = 0
+    while True:
+        interrupts.check()
+        raw = os.read(stream, piece) if isinstance(stream, int) else stream.read(piece)
+        if isinstance(raw, str):
+            raw = raw.encode("utf-8")
+        if not raw:
+            return
+        n += len(raw)
+        if n > cap:
+            raise MemengineError(too_much())
+        yield raw
+
+
 def _spool(stream, name: str, on_task: Optional[Callable]) -> Source:
     """Copy a stream (stdin, a FIFO) into a spool file of the cache, hashing it: in pieces,
     at most `stream_cap` bytes, an interrupt check between pieces."""
@@ -265,20 +283,10 @@ def _spool(stream, name: str, on_task: Optional[Callable]) -> Source:
     meter = TaskMeter(on_task, f"reading {name}", None, "bytes")
     try:
         with os.fdopen(fd, "wb") as out:
-            while True:
-                interrupts.check()
-                if isinstance(stream, int):
-                    raw = os.read(stream, PIECE)
-                else:
-                    raw = stream.read(PIECE)
-                    if isinstance(raw, str):
-                        raw = raw.encode("utf-8")
-                if not raw:
-                    break
+            for raw in stream_pieces(stream, cap, lambda: (
+                    f"{name}: more than {cap:,} bytes were piped in (MEMENGINE_MAX_STREAM_BYTES, and at most a "
+                    "third of the cache disk's free space); give a file instead"), PIECE):
                 n += len(raw)
-                if n > cap:
-                    raise MemengineError(f"{name}: more than {cap:,} bytes were piped in (MEMENGINE_MAX_STREAM_BYTES, "
-                                         "and at most a third of the cache disk's free space); give a file instead")
                 out.write(raw)
                 h.update(raw)
                 meter.update(n)
