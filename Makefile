@@ -2,7 +2,7 @@
 # Vulkan driver when there is no GPU adapter, and a project virtualenv in .venv, so the
 # system Python is never modified).
 #   make demo   tiny model, bundled text: init, train, adapt, quantize, eval, generate
-#   make test   the whole test suite (the oracle is transformers' MambaForCausalLM)
+#   make test   the whole test suite (the oracles are transformers' Mamba, Mamba2 and hybrid models)
 #   make test-slow  the tests marked slow (minutes on a software adapter: real model sizes, and
 #                   llama.cpp running exported GGUF files)
 #   make test-dawn  the GPU tests again through the Dawn backend (MEMENGINE_BACKEND=dawn), on Mesa
