@@ -1,3 +1,4 @@
+// requires: subgroups, wg_reduce
 // Mamba-2's SSD layer pieces around the scan (shaders/ssd_scan.wgsl): the dt transform, sums
 // of partials, the gated RMS norm per group and the recurrent decode step
 // (engine/kernels/ssd.py says what each writes).
@@ -10,6 +11,11 @@ struct SP { B: u32, L: u32, H: u32, P: u32, N: u32, G: u32, Q: u32, NC: u32,
             C: u32, Di: u32, W: u32, nrows: u32,
             o0: u32, o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32,
             lo: f32, hi: f32, eps: f32, acc: u32 }
+
+// invocations per (row, group) of the gated norm (engine/kernels/ssd.py: fewer on CPU
+// adapters, as the row kernels of rmsnorm); SG8: those are one subgroup of 8 (shuffles)
+override WG: u32 = 256u;
+override SG8: bool = false;
 
 fn dsilu(p: f32) -> f32 { let s = sigmoid(p); return s * (1.0 + p * (1.0 - s)); }
 fn dsoftplus(x: f32) -> f32 { if (x > 20.0) { return 1.0; } return sigmoid(x); }
@@ -85,6 +91,8 @@ fn ssd_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 // ---------------------------------------------------------------- gated RMS norm per group
 // v = y * silu(z) (z = zxbcdt[:, 0:Di]); per (m, group of S = Di/G channels):
 // rstd = 1/sqrt(mean(v^2) + eps); out = w * (v * rstd)
+// One workgroup of WG invocations per (m, g) = workgroup index i = m*G + g; invocation l
+// takes channels l, l + WG, ... of the group (coalesced), the sums by wg_reduce.
 @group(0) @binding(0) var<storage, read_write> n_out: array<f32>;
 @group(0) @binding(1) var<storage, read_write> n_rstd: array<f32>;
 @group(0) @binding(2) var<storage, read> n_y: array<f32>;
@@ -92,32 +100,33 @@ fn ssd_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 @group(0) @binding(4) var<storage, read> n_w: array<f32>;
 @group(0) @binding(5) var<uniform> UN: SP;
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn gnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                 @builtin(local_invocation_index) lid: u32) {
+                 @builtin(local_invocation_index) l: u32) {
     let u = UN;
-    let i = lin(wid, nwg, lid);
+    let i = wid.x + wid.y * nwg.x;
     if (i >= u.nrows * u.G) { return; }
     let m = i / u.G;
-    let g = i % u.G;
     let S = u.Di / u.G;
+    let yb = u.o2 + m * u.Di + (i % u.G) * S;
+    let zb = u.o3 + m * u.W + (i % u.G) * S;
     var ss = 0.0;
-    for (var j = 0u; j < S; j++) {
-        let c = g * S + j;
-        let v = n_y[u.o2 + m * u.Di + c] * silu(n_zx[u.o3 + m * u.W + c]);
+    for (var j = l; j < S; j += WG) {
+        let v = n_y[yb + j] * silu(n_zx[zb + j]);
         ss += v * v;
     }
-    let r = inverseSqrt(ss / f32(S) + u.eps);
-    n_rstd[u.o1 + i] = r;
-    for (var j = 0u; j < S; j++) {
-        let c = g * S + j;
-        let v = n_y[u.o2 + m * u.Di + c] * silu(n_zx[u.o3 + m * u.W + c]);
-        n_out[u.o0 + m * u.Di + c] = n_w[u.o4 + c] * (v * r);
+    let r = inverseSqrt(wg_sum(ss, l) / f32(S) + u.eps);
+    if (l == 0u) { n_rstd[u.o1 + i] = r; }
+    let ob = u.o0 + m * u.Di + (i % u.G) * S;
+    let wb = u.o4 + (i % u.G) * S;
+    for (var j = l; j < S; j += WG) {
+        let v = n_y[yb + j] * silu(n_zx[zb + j]);
+        n_out[ob + j] = n_w[wb + j] * (v * r);
     }
 }
 
 // dy[m, c] (WRITE), dz -> dzxbcdt[m, c] (WRITE), part[m * Di + c] = dout * v * rstd (the
-// weight gradient's terms, summed by ssd_reduce)
+// weight gradient's terms, summed by ssd_reduce); a workgroup per (m, g) as the forward's
 @group(0) @binding(0) var<storage, read> nb_dout: array<f32>;
 @group(0) @binding(1) var<storage, read> nb_y: array<f32>;
 @group(0) @binding(2) var<storage, read> nb_zx: array<f32>;
@@ -128,33 +137,33 @@ fn gnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
 @group(0) @binding(7) var<storage, read_write> nb_part: array<f32>;
 @group(0) @binding(8) var<uniform> UNB: SP;
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn gnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                  @builtin(local_invocation_index) lid: u32) {
+                  @builtin(local_invocation_index) l: u32) {
     let u = UNB;
-    let i = lin(wid, nwg, lid);
+    let i = wid.x + wid.y * nwg.x;
     if (i >= u.nrows * u.G) { return; }
     let m = i / u.G;
-    let g = i % u.G;
     let S = u.Di / u.G;
     let r = nb_rstd[u.o4 + i];
+    let cb = (i % u.G) * S;          // the group's first channel
+    let yb = m * u.Di + cb;          // (row offsets of y, dout, dy and part, before their o*)
+    let zb = m * u.W + cb;
     var s1 = 0.0;
-    for (var j = 0u; j < S; j++) {
-        let c = g * S + j;
-        let v = nb_y[u.o1 + m * u.Di + c] * silu(nb_zx[u.o2 + m * u.W + c]);
-        s1 += nb_dout[u.o0 + m * u.Di + c] * nb_w[u.o3 + c] * v;
+    for (var j = l; j < S; j += WG) {
+        let v = nb_y[u.o1 + yb + j] * silu(nb_zx[u.o2 + zb + j]);
+        s1 += nb_dout[u.o0 + yb + j] * nb_w[u.o3 + cb + j] * v;
     }
-    let k = r * r * r * s1 / f32(S);
-    for (var j = 0u; j < S; j++) {
-        let c = g * S + j;
-        let z = nb_zx[u.o2 + m * u.W + c];
-        let y = nb_y[u.o1 + m * u.Di + c];
+    let k = r * r * r * wg_sum(s1, l) / f32(S);
+    for (var j = l; j < S; j += WG) {
+        let z = nb_zx[u.o2 + zb + j];
+        let y = nb_y[u.o1 + yb + j];
         let v = y * silu(z);
-        let go = nb_dout[u.o0 + m * u.Di + c];
-        let dv = r * go * nb_w[u.o3 + c] - v * k;
-        nb_dy[u.o5 + m * u.Di + c] = dv * silu(z);
-        nb_dzx[u.o6 + m * u.W + c] = dv * y * dsilu(z);
-        nb_part[u.o7 + m * u.Di + c] = go * v * r;
+        let go = nb_dout[u.o0 + yb + j];
+        let dv = r * go * nb_w[u.o3 + cb + j] - v * k;
+        nb_dy[u.o5 + yb + j] = dv * silu(z);
+        nb_dzx[u.o6 + zb + j] = dv * y * dsilu(z);
+        nb_part[u.o7 + yb + j] = go * v * r;
     }
 }
 

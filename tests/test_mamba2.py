@@ -774,3 +774,42 @@ def test_info_of_a_built_in_shape_prints_the_plans_of_every_kind():
     assert p["lora"]["total_bytes"] < p["adapt"]["total_bytes"] < p["train"]["total_bytes"]
     human = run("info", "mamba-codestral-7b", "--seq-len", 2048, "--batch-size", 1)
     assert human.exit_code == 0 and "lora (r 8)" in human.stdout and "memengine init" in human.stdout
+
+
+@pytest.mark.parametrize("row_wg", ["gpu", "cpu"])
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "rows"])
+@pytest.mark.parametrize("M,H,P,G", [(37, 4, 12, 2), (5, 24, 64, 1), (9, 5, 8, 5), (3, 8, 40, 4)])
+def test_gated_norm_kernels_against_torch(rt, monkeypatch, M, H, P, G, lanes, row_wg):
+    """The gated RMS norm per group, forward (out, rstd) and backward (dy, dz, dweight),
+    against torch autograd: a workgroup per (row, group) of GPU width or CPU width (one group
+    of 1536 channels among them, more than a workgroup's invocations), and the 8-lane rows."""
+    import torch
+
+    from memengine.engine.kernels import ssd
+
+    monkeypatch.setattr(rt.kernels, "ssd_lanes", lanes)
+    monkeypatch.setattr(rt.kernels, "row_workgroup", row_wg)
+    Di, N, eps = H * P, 3, 1e-5
+    W = 2 * Di + 2 * G * N + H
+    rng = np.random.default_rng(1)
+    y, zx = rng.standard_normal((M, Di)).astype(np.float32), rng.standard_normal((M, W)).astype(np.float32)
+    w, dout = rng.uniform(0.5, 1.5, Di).astype(np.float32), rng.standard_normal((M, Di)).astype(np.float32)
+    ty, tz, tw = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (y, zx[:, :Di], w))
+    v = (ty * torch.nn.functional.silu(tz)).reshape(M, G, Di // G)
+    rstd_r = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    out_r = (v * rstd_r).reshape(M, Di) * tw
+    out_r.backward(torch.tensor(dout, dtype=torch.float64))
+    t = {k: rt.upload(a) for k, a in dict(y=y, zx=zx, w=w, dout=dout).items()}
+    out, rstd = rt.zeros((M * Di,)), rt.zeros((M * G,))
+    dy, dzx, dw = rt.zeros((M * Di,)), rt.zeros((M * W,)), rt.zeros((Di,))
+    rec = rt.recorder()
+    ssd.gnorm_forward(rec, out, rstd, t["y"], t["zx"], t["w"], eps, M=M, Di=Di, G=G, W=W)
+    ssd.gnorm_backward(rec, dy, dzx, dw, t["dout"], t["y"], t["zx"], t["w"], rstd, M=M, Di=Di, G=G, W=W)
+    rec.submit()
+    errs = {"out": rel(rt.read(out).reshape(M, Di), out_r.detach().numpy()),
+            "rstd": rel(rt.read(rstd).reshape(M, G), rstd_r.detach().numpy().reshape(M, G)),
+            "dy": rel(rt.read(dy).reshape(M, Di), ty.grad.numpy()),
+            "dz": rel(rt.read(dzx).reshape(M, W)[:, :Di], tz.grad.numpy()),
+            "dweight": rel(rt.read(dw), tw.grad.numpy())}
+    assert max(errs.values()) < 1e-5, errs
+    assert not rt.read(dzx).reshape(M, W)[:, Di:].any()   # the gate's columns only

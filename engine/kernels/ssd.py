@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import struct
 
-from memengine.engine.kernels.lanes import cpu_lanes, is_cpu
+from memengine.engine.kernels.lanes import cpu_lanes, is_cpu, row_workgroup
 from memengine.engine.runtime import Recorder, Tensor, bound, cdiv, rows, span, split
 
 Q = 64          # steps per chunk of the SSD (its matrix form within, its state passed between)
@@ -408,7 +408,7 @@ def gnorm_forward(rec: Recorder, out: Tensor, rstd: Tensor, y: Tensor, zxbcdt: T
         if _gnorm_lanes(rt, Di, G, W, bs, skip=(1,)):
             rec.dispatch("ssd_lanes", "gnorm_lanes_forward", b, n * G)
         else:
-            rec.dispatch("ssd", "gnorm_forward", b, cdiv(n * G, WG))
+            rec.dispatch("ssd", "gnorm_forward", b, n * G, row_workgroup(rt, Di // G, WG))
 
 
 def gnorm_backward(rec: Recorder, dy: Tensor, dzxbcdt: Tensor, dweight: Tensor | None, dout: Tensor, y: Tensor,
@@ -425,7 +425,7 @@ def gnorm_backward(rec: Recorder, dy: Tensor, dzxbcdt: Tensor, dweight: Tensor |
         if _gnorm_lanes(rt, Di, G, W, bs, skip=(4,)):
             rec.dispatch("ssd_lanes", "gnorm_lanes_backward", b, n * G)
         else:
-            rec.dispatch("ssd", "gnorm_backward", b, cdiv(n * G, WG))
+            rec.dispatch("ssd", "gnorm_backward", b, n * G, row_workgroup(rt, Di // G, WG))
         if dweight is not None:
             reduce(rec, dweight, part, J=Di, R=n, stride=Di, P=1, acc=True)
 
