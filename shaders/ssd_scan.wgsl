@@ -1,9 +1,286 @@
-// requires: ssd_ops
 // Mamba-2's SSD scan in its chunked form (the state-space dual): forward and backward.
-// engine/kernels/ssd.py says what each entry point writes and in which order they run;
-// shaders/ssd_ops.wgsl has the formulas, the products' operands (a_at, b_at) and stores.
+// engine/kernels/ssd.py says what each entry point writes and in which order they run.
+//
+// Letters: H heads, P head_dim, Di = H*P, G groups (head h reads group g = h / HG, HG = H/G),
+// N state, C = Di + 2GN (xbc's columns: x | B | C), Q steps per chunk, NC = ceil(L/Q).
+// Within a sequence b, chunk c holds steps t = c*Q + i (i < Q; a step with t >= L is padding:
+// it reads zeros).  Rows m = b*L + t.  a[b,c,h,i] = A_h * sum_{k<=i} dt (the chunk's decay
+// logs, `acs`; padding repeats the last), A = -exp(A_log), last = a[.., Q-1].
+//
+//   S[c+1]    = exp(last) S[c] + sum_j exp(last - a_j) dt_j x_j B_j^T        (state, [P, N])
+//   y_i       = sum_{j<=i} (C_i . B_j) exp(a_i - a_j) dt_j x_j + exp(a_i) S[c] C_i + D x_i
+//
+// The matrix work is one tiled kernel, `ssd_product`: out[r, s] = sum_k a(r, k) b(k, s) for
+// each item z of a batch (a chunk of a head or of a group), 64 x 64 outputs per workgroup of
+// 256 threads (4 x 4 each), K in steps of 16 staged through workgroup memory (on CPU
+// adapters, STAGED = 0, loaded straight: their barriers cost more than the loads they save).
+// MODE (a pipeline constant) says what a, b and the store are:
+//   1 chunk state   z=(b,c,h)  [P x N]  K=Q      a = exp(last-a_j) dt_j x_j[p], b = B_j[n] -> states[b,c+1]
+//   2 CB            z=(b,c,g)  [Q x Q]  K=N      a = C_i[n], b = B_j[n]                   -> cb
+//   3 output y      z=(b,c,h)  [Q x P]  K=Q+N    a = cb_ij exp(a_i-a_j) dt_j (j<=i), b = x_j[p];
+//                                                then a = exp(a_i) C_i[n], b = S[c][p,n] -> y (+ D x)
+//   4 dS local      z=(b,c,h)  [P x N]  K=Q      a = dy_i[p] exp(a_i), b = C_i[n]          -> dstates[b,c]
+//   5 dx            z=(b,c,h)  [Q x P]  K=Q+N    a = cb_ij exp(a_i-a_j) (i>=j), b = dy_i[p];
+//                                                then a = exp(last-a_j) B_j[n], b = dS[c+1][p,n]
+//                                                -> dx = dt_j acc + D dy, part = x_j[p] acc
+//   6 dCB           z=(b,c,h)  [Q x Q]  K=P      a = dy_i[p], b = x_j[p] -> dcb = exp(a_i-a_j) dt_j acc (j<=i)
+//   7 dC            z=(b,c,g)  [Q x N]  K=HG(Q+P) a = dcb_h[i,j], b = B_j[n];
+//                                                then a = exp(a_hi) dy_i[h,p], b = S_h[c][p,n] -> dC
+//   8 dB            z=(b,c,g)  [Q x N]  K=HG(Q+P) a = dcb_h[i,j] (r = j), b = C_i[n];
+//                                                then a = exp(last_h-a_hj) dt_hj x_j[h,p], b = dS_h[c+1][p,n] -> dB
+// The rest is small: ssd_cumsum (a), ssd_state_pass / ssd_dstate_pass (the chunks in order,
+// one invocation per (b, h, p, n)), ssd_dlast (<dS[c+1], S[c+1]>, the gradient of `last`)
+// and ssd_dt_chunk (ddt, and the chunks' terms of dA_log and dD).
+//
+// `small` holds A_log [H] | D [H] | a [nb, NC, H, Q] | dlast, dA_log and dD terms [nb, NC, H].
+// states and dstates are [nb, NC + 1, H, P, N] (dstates[c]: the gradient of S[c]; entry NC 0).
+
+struct SS { B: u32, L: u32, NC: u32, Z: u32, ntile: u32,
+            o_out: u32, o_x: u32, o_dt: u32, o_a1: u32, o_a2: u32, o_a3: u32, o_out2: u32,
+            o_acs: u32, o_dl: u32, o_pa: u32, o_pd: u32, pad0: u32, pad1: u32, pad2: u32 }
+
+@group(0) @binding(0) var<storage, read_write> s_out: array<f32>;
+@group(0) @binding(1) var<storage, read> s_x: array<f32>;       // xbc [M, C]
+@group(0) @binding(2) var<storage, read> s_dt: array<f32>;      // dt [M, H]
+@group(0) @binding(3) var<storage, read_write> s_small: array<f32>;
+@group(0) @binding(4) var<storage, read> s_a1: array<f32>;
+@group(0) @binding(5) var<storage, read> s_a2: array<f32>;
+@group(0) @binding(6) var<storage, read> s_a3: array<f32>;
+@group(0) @binding(7) var<storage, read_write> s_out2: array<f32>;
+@group(0) @binding(8) var<uniform> US: SS;
+
+// the shape as pipeline constants (index arithmetic by constants)
+override H: u32 = 1u;
+override P: u32 = 1u;
+override N: u32 = 1u;
+override G: u32 = 1u;
+override Q: u32 = 64u;
+override Di: u32 = H * P;
+override C: u32 = H * P + 2u * G * N;
+override MODE: u32 = 1u;
+override STAGED: u32 = 1u;   // 1: tiles through workgroup memory (GPUs); 0: straight loads (CPU adapters)
+
+// ---------------------------------------------------------------- indexing
+struct Item { b: u32, c: u32, h: u32, g: u32 }
+
+// z = (b * NC + c) * H + h: a head of a chunk
+fn head_item(u: SS, z: u32) -> Item {
+    var it: Item;
+    it.h = z % H;
+    it.g = it.h / (H / G);
+    it.b = z / (H * u.NC);
+    it.c = (z / H) % u.NC;
+    return it;
+}
+
+fn item(u: SS, z: u32) -> Item {
+    // heads (modes 1 3 4 5 6) or groups (2 7 8, z = (b * NC + c) * G + g) within a chunk
+    if (!(MODE == 2u || MODE == 7u || MODE == 8u)) { return head_item(u, z); }
+    var it: Item;
+    it.g = z % G;
+    it.h = it.g * (H / G);
+    it.b = z / (G * u.NC);
+    it.c = (z / G) % u.NC;
+    return it;
+}
+
+fn valid(u: SS, it: Item, i: u32) -> bool { return it.c * Q + i < u.L; }
+fn row(u: SS, it: Item, i: u32) -> u32 { return it.b * u.L + it.c * Q + i; }
+fn xv(u: SS, m: u32, h: u32, p: u32) -> f32 { return s_x[u.o_x + m * C + h * P + p]; }
+fn bv(u: SS, m: u32, g: u32, n: u32) -> f32 { return s_x[u.o_x + m * C + Di + g * N + n]; }
+fn cv(u: SS, m: u32, g: u32, n: u32) -> f32 { return s_x[u.o_x + m * C + Di + (G + g) * N + n]; }
+fn dtv(u: SS, m: u32, h: u32) -> f32 { return s_dt[u.o_dt + m * H + h]; }
+fn chunk_head(u: SS, it: Item, h: u32) -> u32 { return (it.b * u.NC + it.c) * H + h; }
+fn acs(u: SS, it: Item, h: u32, i: u32) -> f32 { return s_small[u.o_acs + chunk_head(u, it, h) * Q + i]; }
+fn last(u: SS, it: Item, h: u32) -> f32 { return acs(u, it, h, Q - 1u); }
+// states / dstates [nb, NC + 1, H, P, N]: entry c of head h, (p, n)
+fn st(u: SS, it: Item, c: u32, h: u32, p: u32, n: u32) -> u32 {
+    return (((it.b * (u.NC + 1u) + c) * H + h) * P + p) * N + n;
+}
+fn qq(u: SS, it: Item, h: u32, i: u32, j: u32) -> u32 { return (chunk_head(u, it, h) * Q + i) * Q + j; }
+fn cbi(u: SS, it: Item, i: u32, j: u32) -> u32 { return (((it.b * u.NC + it.c) * G + it.g) * Q + i) * Q + j; }
+
+// ---------------------------------------------------------------- the product's shape
+// (R, S, K, the first K of the second phase)
+fn dims(u: SS) -> vec4<u32> {
+    let hg = H / G;
+    switch MODE {
+        case 1u, 4u: { return vec4<u32>(P, N, Q, Q); }
+        case 2u: { return vec4<u32>(Q, Q, N, N); }
+        case 3u, 5u: { return vec4<u32>(Q, P, Q + N, Q); }
+        case 6u: { return vec4<u32>(Q, Q, P, P); }
+        default: { return vec4<u32>(Q, N, hg * (Q + P), hg * Q); }
+    }
+}
+
+// whether a tile of the operand is loaded with k fastest (k is contiguous in memory)
+fn a_kfast(ph: u32) -> bool {
+    switch MODE {
+        case 2u, 3u, 6u, 7u: { return true; }
+        case 5u: { return ph == 1u; }
+        case 8u: { return ph == 1u; }
+        default: { return false; }
+    }
+}
+fn b_kfast(ph: u32) -> bool {
+    switch MODE {
+        case 2u, 6u: { return true; }
+        case 3u, 5u: { return ph == 1u; }
+        default: { return false; }
+    }
+}
+
+fn a_at(u: SS, it: Item, r: u32, k: u32, ph: u32, k2: u32) -> f32 {
+    let h = it.h;
+    switch MODE {
+        case 1u: {      // r = p, k = j
+            if (!valid(u, it, k)) { return 0.0; }
+            let m = row(u, it, k);
+            return exp(last(u, it, h) - acs(u, it, h, k)) * dtv(u, m, h) * xv(u, m, h, r);
+        }
+        case 2u: {      // r = i, k = n
+            if (!valid(u, it, r)) { return 0.0; }
+            return cv(u, row(u, it, r), it.g, k);
+        }
+        case 3u: {      // r = i; k = j, then n
+            if (ph == 0u) {
+                if (k > r || !valid(u, it, k)) { return 0.0; }
+                return s_a1[u.o_a1 + cbi(u, it, r, k)] * exp(acs(u, it, h, r) - acs(u, it, h, k))
+                       * dtv(u, row(u, it, k), h);
+            }
+            if (!valid(u, it, r)) { return 0.0; }
+            return exp(acs(u, it, h, r)) * cv(u, row(u, it, r), it.g, k - k2);
+        }
+        case 4u: {      // r = p, k = i
+            if (!valid(u, it, k)) { return 0.0; }
+            return s_a2[u.o_a2 + row(u, it, k) * Di + h * P + r] * exp(acs(u, it, h, k));
+        }
+        case 5u: {      // r = j; k = i, then n
+            if (ph == 0u) {
+                if (k < r || !valid(u, it, k)) { return 0.0; }
+                return s_a1[u.o_a1 + cbi(u, it, k, r)] * exp(acs(u, it, h, k) - acs(u, it, h, r));
+            }
+            if (!valid(u, it, r)) { return 0.0; }
+            return exp(last(u, it, h) - acs(u, it, h, r)) * bv(u, row(u, it, r), it.g, k - k2);
+        }
+        case 6u: {      // r = i, k = p
+            if (!valid(u, it, r)) { return 0.0; }
+            return s_a2[u.o_a2 + row(u, it, r) * Di + h * P + k];
+        }
+        case 7u: {      // r = i; k = (h, j), then (h, p)
+            if (ph == 0u) {
+                return s_a1[u.o_a1 + qq(u, it, it.h + k / Q, r, k % Q)];
+            }
+            let kk = k - k2;
+            let hh = it.h + kk / P;
+            if (!valid(u, it, r)) { return 0.0; }
+            return exp(acs(u, it, hh, r)) * s_a2[u.o_a2 + row(u, it, r) * Di + hh * P + kk % P];
+        }
+        default: {      // 8: r = j; k = (h, i), then (h, p)
+            if (ph == 0u) {
+                return s_a1[u.o_a1 + qq(u, it, it.h + k / Q, k % Q, r)];
+            }
+            let kk = k - k2;
+            let hh = it.h + kk / P;
+            if (!valid(u, it, r)) { return 0.0; }
+            let m = row(u, it, r);
+            return exp(last(u, it, hh) - acs(u, it, hh, r)) * dtv(u, m, hh) * xv(u, m, hh, kk % P);
+        }
+    }
+}
+
+fn b_at(u: SS, it: Item, k: u32, s: u32, ph: u32, k2: u32) -> f32 {
+    let h = it.h;
+    switch MODE {
+        case 1u: {      // k = j, s = n
+            if (!valid(u, it, k)) { return 0.0; }
+            return bv(u, row(u, it, k), it.g, s);
+        }
+        case 2u: {      // k = n, s = j
+            if (!valid(u, it, s)) { return 0.0; }
+            return bv(u, row(u, it, s), it.g, k);
+        }
+        case 3u: {      // k = j, then n; s = p
+            if (ph == 0u) {
+                if (!valid(u, it, k)) { return 0.0; }
+                return xv(u, row(u, it, k), h, s);
+            }
+            return s_a3[u.o_a3 + st(u, it, it.c, h, s, k - k2)];
+        }
+        case 4u: {      // k = i, s = n
+            if (!valid(u, it, k)) { return 0.0; }
+            return cv(u, row(u, it, k), it.g, s);
+        }
+        case 5u: {      // k = i, then n; s = p
+            if (ph == 0u) {
+                if (!valid(u, it, k)) { return 0.0; }
+                return s_a2[u.o_a2 + row(u, it, k) * Di + h * P + s];
+            }
+            return s_a3[u.o_a3 + st(u, it, it.c + 1u, h, s, k - k2)];
+        }
+        case 6u: {      // k = p, s = j
+            if (!valid(u, it, s)) { return 0.0; }
+            return xv(u, row(u, it, s), h, k);
+        }
+        case 7u: {      // k = (h, j), then (h, p); s = n
+            if (ph == 0u) {
+                let j = k % Q;
+                if (!valid(u, it, j)) { return 0.0; }
+                return bv(u, row(u, it, j), it.g, s);
+            }
+            let kk = k - k2;
+            return s_a3[u.o_a3 + st(u, it, it.c, it.h + kk / P, kk % P, s)];
+        }
+        default: {      // 8: k = (h, i), then (h, p); s = n
+            if (ph == 0u) {
+                let i = k % Q;
+                if (!valid(u, it, i)) { return 0.0; }
+                return cv(u, row(u, it, i), it.g, s);
+            }
+            let kk = k - k2;
+            return s_a3[u.o_a3 + st(u, it, it.c + 1u, it.h + kk / P, kk % P, s)];
+        }
+    }
+}
+
+fn store(u: SS, it: Item, r: u32, s: u32, acc: f32) {
+    let h = it.h;
+    switch MODE {
+        case 1u: { s_out[u.o_out + st(u, it, it.c + 1u, h, r, s)] = acc; }
+        case 2u: { s_out[u.o_out + cbi(u, it, r, s)] = acc; }
+        case 3u: {
+            if (!valid(u, it, r)) { return; }
+            let m = row(u, it, r);
+            s_out[u.o_out + m * Di + h * P + s] = acc + s_small[H + h] * xv(u, m, h, s);
+        }
+        case 4u: { s_out[u.o_out + st(u, it, it.c, h, r, s)] = acc; }
+        case 5u: {
+            if (!valid(u, it, r)) { return; }
+            let m = row(u, it, r);
+            let dy = s_a2[u.o_a2 + m * Di + h * P + s];
+            s_out[u.o_out + m * C + h * P + s] = dtv(u, m, h) * acc + s_small[H + h] * dy;
+            s_out2[u.o_out2 + m * Di + h * P + s] = xv(u, m, h, s) * acc;
+        }
+        case 6u: {
+            var v = 0.0;
+            if (s <= r && valid(u, it, s)) {
+                v = exp(acs(u, it, h, r) - acs(u, it, h, s)) * dtv(u, row(u, it, s), h) * acc;
+            }
+            s_out[u.o_out + qq(u, it, h, r, s)] = v;
+        }
+        case 7u: {
+            if (!valid(u, it, r)) { return; }
+            s_out[u.o_out + row(u, it, r) * C + Di + (G + it.g) * N + s] = acc;
+        }
+        default: {
+            if (!valid(u, it, r)) { return; }
+            s_out[u.o_out + row(u, it, r) * C + Di + it.g * N + s] = acc;
+        }
+    }
+}
 
 // ---------------------------------------------------------------- the tiled product
+const T: u32 = 64u;      // outputs per tile side
 const KT: u32 = 16u;     // K per step
 const TP: u32 = 65u;     // a tile row in workgroup memory (padded against bank conflicts)
 var<workgroup> tA: array<f32, 1040>;   // [KT][TP]: tA[k * TP + r]

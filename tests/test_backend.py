@@ -38,10 +38,10 @@ def _preludes() -> set:
 KERNELS = sorted(p.stem for p in SHADERS.glob("*.wgsl") if p.stem not in _preludes())
 # the subgroup probe calls subgroup built-ins itself: kernels/lanes.py runs it only where the
 # device has subgroups (naga would take it without them, Tint rightly refuses)
-SUBGROUPS_ONLY = {"lanes", "matmul_sgmat", "ssd_sgmat"}
+SUBGROUPS_ONLY = {"lanes", "matmul_sgmat"}
 # the tensor-core product: only a device with f16 subgroup matrices compiles it (Dawn on a GPU
 # that has them; kernels/matmul.py takes it only there)
-SUBGROUP_MATRIX_ONLY = {"matmul_sgmat", "ssd_sgmat"}
+SUBGROUP_MATRIX_ONLY = {"matmul_sgmat"}
 
 
 def _runtime(name: str):

@@ -203,9 +203,8 @@ class _Scan:
     """One call of the chunked scan over nb sequences: the bound views, the uniform's offsets
     and the dispatches of shaders/ssd_scan.wgsl."""
 
-    def __init__(self, rec, nb, L, H, P, N, G, views: dict, f16: bool = False):
+    def __init__(self, rec, nb, L, H, P, N, G, views: dict):
         self.rec, self.rt = rec, rec.rt
-        self.sgmat = f16 and takes_sgmat(self.rt)
         self.nb, self.L, self.H, self.P, self.N, self.G = nb, L, H, P, N, G
         self.NC = n_chunks(L)
         self.Di = H * P
@@ -241,12 +240,8 @@ class _Scan:
                 DC: (Q, N), DB: (Q, N)}[mode]
         ntile = cdiv(R, T) * cdiv(S, T)
         u = self.rt.uniform(self._uniform(Z, ntile, out, a1, a2, a3, out2))
-        b = {**self._bind(out, a1, a2, a3, out2), 8: u}
-        if self.sgmat:
-            self.rec.dispatch("ssd_sgmat", "ssd_product_sgmat", b, ntile * Z, {**self.shape, "MODE": mode})
-        else:
-            self.rec.dispatch("ssd_scan", "ssd_product", b, ntile * Z,
-                              {**self.shape, "MODE": mode, "STAGED": int(not is_cpu(self.rt))})
+        self.rec.dispatch("ssd_scan", "ssd_product", {**self._bind(out, a1, a2, a3, out2), 8: u}, ntile * Z,
+                          {**self.shape, "MODE": mode, "STAGED": int(not is_cpu(self.rt))})
 
     def small_kernel(self, entry: str, Z: int, groups: int, out=None, a1=None, a2=None, a3=None,
                      slots=()) -> None:
@@ -269,9 +264,8 @@ class _Lanes:
 
     KEYS = ("y", "states", "xbc", "dt", "A", "D", "dy", "dxbc", "ddt")
 
-    def __init__(self, rec, nb, L, H, P, N, G, views: dict, f16: bool = False):
+    def __init__(self, rec, nb, L, H, P, N, G, views: dict):
         self.rec, self.rt = rec, rec.rt
-        self.sgmat = f16 and takes_sgmat(self.rt)
         self.nb, self.L, self.H, self.P, self.N, self.G = nb, L, H, P, N, G
         self.NC, self.Di = n_chunks(L), H * P
         self.nblk = self.Di // 8
@@ -323,17 +317,9 @@ def _views(parts, b0, nb, L, per: dict) -> dict:
     return {k: _seq(t, b0, nb, n) for k, (t, n) in per.items()}
 
 
-def takes_sgmat(rt) -> bool:
-    """Whether an f16 scan (--precision mixed) runs its products on subgroup matrices
-    (shaders/ssd_sgmat.wgsl): adapters that have them, unless `rt.kernels.sgmat` is off."""
-    return bool(getattr(rt, "has_subgroup_matrix", False) and rt.kernels.sgmat)
-
-
 def ssd_forward(rec: Recorder, y: Tensor, states: Tensor, xbc: Tensor, dt: Tensor, A_log: Tensor, D: Tensor,
-                *, B: int, L: int, H: int, P: int, N: int, G: int, f16: bool = False) -> None:
-    """y[M, Di] (WRITE), states (WRITE, `state_shape`) from xbc [M, C] and dt [M, H].  f16
-    (--precision mixed): the chunks' products take f16 operands on subgroup matrices where
-    the adapter has them (`takes_sgmat`; elsewhere, and for the 8-lane kernels, f32)."""
+                *, B: int, L: int, H: int, P: int, N: int, G: int) -> None:
+    """y[M, Di] (WRITE), states (WRITE, `state_shape`) from xbc [M, C] and dt [M, H]."""
     rt = rec.rt
     Di, NC = H * P, n_chunks(L)
     C = Di + 2 * G * N
@@ -350,7 +336,7 @@ def ssd_forward(rec: Recorder, y: Tensor, states: Tensor, xbc: Tensor, dt: Tenso
             _Lanes(rec, nb, L, H, P, N, G, {**v, "A": A_log, "D": D}).forward()
             continue
         v["cb"] = rt.scratch("ssd_cb", (nb * NC * G * Q * Q,))
-        s = _Scan(rec, nb, L, H, P, N, G, v, f16)
+        s = _Scan(rec, nb, L, H, P, N, G, v)
         s.constants(A_log, D)
         s.cumsum()
         s.product(CHUNK_STATE, "states")
@@ -361,9 +347,9 @@ def ssd_forward(rec: Recorder, y: Tensor, states: Tensor, xbc: Tensor, dt: Tenso
 
 def ssd_backward(rec: Recorder, dxbc: Tensor, ddt: Tensor, dA_log: Tensor | None, dD: Tensor | None, dy: Tensor,
                  y: Tensor, states: Tensor, xbc: Tensor, dt: Tensor, A_log: Tensor, D: Tensor,
-                 *, B: int, L: int, H: int, P: int, N: int, G: int, f16: bool = False) -> None:
+                 *, B: int, L: int, H: int, P: int, N: int, G: int) -> None:
     """dxbc [M, C] WRITE; ddt [M, H] WRITE (the gradient of dt after the clamp); dA_log, dD
-    ACC (None: not computed).  y and states: the forward's; f16 as ssd_forward's."""
+    ACC (None: not computed).  y and states: the forward's."""
     rt = rec.rt
     Di, NC = H * P, n_chunks(L)
     C = Di + 2 * G * N
@@ -383,7 +369,7 @@ def ssd_backward(rec: Recorder, dxbc: Tensor, ddt: Tensor, dA_log: Tensor | None
         v["dstates"] = rt.scratch("ssd_dstates", (nb * S,))
         v["part"] = rt.scratch("ssd_part", (nb * L * Di,))
         v["dcb"] = rt.scratch("ssd_dcb", (nb * NC * H * Q * Q,))
-        s = _Scan(rec, nb, L, H, P, N, G, v, f16)
+        s = _Scan(rec, nb, L, H, P, N, G, v)
         s.constants(A_log, D)
         s.cumsum()
         s.product(CB, "cb")

@@ -157,7 +157,7 @@ class Mamba2Block(Block):
                        col=Di, ld=W)
         ssd.dt_forward(rec, ws.dt[i], ws.zx[i], lp.dt_bias, M=M, H=H, W=W, lo=self.lo, hi=self.hi)
         ssd.ssd_forward(rec, ws.y[i], ws.states[i], ws.xbc[i], ws.dt[i], lp.A_log, lp.D, B=B, L=L, H=H, P=P, N=N,
-                        G=G, f16=half.mixed)
+                        G=G)
         ssd.gnorm_forward(rec, ws.yn[i], ws.grstd[i], ws.y[i], ws.zx[i], lp.gnorm_weight, c.layer_norm_epsilon,
                           M=M, Di=Di, G=G, W=W)
         if self.scale != 1.0:
@@ -188,7 +188,7 @@ class Mamba2Block(Block):
                            lp.gnorm_weight, ws.grstd[i], M=M, Di=Di, G=G, W=W)
         ssd.ssd_backward(rec, ws.dxbc, ws.ddt, grad(mz + "A_log"), grad(mz + "D"), ws.dy, ws.y[i], ws.states[i],
                          ws.xbc[i],
-                         ws.dt[i], lp.A_log, lp.D, B=B, L=L, H=H, P=P, N=N, G=G, f16=half.mixed)
+                         ws.dt[i], lp.A_log, lp.D, B=B, L=L, H=H, P=P, N=N, G=G)
         ssd.dt_backward(rec, ws.dzx, grad(mz + "dt_bias"), ws.ddt, ws.zx[i], lp.dt_bias, M=M, H=H, W=W,
                         lo=self.lo, hi=self.hi)
         conv1d_backward(rec, ws.dzx, grad(mz + "conv1d.weight"), grad(mz + "conv1d.bias"), ws.dxbc, ws.pre[i],
