@@ -2,15 +2,16 @@
 # Mamba-2 on the H200 device machine, from the repo root, with .gl, .whl (DEVELOPERS.md;
 # wgpudawn and transformers 5.24 among the wheels) and .peers (a copy of ../shared/peers)
 # carried:   bash benchmarks/mamba2_h200.sh
-# 1. mamba-ssm's Triton kernels of the shape compiled ahead, in parallel
-#    (benchmarks/triton_warm.py; the bench's autotuner still times every configuration);
-# 2. bench.py's train suite at the mamba2-130m shape, B 8, L 2048, under Dawn: memengine fp32
+# 0. the Mamba-2 oracle tests on this GPU under Dawn (ORACLE=0 skips);
+# 1. bench.py's train suite at the mamba2-130m shape, B 8, L 2048, under Dawn: memengine fp32
 #    and --precision mixed (tensor-core products) and, in the same run, mamba-ssm 2.3.2's
 #    Mamba2 (Triton SSD kernels, fp32 with TF32 off and bf16 autocast; its Python sources
-#    unbuilt, so torch's conv1d, not causal-conv1d);
-# 3. the fp32 step on wgpu-native with its kernel profile (no peer);
-# 4. the Mamba-2 oracle tests on this GPU (ORACLE=0 skips);
-# 5. with CODESTRAL=1: the mamba-codestral-7b plan (`memengine info`) and one measured
+#    unbuilt, so torch's conv1d, not causal-conv1d). Its autotuner compiles about 200
+#    configurations of the SSD kernels on first use, one after the other: more than the
+#    rest of a call leaves (twelve processes compiling a share each had not finished after
+#    180 s), so the peer's rows need a call of their own (BENCH_S up to 540);
+# 2. the fp32 step on wgpu-native with its kernel profile (no peer; WGPU=0 skips);
+# 3. with CODESTRAL=1: the mamba-codestral-7b plan (`memengine info`) and one measured
 #    training step at B 1, L 2048 with its peak memory.
 # Each step has a time limit; results under $OUT (or ./out).
 set -o pipefail
@@ -21,19 +22,19 @@ PEER=/tmp/peers/mamba_ssm-2.3.2.post1
 mkdir -p /tmp/peers && tar xzf .peers/mamba_ssm-2.3.2.post1.tar.gz -C /tmp/peers
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-PYTHONPATH=$PEER:$PYTHONPATH timeout "${WARM_S:-240}" python3 benchmarks/triton_warm.py --shape mamba2-130m \
-    --seq 2048 --workers "${WARM_WORKERS:-12}" > "$OUT/triton_warm.log" 2>&1
-tail -2 "$OUT/triton_warm.log"
+if [ "${ORACLE:-1}" = 1 ]; then   # before the peer is importable (transformers would take its kernels)
+  MEMENGINE_BACKEND=dawn timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider --tb=short \
+      tests/test_mamba2.py > "$OUT/tests_mamba2.txt" 2>&1
+  tail -3 "$OUT/tests_mamba2.txt"
+fi
 PYTHONPATH=$PEER:$PYTHONPATH MEMENGINE_BACKEND=dawn timeout "${BENCH_S:-300}" python3 benchmarks/bench.py \
     --suite train --shapes mamba2-130m --seq 2048 --batch 8 --steps 3 --peer-steps 3 --lora-rank 0 \
     --precision fp32,mixed --profile --out "$OUT/bench_mamba2.json" 2>&1 | grep --line-buffered -v "^\[transformers\]" \
     | tee "$OUT/bench_mamba2.log" | grep --line-buffered -E "^train|tok/s|mamba-ssm|error" | tail -20
-MEMENGINE_BACKEND=wgpu timeout "${WGPU_S:-120}" python3 benchmarks/bench.py --suite train --shapes mamba2-130m \
-    --seq 2048 --batch 8 --steps 3 --lora-rank 0 --no-torch --profile --out "$OUT/bench_mamba2_wgpu.json" 2>&1 \
-    | grep --line-buffered "^train"
-if [ "${ORACLE:-1}" = 1 ]; then
-  timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_mamba2.py > "$OUT/tests_mamba2.txt" 2>&1
-  tail -3 "$OUT/tests_mamba2.txt"
+if [ "${WGPU:-1}" = 1 ]; then
+  MEMENGINE_BACKEND=wgpu timeout "${WGPU_S:-120}" python3 benchmarks/bench.py --suite train --shapes mamba2-130m \
+      --seq 2048 --batch 8 --steps 3 --lora-rank 0 --no-torch --profile --out "$OUT/bench_mamba2_wgpu.json" 2>&1 \
+      | grep --line-buffered "^train"
 fi
 if [ "${CODESTRAL:-0}" = 1 ]; then
   python3 -m memengine.cli.main info mamba-codestral-7b --seq-len 2048 --batch-size 1 > "$OUT/codestral_info.txt" 2>&1
