@@ -12,9 +12,13 @@ enable f16;
 // B transposed), same split-K slices (reduced by matmul.wgsl's matmul_splitk_reduce).
 // Offsets and leading dimensions are in elements and multiples of 4.
 //
-// cast_f16: dst[i] = f16(src[i]) for n elements, written a vec4 at a time (dst offset a
-// multiple of 4; a last partial vec4 gets zeros past n).
+// Its epilogue (store_fast) multiplies by 2^-(ea + eb), the operands' scales undone (UNSCALE).
+//
+// cast_f16: dst[i] = f16(src[i] * s) for n elements, written a vec4 at a time (dst offset a
+// multiple of 4; a last partial vec4 gets zeros past n), s = 2^e a per-tensor scale from a
+// scale table (below; e = 0 where none is given), recording the tensor's amax (of src).
 // Values beyond the f16 range (and NaN) become +-inf: loss scaling detects them downstream.
+// f16_rescale: the next scales from the recorded amax (below).
 
 // (FastParams, the register block and store_fast: shaders/matmul_block.wgsl)
 
@@ -23,6 +27,8 @@ enable f16;
 @group(0) @binding(2) var<storage, read> B4: array<vec4<f16>>;
 @group(0) @binding(3) var<storage, read> bias1: array<f32>;
 @group(0) @binding(4) var<uniform> F: FastParams;
+// the operands' scale table (F16Scales): exponents first, A's at F.sa, B's at F.sb
+@group(0) @binding(5) var<storage, read> f16_exps: array<i32>;
 
 const BK: u32 = 16u;
 var<workgroup> As4: array<array<vec4<f16>, 32>, 16>;
@@ -103,6 +109,7 @@ fn matmul_f16(@builtin(local_invocation_index) tid: u32,
     let k_lo = ks.x;
     let k_hi = ks.y;
     let c_base = ks.z;
+    UNSCALE = f16_unscale(f16_exps[F.sa], f16_exps[F.sb]);   // undone in store_fast
     var acc: Block;   // zero-initialised
 
     var va0 = fast_load_a(k_lo, k_hi, row0, tid);
@@ -152,26 +159,99 @@ fn f16_step(acc: ptr<function, Block>, k: u32, tx: u32, ty: u32) {
 }
 
 // ---------------------------------------------------------------------------------------
-struct CastParams { n: u32, n4: u32, src_off: u32, dst_off4: u32 }
+// cast_f16 takes its scale from a scale table (F16Scales in engine/kernels/matmul.py: n slots;
+// words [0, n) the scales' exponents e (i32, s = 2^e), [n, 2n) the amax of each slot's casts
+// since its last rescale (u32: the bits of |x|, which order as the non-negative floats do,
+// NaN above inf), then the history f16_rescale keeps: [2n, 3n) changes, [3n, 4n) least and
+// [4n, 5n) greatest exponent, [5n, 6n) the amax of the last rescale, [6n, 7n) the exponent
+// the last step's rescale committed).
+// mode bit 0: add this cast's amax into the slot's (one atomicMax per workgroup); bit 1: only
+// that (the first step's calibration: no store).
+struct CastParams { n: u32, n4: u32, src_off: u32, dst_off4: u32, slot: u32, amax_at: u32, mode: u32, _p: u32 }
 
 @group(0) @binding(0) var<storage, read> cast_src: array<f32>;
 @group(0) @binding(1) var<storage, read_write> cast_dst: array<vec4<f16>>;
 @group(0) @binding(2) var<uniform> CP: CastParams;
+@group(0) @binding(3) var<storage, read_write> cast_tab: array<atomic<u32>>;
+
+var<workgroup> cast_max: array<u32, 256>;
 
 @compute @workgroup_size(256)
 fn cast_f16(@builtin(global_invocation_id) gid: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32,
             @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = gid.x + gid.y * nwg.x * 256u;
-    if (i >= CP.n4) { return; }
-    var v = vec4<f32>(0.0);   // the last vec4 of a range that is not a multiple of 4: zeros
-    for (var j = 0u; j < 4u; j++) {
-        if (4u * i + j < CP.n) { v[j] = cast_src[CP.src_off + 4u * i + j]; }
+    // s = 2^e from its exponent bits: x * s is exact (short of f16's range, handled below)
+    let s = bitcast<f32>(u32(bitcast<i32>(atomicLoad(&cast_tab[CP.slot])) + 127) << 23u);
+    var m = 0u;
+    if (i < CP.n4) {
+        var v = vec4<f32>(0.0);   // the last vec4 of a range that is not a multiple of 4: zeros
+        for (var j = 0u; j < 4u; j++) {
+            if (4u * i + j < CP.n) { v[j] = cast_src[CP.src_off + 4u * i + j]; }
+        }
+        let b = bitcast<vec4<u32>>(v) & vec4<u32>(0x7fffffffu);
+        m = max(max(b.x, b.y), max(b.z, b.w));
+        if ((CP.mode & 2u) == 0u) {
+            let w = v * s;
+            // out-of-range (and NaN) values: explicitly +-inf (WGSL leaves such conversions undefined)
+            let over = !(abs(w) <= vec4<f32>(65504.0));
+            let safe = select(w, vec4<f32>(0.0), over);
+            // +-65504 * 2 rounds to +-inf at run time (an inf literal is not allowed in WGSL)
+            let sgn = select(vec4<f16>(1.0h), vec4<f16>(-1.0h), w < vec4<f32>(0.0));
+            let big = (sgn * 65504.0h) * 2.0h;
+            cast_dst[CP.dst_off4 + i] = select(vec4<f16>(safe), big, over);
+        }
     }
-    // out-of-range (and NaN) values: explicitly +-inf (WGSL leaves such conversions undefined)
-    let over = !(abs(v) <= vec4<f32>(65504.0));
-    let safe = select(v, vec4<f32>(0.0), over);
-    // +-65504 * 2 rounds to +-inf at run time (an inf literal is not allowed in WGSL)
-    let sgn = select(vec4<f16>(1.0h), vec4<f16>(-1.0h), v < vec4<f32>(0.0));
-    let big = (sgn * 65504.0h) * 2.0h;
-    cast_dst[CP.dst_off4 + i] = select(vec4<f16>(safe), big, over);
+    if ((CP.mode & 1u) != 0u) {   // the workgroup's amax, then one atomic
+        cast_max[lid] = m;
+        workgroupBarrier();
+        for (var k = 128u; k > 0u; k = k >> 1u) {
+            if (lid < k) { cast_max[lid] = max(cast_max[lid], cast_max[lid + k]); }
+            workgroupBarrier();
+        }
+        if (lid == 0u) { atomicMax(&cast_tab[CP.amax_at], cast_max[0]); }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// f16_rescale: slots [lo, hi) of a scale table of n slots take their next scale from the amax
+// their casts recorded, which it clears: e = min(F16_TARGET_EXP - floor(log2(amax)), 60), so
+// that the scaled amax lies in [2^12, 2^13) (8x below f16's largest, 65504, for growth until
+// the next rescale); e >= 12 - 127 = -115 for any finite amax (so 2^e is a normal f32).  The
+// cap: an amax below 2^-48 is not scaled up all the way.  A zero or non-finite amax keeps e.
+const F16_TARGET_EXP: i32 = 12;
+const F16_EXP_MAX: i32 = 60;
+struct RescaleParams { lo: u32, hi: u32, n: u32, commit: u32 }
+
+@group(0) @binding(0) var<storage, read_write> rs_tab: array<u32>;
+@group(0) @binding(1) var<uniform> RP: RescaleParams;
+
+// commit (the end of a step): the new exponent is also the slot's committed one ([6n, 7n)),
+// against which its history counts a change; else (a calibrating cast's own rescale) only
+// the exponent in use changes, so that the history is the steps' alone (the same on every
+// rank of a data-parallel run, whose ranks calibrate on their own rows)
+@compute @workgroup_size(64)
+fn f16_rescale(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let k = RP.lo + gid.x;
+    if (k >= RP.hi) { return; }
+    let n = RP.n;
+    let a = rs_tab[n + k];
+    rs_tab[n + k] = 0u;
+    let old = bitcast<i32>(rs_tab[6u * n + k]);
+    var e = old;
+    if (a != 0u && a < 0x7f800000u) {
+        // floor(log2(amax)) from its exponent field (a subnormal amax: -127, so the cap)
+        e = min(F16_TARGET_EXP - (i32(a >> 23u) - 127), F16_EXP_MAX);
+    } else if (RP.commit == 0u) {
+        return;
+    }
+    rs_tab[k] = bitcast<u32>(e);
+    if (RP.commit == 0u) { return; }
+    if (a != 0u && a < 0x7f800000u) { rs_tab[5u * n + k] = a; }
+    if (e != old) {
+        rs_tab[6u * n + k] = bitcast<u32>(e);
+        rs_tab[2u * n + k] += 1u;
+        rs_tab[3u * n + k] = bitcast<u32>(min(bitcast<i32>(rs_tab[3u * n + k]), e));
+        rs_tab[4u * n + k] = bitcast<u32>(max(bitcast<i32>(rs_tab[4u * n + k]), e));
+    }
 }

@@ -22,13 +22,16 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // one multiplies. Each tile keeps its operand's layout in memory (K-contiguous or
 // M/N-contiguous rows), and subgroupMatrixLoad reads it row- or column-major accordingly.
 // The results go through a 16 x 16 patch of workgroup memory per subgroup to store_fast,
-// which adds the bias and the old C and guards the edges.
+// which undoes the operands' f16 scales (UNSCALE, set from the scale table at binding 5 as
+// matmul_f16 does), adds the bias and the old C and guards the edges.
 
 @group(0) @binding(0) var<storage, read_write> C4: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> A4: array<vec4<f16>>;
 @group(0) @binding(2) var<storage, read> B4: array<vec4<f16>>;
 @group(0) @binding(3) var<storage, read> bias1: array<f32>;
 @group(0) @binding(4) var<uniform> F: FastParams;
+// the operands' scale table (F16Scales): exponents first, A's at F.sa, B's at F.sb
+@group(0) @binding(5) var<storage, read> f16_exps: array<i32>;
 
 // the operands' layouts as pipeline constants (flags bits 2 and 3 as matmul_fast's TA, TB),
 // so that the driver compiles one load path per operand
@@ -156,6 +159,7 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32,
     let k_lo = ks.x;
     let k_hi = ks.y;
     let c_base = ks.z;
+    UNSCALE = f16_unscale(f16_exps[F.sa], f16_exps[F.sb]);   // undone in store_fast
     var acc: SgAcc;   // zero-initialised
 
     var va0 = sg_load_a(k_lo, k_hi, row0, tid);

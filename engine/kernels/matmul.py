@@ -10,6 +10,7 @@ helps, the reduction (K, accumulated): `_split_call`.
 
 from __future__ import annotations
 
+import numpy as np
 from memengine.engine.kernels.lanes import cpu_lanes
 from memengine.engine.runtime import (
     BindingError,
@@ -168,6 +169,7 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     # views at any offset: bind from the aligned offset below and shift the indices
     rt = rec.rt
     mode = rt.kernels.matmul
+    scales = operand_scales(A16, B16) if A16 is not None and B16 is not None else None
     shader, A, B, a_col, b_col = _operands(rt, mode, C, A, B, A16, B16, M, N, K, trans_a, trans_b, lda, ldb, ldc,
                                            a_col, b_col, c_col, bias)
     C, ec = bound(rt, C)
@@ -191,7 +193,7 @@ def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K:
     if shader == "matmul_f16" or _fast_ok(mode, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b_col, c_col,
                                           (A, B, C, bias)):
         _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, acc,
-                      (a_col, lda, b_col, ldb, c_col, ldc, bias_off))
+                      (a_col, lda, b_col, ldb, c_col, ldc, bias_off), scales)
         return
     # the plain 64x64 kernel: any shape, strides as given
     flags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if a_cs == 1 else 0) | (8 if b_cs == 1 else 0)
@@ -224,16 +226,22 @@ def _operands(rt, mode, C, A, B, A16, B16, M, N, K, trans_a, trans_b, lda, ldb, 
     return "matmul", A, B, a_col + ea, b_col + eb
 
 
-def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, acc, layout) -> None:
+def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, acc, layout,
+                  scales=None) -> None:
     """The tiled kernels: matmul_lanes (CPU adapters), else matmul_fast / matmul_f16 (on
     subgroup matrices where the adapter has them: matmul_sgmat), split
     over K where that pays (partial products reduced into C).  `layout`: (a_col, lda, b_col,
-    ldb, c_col, ldc, bias_off) as bound."""
+    ldb, c_col, ldc, bias_off) as bound; `scales` (the f16 kernels): (scale table, A's slot,
+    B's slot), which the epilogue undoes."""
     rt = rec.rt
     a_col, lda, b_col, ldb, c_col, ldc, bias_off = layout
+    tab, sa, sb = {}, 0, 0
+    if shader == "matmul_f16":
+        table, sa, sb = scales if scales is not None else (unit_scales(rt), 0, 0)
+        tab = {5: table}
     fflags = (1 if acc else 0) | (2 if bias is not None else 0) | (4 if trans_a else 0) | (8 if trans_b else 0)
     if shader == "matmul" and mode != "tiles" and cpu_lanes(rt):
-        u = rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
+        u = rt.uniform(pack("16I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0, 0, 0, 0, 0))
         rec.dispatch("matmul", "matmul_lanes",
                      {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
                      (cdiv(N, 32), cdiv(M, 32), 1),
@@ -257,16 +265,16 @@ def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, a
         slices, ks = splitk_slices(rt, M, N, K)
     if slices > 1:
         part = rt.scratch("matmul_splitk", (slices * M * N,))
-        u = rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks))
-        rec.dispatch(shader, entry, {0: part, 1: A, 2: B, 3: B, 4: u},
+        u = rt.uniform(pack("16I", M, N, K, fflags, a_col, lda, b_col, ldb, 0, N, 0, ks, sa, sb, 0, 0))
+        rec.dispatch(shader, entry, {0: part, 1: A, 2: B, 3: B, 4: u, **tab},
                      (cdiv(N, bn), cdiv(M, bm), slices), consts)
-        u = rt.uniform(pack("12I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, bias_off, 0))
+        u = rt.uniform(pack("16I", M, N, slices, fflags & 3, 0, 0, 0, 0, c_col, ldc, bias_off, 0, 0, 0, 0, 0))
         rec.dispatch("matmul", "matmul_splitk_reduce",
                      {0: C, 1: part, 3: bias if bias is not None else part, 4: u}, cdiv(M * N // 4, 256))
         return
-    u = rt.uniform(pack("12I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0))
+    u = rt.uniform(pack("16I", M, N, K, fflags, a_col, lda, b_col, ldb, c_col, ldc, bias_off, 0, sa, sb, 0, 0))
     rec.dispatch(shader, entry,
-                 {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u},
+                 {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u, **tab},
                  (cdiv(N, bn), cdiv(M, bm), 1), consts)
 
 
@@ -334,22 +342,179 @@ def _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b
                 c = span(C, c_col + m0 * ldc + n0, w["C"])
                 a16 = b16 = None
                 if A16 is not None and B16 is not None:   # the f16 copies share the layout
-                    a16 = span(A16, a_col + (k0 * lda + m0 if trans_a else m0 * lda + k0), w["A"])
-                    b16 = span(B16, b_col + (n0 * ldb + k0 if trans_b else k0 * ldb + n0), w["B"])
+                    a16 = with_scale(span(A16, a_col + (k0 * lda + m0 if trans_a else m0 * lda + k0), w["A"]),
+                                     scale_of(A16))
+                    b16 = with_scale(span(B16, b_col + (n0 * ldb + k0 if trans_b else k0 * ldb + n0), w["B"]),
+                                     scale_of(B16))
                 matmul(rec, c, a, b, M=m, N=n, K=k, trans_a=trans_a, trans_b=trans_b, lda=lda, ldb=ldb,
                        ldc=ldc, acc=acc or k0 > 0,
                        bias=span(bias, n0, n) if bias is not None and k0 == 0 else None, A16=a16, B16=b16)
     return True
 
 
-def cast_f16(rec: Recorder, dst: Tensor, src: Tensor, n: int | None = None) -> None:
-    """dst[:n] = f16(src[:n]) (WRITE; n defaults to src's size).  dst starts on a multiple
-    of 4 elements and is written in whole vec4s: up to n rounded up to 4 (zeros past n;
-    the f16 copies are allocated so).  Ranges larger than one storage binding are cast in
-    pieces."""
+# --------------------------------------------------------------------- per-tensor f16 scales
+# f16_rescale's rule (shaders/matmul_f16.wgsl): a tensor whose casts saw amax A (of the f32
+# values) is cast next as x * 2^e, e = min(F16_TARGET_EXP - floor(log2 A), F16_EXP_MAX):
+# the scaled amax lies in [2^12, 2^13), 8x below f16's largest value (65504) for growth until
+# the next rescale; a zero or non-finite amax keeps e.  e <= F16_EXP_MAX (an amax below
+# 2^-48 is not scaled up all the way); e >= 12 - 127 = F16_EXP_MIN for any finite amax, so any
+# f32 magnitude fits.  Powers of two: scaling and the epilogue's undoing (2^-(ea + eb)) are
+# exact, and with every e = 0 nothing changes.
+F16_TARGET_EXP = 12
+F16_EXP_MAX = 60
+F16_EXP_MIN = F16_TARGET_EXP - 127
+_TABLE_REGIONS = 7   # exponent, amax, changes, least e, greatest e, amax at the last rescale, committed e
+
+
+def f16_exponent(amax: float, old: int = 0) -> int:
+    """The rule on the host (tests, reports): the exponent f16_rescale gives an amax."""
+    a = abs(float(np.float32(amax)))
+    if a == 0 or not np.isfinite(a):
+        return int(old)
+    bits = int(np.array(a, np.float32).view(np.uint32))
+    return int(min(F16_TARGET_EXP - ((bits >> 23) - 127), F16_EXP_MAX))
+
+
+class F16Scale:
+    """One tensor's slot in a scale table; `calibrate`: its casts first take the amax of the
+    tensor itself (a first step, which has no step before it to take it from)."""
+
+    def __init__(self, table: "F16Scales", slot: int):
+        self.table, self.slot = table, int(slot)
+
+    @property
+    def calibrate(self) -> bool:
+        return self.table.calibrate
+
+
+class F16Scales:
+    """Per-tensor scales of --precision mixed's f16 operands, all on the GPU: one i32 table of
+    7 regions of n slots (shaders/matmul_f16.wgsl says the layout).  A cast (`cast_f16` with
+    a slot) multiplies by its slot's 2^e and adds the tensor's amax into the slot; a product
+    of two scaled operands multiplies its result by 2^-(ea + eb) (store_fast); `record_rescale`
+    (the trainer's, at the end of each step) sets every slot's next e from the amax of that
+    step (`f16_exponent`), so a step's scales come from the step before it and nothing is read
+    back.  Slot 0 is the unit scale (e = 0, never rescaled): the weights' (their values are
+    far inside f16's range) and any operand without a slot of its own.  While `calibrate` is
+    set (a model's first step, or a model used without a trainer: evaluation, tests) each
+    cast first takes its own tensor's amax and rescales its slot: at the cost of one more pass
+    over the tensor, the first step is scaled too.  The table also keeps a history per slot:
+    how often e changed and the least and greatest e (`summary`, `state`)."""
+
+    def __init__(self, rt, names):
+        self.rt = rt
+        self.names = ["unit"] + [str(n) for n in names]
+        self.n = len(self.names)
+        self.index = {nm: k for k, nm in enumerate(self.names)}
+        self.table: Tensor = rt.zeros((_TABLE_REGIONS * self.n,), "i32", name="f16_scales")
+        self.calibrate = True
+
+    def __getitem__(self, name: str) -> F16Scale:
+        return F16Scale(self, self.index[name])
+
+    def region(self, r: int) -> Tensor:
+        return self.table.view((self.n,), r * self.n)
+
+    def record_rescale(self, rec: Recorder, lo: int = 1, hi: int | None = None, commit: bool = True) -> None:
+        """Slots [lo, hi) take their next exponent from their amax.  `commit` (a step's end):
+        it counts in their history; else (a calibrating cast) it is used until the step's end."""
+        hi = self.n if hi is None else int(hi)
+        if hi <= lo:
+            return
+        u = self.rt.uniform(pack("4I", lo, hi, self.n, int(commit)))
+        rec.dispatch("matmul_f16", "f16_rescale", {0: self.table, 1: u}, cdiv(hi - lo, 64))
+
+    def clear_amax(self, rec: Recorder) -> None:
+        """Forget what casts recorded since the last rescale (evaluation between steps): a
+        step's scales then depend on the training steps only (a resumed run's too)."""
+        rec.clear(self.region(1))
+
+    def state(self) -> np.ndarray:
+        """[7, n] i32: what a checkpoint keeps (a GPU sync point)."""
+        return self.rt.read(self.table).reshape(_TABLE_REGIONS, self.n)
+
+    def load(self, state) -> None:
+        a = np.asarray(state)
+        if a.shape != (_TABLE_REGIONS, self.n):
+            from memengine.engine.errors import MemengineError
+            raise MemengineError(f"the saved f16 scales have shape {list(a.shape)}; this model's table has "
+                                 f"{[_TABLE_REGIONS, self.n]} (the state belongs to another model)")
+        a = a.astype(np.int32).copy()
+        a[1] = 0
+        self.rt.write(self.table, a.reshape(-1))
+        self.calibrate = False
+
+    def summary(self, state: np.ndarray | None = None) -> dict:
+        """{'min', 'max': the least and greatest scale now among the tensors that have one,
+        'changes': rescales that changed a scale, over all tensors and steps, 'tensors': how
+        many have a scale} (a GPU sync point unless `state` is given)."""
+        st = self.state() if state is None else np.asarray(state)
+        used = (st[5, 1:] != 0) | (st[0, 1:] != 0)
+        e = st[0, 1:][used]
+        return {"min": float(2.0 ** int(e.min())) if e.size else 1.0,
+                "max": float(2.0 ** int(e.max())) if e.size else 1.0,
+                "changes": int(st[2, 1:].sum()), "tensors": int(used.sum())}
+
+
+def unit_scales(rt) -> Tensor:
+    """A scale table of the unit scale only (products and casts of operands without one)."""
+    t = rt.scratch("f16.unit_scales", (_TABLE_REGIONS,), "i32")
+    if not getattr(t, "filled", False):
+        rt.write(t, np.zeros(_TABLE_REGIONS, np.int32))
+        t.filled = True
+    return t
+
+
+def with_scale(t: Tensor | None, scale: F16Scale | None) -> Tensor | None:
+    """`t` marked as cast with `scale` (the products read it: `scale_of`)."""
+    if t is not None and scale is not None:
+        t.f16_scale = scale
+    return t
+
+
+def scale_of(t: Tensor | None) -> F16Scale | None:
+    return getattr(t, "f16_scale", None)
+
+
+def operand_scales(A16: Tensor, B16: Tensor):
+    """(table, A's slot, B's slot) of a product's f16 operands; None where neither has a slot
+    (the unit table's slot 0 then).  An operand without a slot takes its partner table's slot 0."""
+    sa, sb = scale_of(A16), scale_of(B16)
+    if sa is None and sb is None:
+        return None
+    tables = {id(x.table): x.table for x in (sa, sb) if x is not None}
+    if len(tables) > 1:
+        raise ValueError("matmul: the f16 operands' scales are in two tables")
+    table = next(iter(tables.values()))
+    return table.table, (sa.slot if sa is not None else 0), (sb.slot if sb is not None else 0)
+
+
+def cast_f16(rec: Recorder, dst: Tensor, src: Tensor, n: int | None = None,
+             scale: F16Scale | None = None) -> Tensor:
+    """dst[:n] = f16(src[:n] * s) (WRITE; n defaults to src's size); returns dst, marked with
+    `scale` for the products that read it.  dst starts on a multiple of 4 elements and is
+    written in whole vec4s: up to n rounded up to 4 (zeros past n; the f16 copies are
+    allocated so).  Ranges larger than one storage binding are cast in pieces.
+    `scale` (a slot of an F16Scales table): s = its 2^e, and the amax of src[:n] is added
+    into the slot for its next rescale (first taken and rescaled to while the table
+    calibrates); None: s = 1, nothing recorded."""
     n = src.numel if n is None else int(n)
     if n <= 0:
-        return
+        return with_scale(dst, scale)
+    rt = rec.rt
+    if scale is None:
+        table, slot, amax_at, mode = unit_scales(rt), 0, 0, 0
+    else:
+        table, slot = scale.table.table, scale.slot
+        amax_at, mode = scale.table.n + slot, 1
+        if scale.calibrate:   # this tensor's own amax first, its slot rescaled to it
+            _cast_pieces(rec, dst, src, n, table, slot, amax_at, 3)
+            scale.table.record_rescale(rec, slot, slot + 1, commit=False)
+    _cast_pieces(rec, dst, src, n, table, slot, amax_at, mode)
+    return with_scale(dst, scale)
+
+
+def _cast_pieces(rec, dst, src, n, table, slot, amax_at, mode) -> None:
     rt = rec.rt
     piece = max(4, (rt.max_binding - rt.storage_align) // 4 // 1024 * 1024)   # f32 elements
     for s0 in range(0, n, piece):
@@ -361,8 +526,8 @@ def cast_f16(rec: Recorder, dst: Tensor, src: Tensor, n: int | None = None) -> N
             raise ValueError("cast_f16: the f16 view must start on a multiple of 4 elements")
         if d.offset + d.nbytes > d.buffer.size:
             raise ValueError("cast_f16: the rounded-up f16 range runs past its buffer")
-        u = rt.uniform(pack("4I", m, n4, es, ed // 4))
-        rec.dispatch("matmul_f16", "cast_f16", {0: s, 1: d, 2: u}, cdiv(n4, 256))
+        u = rt.uniform(pack("8I", m, n4, es, ed // 4, slot, amax_at, mode, 0))
+        rec.dispatch("matmul_f16", "cast_f16", {0: s, 1: d, 2: u, 3: table}, cdiv(n4, 256))
 
 
 def linear_forward(rec: Recorder, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, *,
@@ -381,19 +546,20 @@ def linear_backward(rec: Recorder, dx: Tensor | None, dweight: Tensor | None, db
                     lddo: int | None = None, dout_col: int = 0, lddx: int | None = None,
                     dx_col: int = 0, dx_acc: bool = False,
                     x16: Tensor | None = None, w16: Tensor | None = None,
-                    dout16: Tensor | None = None) -> None:
+                    dout16: Tensor | None = None, dout_scale: F16Scale | None = None) -> None:
     """dx (+)= dout @ weight; dweight += dout^T @ x; dbias += column sums of dout.
 
     dout is [M, N] (row stride lddo), x is [M, K] (row stride ldx), weight [N, K].
     `ones` is a tensor of at least M ones, needed only for dbias.
     --precision mixed: `dout16` is f16 scratch of at least M*lddo elements; dout is cast
-    into it and the two products take it with `w16` (f16 weight) and `x16` (the forward's
-    f16 copy of x) where the shape allows.  dbias stays f32.
+    into it (times `dout_scale`'s 2^e where given: a slot of its own, F16Scales) and the two
+    products take it with `w16` (f16 weight) and `x16` (the forward's f16 copy of x) where
+    the shape allows.  dbias stays f32.
     """
     ldo = lddo if lddo is not None else N
     if dout16 is not None and ((dx is not None and w16 is not None) or (dweight is not None and x16 is not None)):
         dout16 = dout16.view((M * ldo,))   # exactly dout's extent (the scratch may be larger)
-        cast_f16(rec, dout16, dout, M * ldo)
+        cast_f16(rec, dout16, dout, M * ldo, scale=dout_scale)
     else:
         dout16 = None
     if dx is not None:

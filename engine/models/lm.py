@@ -17,6 +17,13 @@ for the weight gradients: the workspace's `<name>16` buffers) and of each output
 the embedding, norms, conv, scan, cross-entropy, the gradients and their reductions, AdamW
 and its moments.  The loss gradient is multiplied by `loss_scale` (set by the trainer's
 LossScaler) so that small gradients survive f16.
+
+Each activation and output gradient has a per-tensor scale (`Half.scales`, an F16Scales
+table of engine/kernels/matmul.py; slots "layers.<i>.<name16>", "layers.<i>.<field>.dout",
+"hf16", "head.dout"): its cast multiplies it by 2^e and records its amax, the products
+undo the scales in their epilogue, and the trainer rescales every slot at the end of each
+step from that step's amax (2^12 <= scaled amax < 2^13), so an activation of any f32
+magnitude goes through the products.  The weights keep the unit scale.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from memengine.engine.errors import MemengineError
 from memengine.engine.kernels.cross_entropy import cross_entropy
 from memengine.engine.kernels.embedding import EmbeddingBackward, embedding_forward
 from memengine.engine.kernels.lora import scale_
-from memengine.engine.kernels.matmul import cast_f16, linear_backward, linear_forward
+from memengine.engine.kernels.matmul import F16Scales, cast_f16, linear_backward, linear_forward, with_scale
 from memengine.engine.kernels.reduce import sum_into
 from memengine.engine.kernels.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from memengine.engine.models.base import Layer, Params
@@ -135,6 +142,10 @@ class Full:
     def head(self):
         return None
 
+    def dout_scale(self, name: str):
+        """The scale slot of output gradient `name` ("head"), or None."""
+        return None
+
 
 FULL = Full()
 
@@ -152,6 +163,22 @@ class Half(Full):
         self.params16 = model.structured({n: Tensor(self.P16[si].buffer, shape, "f16", 2 * off, n)
                                           for n, shape in P.shapes.items() for si, off in [P.where[n]]})
         self.loss_scale = rt.upload(np.ones(1, np.float32), name="loss_scale.one")
+        self.scales = F16Scales(rt, self.slot_names(model))
+
+    @staticmethod
+    def slot_names(model) -> list:
+        """Every f16 activation and output gradient of the model, in a fixed order (a saved
+        table's slots are these)."""
+        acts = [n for n, (_, dtype, per_layer) in model.block.workspace_table(1, 1, True, True).items()
+                if dtype == "f16" and per_layer]
+        fields = sorted(set(model.block.LAYER_FIELDS.values()))
+        names = []
+        for i in range(model.cfg.num_hidden_layers):
+            names += [f"layers.{i}.{a}" for a in acts] + [f"layers.{i}.{f}.dout" for f in fields]
+        return names + ["hf16", "head.dout"]
+
+    def _slot(self, name16: str, i):
+        return self.scales[name16 if i is None else f"layers.{i}.{name16}"]
 
     def cast_weights(self, rec) -> None:
         """The f16 weights from the f32 master weights (after every optimizer step)."""
@@ -161,17 +188,20 @@ class Half(Full):
     def act(self, rec, ws, name16: str, i, src):
         dst = getattr(ws, name16)
         dst = dst if i is None else dst[i]
-        cast_f16(rec, dst, src)
-        return dst
+        return cast_f16(rec, dst, src, scale=self._slot(name16, i))
 
     def weight(self, i: int, field: str):
         return getattr(self.params16.layers[i], field)
 
     def operands(self, ws, name16: str, i: int, field: str) -> dict:
-        return dict(x16=getattr(ws, name16)[i], w16=self.weight(i, field), dout16=ws.d16)
+        return dict(x16=with_scale(getattr(ws, name16)[i], self._slot(name16, i)), w16=self.weight(i, field),
+                    dout16=ws.d16, dout_scale=self.scales[f"layers.{i}.{field}.dout"])
 
     def view(self, ws, name16: str, shape, offset: int):
-        return getattr(ws, name16).view(shape, offset)
+        return with_scale(getattr(ws, name16).view(shape, offset), self._slot(name16, None))
+
+    def dout_scale(self, name: str):
+        return self.scales[f"{name}.dout"]
 
     def head(self):
         p = self.params16
@@ -389,7 +419,8 @@ class LanguageModel:
                           ws.scale, want_grad=want_grad, hits=h, loss_scale=half.loss_scale)
             if want_grad:
                 linear_backward(rec, ws.dhf.view((mc, E), r0 * E), dW if train_head else None, None,
-                                logits, hf, W, M=mc, N=V, K=E, x16=hf16, w16=W16, dout16=ws.d16)
+                                logits, hf, W, M=mc, N=V, K=E, x16=hf16, w16=W16, dout16=ws.d16,
+                                dout_scale=half.dout_scale("head"))
             rec.boundary()
 
     def record_backward(self, rec: Recorder, ws: Workspace, trainable: set) -> None:

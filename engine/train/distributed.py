@@ -108,12 +108,14 @@ class Group:
             text = " ".join(str(e).split())[:200]
             raise PeerLost(f"rank {self.rank}: another rank of the run stopped ({text})") from None
 
-    def all_reduce(self, a: np.ndarray) -> np.ndarray:
-        """Sum `a` (a contiguous float32/float64 host array) over the ranks, in place."""
+    def all_reduce(self, a: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Sum `a` (a contiguous float32/float64 host array; with op "max": its maximum, any
+        number type) over the ranks, in place."""
         import torch
 
         t = torch.from_numpy(a)
-        self._collective(lambda: self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM))
+        red = self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM
+        self._collective(lambda: self.dist.all_reduce(t, op=red))
         return a
 
     def broadcast(self, obj, src: int = 0):

@@ -9,6 +9,15 @@ end, before an evaluation or a checkpoint, and after the last step.  A non-finit
 stops the run at that read, so within --log-every steps and before any checkpoint
 could hold its result.
 
+Under --precision mixed each step event (the history of trainer_state.json and
+memengine.json) also carries `f16_scales`: the f16 operands' per-tensor scales at that
+step, as {"min", "max": the least and greatest scale among the tensors that have one,
+"changes": how many rescales changed a tensor's scale since the run began, "tensors":
+how many have one} (engine/kernels/matmul.py F16Scales.summary): a few numbers a log
+step, whatever the run's length or the model's depth; the whole table (every tensor's
+scale, changes, least and greatest scale, last amax) is in the checkpoints'
+optimizer.safetensors.
+
 Ctrl-C and SIGTERM (a run with checkpoints, one process): the first signal lets the step
 in flight and its end-of-step work finish (`interrupts.finishing`), then a checkpoint is
 written and the loop stops with a KeyboardInterrupt; a second signal ends the process at
@@ -223,8 +232,9 @@ class TrainingLoop:
             if not math.isfinite(v):
                 # loss scaling covers the gradients only: under --precision mixed a forward
                 # activation beyond f16's range gives a non-finite loss at any scale
-                hint = ("try --precision fp32 (an activation beyond f16's range, 65504, does this "
-                        "under mixed precision), or a smaller --lr or --max-grad-norm"
+                hint = ("try --precision fp32 (an activation that grew more than 8x within one step can "
+                        "exceed f16's range, 65504, under mixed precision), or a smaller --lr or "
+                        "--max-grad-norm"
                         if self.trainer.scaler is not None else "try a smaller --lr or --max-grad-norm")
                 raise NonFiniteError(f"loss became non-finite ({v}) at step {first + i} (epoch {epoch}); {hint}")
         skipped = self.trainer.last_skipped
@@ -247,6 +257,10 @@ class TrainingLoop:
               "tokens_per_s": w["tokens"] / w["elapsed_s"] if w["elapsed_s"] > 0 else 0.0}
         if self.trainer.scaler is not None:  # --precision mixed: steps skipped by loss scaling
             ev["skipped_steps"] = w.get("skipped", 0)
+        if getattr(self.trainer, "f16", None) is not None:
+            # --precision mixed: the f16 scales now (least, greatest) and their changes so far
+            # (read after the trace, which synchronised already)
+            ev["f16_scales"] = self.trainer.f16.summary()
         self.state.window_sums = _sums()
         self.listener.on_step(self._record(ev))
 

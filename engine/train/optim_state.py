@@ -45,6 +45,11 @@ def load(path: Path, model, rows: dict | None = None) -> dict | None:
 
 # the loss scaler's (scale, finite steps in a row, skipped steps) of a --precision mixed run
 LOSS_SCALE_KEY = "__loss_scale__"
+# --precision mixed: the f16 operands' per-tensor scale table, [7, slots] int32
+# (engine/kernels/matmul.py F16Scales: exponents, amax, changes, least/greatest exponent, last amax,
+# committed exponents)
+F16_SCALES_KEY = "__f16_scales__"
+F16_EXP_RANGE = (-115, 60)   # (F16_EXP_MIN, F16_EXP_MAX) of engine/kernels/matmul.py
 
 
 HINT = "; delete it to start the moments from zero"
@@ -67,7 +72,8 @@ def _gpu_shape(name: str, shape: tuple) -> tuple:
 
 def check_header(entries: dict, model, where: str, rows: dict | None = None) -> None:
     """Every entry (name -> (shape, safetensors dtype)) is '__step__' (one number),
-    '__loss_scale__' (--precision mixed: three F32 numbers) or one of
+    '__loss_scale__' (--precision mixed: three F32 numbers), '__f16_scales__' (--precision
+    mixed: an I32 table [7, slots]) or one of
     a pair of F32 moments ('<tensor>.exp_avg', '<tensor>.exp_avg_sq') of a tensor of the
     model, of that tensor's shape.  The first problem is one MemengineError naming the entry."""
     shapes = _shapes(model)
@@ -84,6 +90,10 @@ def check_header(entries: dict, model, where: str, rows: dict | None = None) -> 
         if key == LOSS_SCALE_KEY:
             if shape != (3,) or str(dtype).upper() != "F32":
                 raise _bad(where, key, "is not three float32 numbers (scale, good steps, skipped steps)")
+            continue
+        if key == F16_SCALES_KEY:
+            if len(shape) != 2 or shape[0] != 7 or shape[1] < 1 or str(dtype).upper() != "I32":
+                raise _bad(where, key, "is not an int32 table of 7 rows (the f16 scales)")
             continue
         if key.endswith(".exp_avg_sq"):
             name, other = key[: -len(".exp_avg_sq")], "exp_avg"
@@ -123,6 +133,13 @@ def check(state: dict, model, where: str, rows: dict | None = None) -> None:
         if key == LOSS_SCALE_KEY:
             if not (np.isfinite(arr).all() and float(arr.reshape(-1)[0]) > 0):
                 raise _bad(where, key, "is not a positive finite loss scale")
+            continue
+        if key == F16_SCALES_KEY:
+            lo, hi = F16_EXP_RANGE
+            e = arr[[0, 3, 4, 6]]
+            if e.min() < lo or e.max() > hi or arr[0, 0] != 0 or (arr[2] < 0).any():
+                raise _bad(where, key, f"holds exponents outside [{lo}, {hi}], a unit slot that is not 1 or "
+                                       "negative counts")
             continue
         if key == "__step__":
             v = float(arr.reshape(-1)[0])

@@ -178,6 +178,12 @@ def _event(c: _Check, ev: Any, field: str, step: int) -> dict:
         c.get(ev, key, f"{field}.{key}", k, lo=lo, hi=hi)
     if "skipped_steps" in ev:
         c.get(ev, "skipped_steps", field + ".skipped_steps", "int", lo=0, hi=step)
+    if "f16_scales" in ev:   # --precision mixed (engine/kernels/matmul.py F16Scales.summary)
+        f = c.get(ev, "f16_scales", field + ".f16_scales", "dict")
+        for key in ("min", "max"):
+            c.get(f, key, f"{field}.f16_scales.{key}", "fin", lo=2.0 ** -115, hi=2.0 ** 60)
+        for key in ("changes", "tensors"):
+            c.get(f, key, f"{field}.f16_scales.{key}", "int", lo=0)
     return ev
 
 

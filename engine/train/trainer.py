@@ -11,6 +11,12 @@ reads back every few steps (`read_trace`), never per step.  A `StepFence` keeps 
 a few submissions queued, so progress follows the GPU and Ctrl-C stops promptly.
 With --precision mixed (the model's), a `LossScaler` scales the loss gradient and decides on
 the GPU whether the step is applied; whether each step was skipped goes into the trace.
+The f16 operands' per-tensor scales (the model's `half.scales`, engine/kernels/matmul.py
+F16Scales) are rescaled on the GPU at the end of each step from the amax its casts saw
+(what evaluation casts between two steps recorded is cleared at the start of each), so a
+step's scales come from the step before; the first step of a run calibrates (each cast
+takes its own tensor's amax).  The table goes into the optimizer state (F16_SCALES_KEY),
+so a resumed run continues with the scales it stopped with.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from memengine.engine.kernels.reduce import sum_into
 from memengine.engine.models.lm import LanguageModel, perplexity
 from memengine.engine.runtime import Pacer, StepFence
 from memengine.engine.train.optim import AdamW, GradClipper, LossScaler
-from memengine.engine.train.optim_state import LOSS_SCALE_KEY
+from memengine.engine.train.optim_state import F16_SCALES_KEY, LOSS_SCALE_KEY
 
 
 @dataclass
@@ -87,6 +93,7 @@ class Trainer:
                          weight_decay=options.weight_decay, max_delta=options.max_delta)
         optimizer_state = dict(optimizer_state or {})
         scaler_state = optimizer_state.pop(LOSS_SCALE_KEY, None)
+        f16_state = optimizer_state.pop(F16_SCALES_KEY, None)
         # --shard-moments: this rank keeps (and steps) the moments of its share of the tensors
         self.shard = bool(getattr(options, "shard_moments", False)) and group is not None and group.world > 1
         self.owner: dict = {}
@@ -112,6 +119,13 @@ class Trainer:
             self.scaler = LossScaler(rt, scale=model.loss_scale)
             # a resumed mixed run continues its loss scale; AdamW's t is counted on the GPU
             self.scaler.load(scaler_state, self.opt.step_count)
+        # --precision mixed: the f16 operands' per-tensor scales (a fresh run calibrates its first step)
+        self.f16 = model.half.scales if model.mixed else None
+        if self.f16 is not None:
+            if f16_state is not None:
+                self.f16.load(f16_state)
+            else:
+                self.f16.calibrate = True
         self.capacity = max(1, int(trace_capacity))
         # trace[j] = loss of the j-th step since the last read, trace[cap + j] = its grad norm,
         # trace[2 cap + j] = 1 when loss scaling skipped it; a step sums its loss into one
@@ -169,6 +183,8 @@ class Trainer:
             state = self._gather_moments(state)
         if self.scaler is not None:   # t = the steps loss scaling let through
             state[LOSS_SCALE_KEY] = self.scaler.state()
+        if self.f16 is not None:
+            state[F16_SCALES_KEY] = self.f16.state()
             state["__step__"] = np.array([self.scaler.applied_steps()], dtype=np.int64)
         return state
 
@@ -195,6 +211,8 @@ class Trainer:
             rec = rt.recorder()
             if i == 0:
                 rec.clear(self.step_loss)
+                if self.f16 is not None:
+                    self.f16.clear_amax(rec)
             model.record_gradients(rec, ws, b.ids, self.trainable, self.step_loss, clear=(i == 0))
             if i == len(micro) - 1 and self.group is not None:
                 self.fence.mark(rec)
@@ -202,6 +220,8 @@ class Trainer:
                 self._all_reduce()
                 rec = rt.recorder()
             if i == len(micro) - 1:
+                if self.f16 is not None:   # the next step's f16 scales (after the ranks' amax)
+                    self.f16.record_rescale(rec)
                 self.clipper.record(rec, self._norm_views, self.options.max_grad_norm, self.scaler)
                 rec.copy(self.step_loss, self.trace.view((1,), j), slot=True)
                 rec.copy(self.clipper.norm, self.trace.view((1,), self.capacity + j), slot=True)
@@ -221,6 +241,8 @@ class Trainer:
             if self.shard and i == len(micro) - 1:
                 self._exchange_weights()
             tokens += int(b.n_tokens)
+        if self.f16 is not None:
+            self.f16.calibrate = False
         self.pending += 1
         self._pace()
         return tokens
@@ -235,6 +257,11 @@ class Trainer:
             a = rt.read(t)
             self.group.all_reduce(a)
             rt.write(t, a)
+        if self.f16 is not None:   # the f16 casts' amax: the largest over the ranks (one table on all)
+            amax = self.f16.region(1)
+            a = rt.read(amax)
+            self.group.all_reduce(a, op="max")
+            rt.write(amax, a)
 
     def _sum_over_ranks(self, parts: list) -> list:
         """Host arrays (one per tensor, each rank's own filled, the others zeros) summed over
