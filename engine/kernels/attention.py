@@ -27,7 +27,7 @@ from memengine.engine.runtime import Recorder, Tensor, bound, cdiv
 WG = 256
 MAX_HEAD_DIM = 256      # the kernels' registers: 4 column chunks of 16 vec4s (the decode step: MAXD4 vec4s)
 LOOP_BUDGET = 24000     # loop iterations one invocation may make in one dispatch
-TILE = 32               # keys (query rows) of a block of the tiled kernels
+TILE = 32               # keys (query rows) of a block that a workgroup walks
 
 
 def check_shape(D: int, Hq: int, Hkv: int, where: str = "attention") -> None:
@@ -49,8 +49,8 @@ def _nch(D: int) -> dict:
     return {"NCH": cdiv(D // 4, 16)}
 
 
-def tiled_costs(D: int, rep: int) -> tuple[int, int, int]:
-    """Loop iterations an invocation of the tiled kernels makes per block of 32 (keys for the
+def block_costs(D: int, rep: int) -> tuple[int, int, int]:
+    """Loop iterations an invocation of the kernels makes per block of 32 (keys for the
     forward and dq, query rows of each of the REP heads for dk, dv), every loop counted."""
     D4, n = D // 4, cdiv(D // 4, 16)
     fwd = 8 + cdiv(D4, 8) * 42 + 8 + 32 + 4 * (2 + n) + n * 162
@@ -59,8 +59,8 @@ def tiled_costs(D: int, rep: int) -> tuple[int, int, int]:
     return fwd, dq, dkv
 
 
-def tiled_segment(rt, L: int, per_block: int) -> int:
-    """Keys (or query rows) one dispatch of a tiled kernel walks, a multiple of 32: all of L on
+def segment(rt, L: int, per_block: int) -> int:
+    """Keys (or query rows) one dispatch of a kernel walks, a multiple of 32: all of L on
     a GPU; on a CPU adapter as many as keep an invocation under LOOP_BUDGET iterations."""
     if not is_cpu(rt):
         return max(TILE, cdiv(L, TILE) * TILE)
@@ -78,7 +78,7 @@ def attention_forward(rec: Recorder, o: Tensor, lse: Tensor, q: Tensor, k: Tenso
     rt = rec.rt
     (bq, oq), (bk, ok), (bv, ov), (bo, oo), (bm, om), (bl, ol) = (bound(rt, t) for t in (q, k, v, o, lse, lsum))
     binds = {0: bq, 1: bk, 2: bv, 3: bo, 4: bm, 5: bl}
-    seg = tiled_segment(rt, L, tiled_costs(D, Hq // Hkv)[0])
+    seg = segment(rt, L, block_costs(D, Hq // Hkv)[0])
     nqb = cdiv(L, 64)
     for s0 in range(0, L, seg):
         s1 = min(L, s0 + seg)
@@ -101,15 +101,15 @@ def attention_backward(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, delta:
     u = rt.uniform(_u(B, L, Hq, Hkv, D, 0, 0, 0, M, (0, 0, 0, oo, 0, 0, odo, oe), scale, 1.0 / o_scale))
     rec.dispatch("attention", "attention_delta", {0: bdo, 1: bo, 2: be, 3: u}, cdiv(M * Hq, WG))
     (bdq, odq), (bdk, odk), (bdv, odv) = (bound(rt, t) for t in (dq, dk, dv))
-    _, cq, ckv = tiled_costs(D, Hq // Hkv)
+    _, cq, ckv = block_costs(D, Hq // Hkv)
     c = _nch(D)
-    seg, nqb = tiled_segment(rt, L, cq), cdiv(L, 64)
+    seg, nqb = segment(rt, L, cq), cdiv(L, 64)
     for s0 in range(0, L, seg):   # dq over key segments
         s1 = min(L, s0 + seg)
         u = rt.uniform(_u(B, L, Hq, Hkv, D, s0, s1, s0 == 0, M, (oq, ok, ov, odq, om, 0, odo, oe), scale))
         rec.dispatch("attention", "attention_backward_dq",
                      {0: bq, 1: bk, 2: bv, 3: bdo, 4: bm, 5: be, 6: bdq, 8: u}, B * Hq * (nqb - s0 // 64), c)
-    seg = tiled_segment(rt, L, ckv)
+    seg = segment(rt, L, ckv)
     for s0 in reversed(range(0, L, seg)):   # dk, dv over query segments, the last first (it covers every key)
         s1 = min(L, s0 + seg)
         u = rt.uniform(_u(B, L, Hq, Hkv, D, s0, s1, s1 == L, M, (oq, ok, ov, odk, om, odv, odo, oe), scale))
