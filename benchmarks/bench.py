@@ -68,8 +68,22 @@ SHAPES = {
 }
 
 
+def _config_json(name: str) -> dict:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", f"{name}.json")) as f:
+        return json.load(f)
+
+
+# the hybrids (Mamba-2 layers and GQA attention; the config.json transformers reads)
+HYBRIDS = ("granite-4.0-h-350m",)
+SHAPES.update({name: _config_json(name) for name in HYBRIDS})
+
+
 def is_mamba2(shape: str) -> bool:
     return SHAPES[shape].get("model_type") == "mamba2"
+
+
+def is_hybrid(shape: str) -> bool:
+    return SHAPES[shape].get("model_type") in ("granitemoehybrid", "bamba")
 
 
 def _fields(shape: str) -> dict:
@@ -440,7 +454,7 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False, preci
     from memengine.engine.models.lm import LanguageModel
     from memengine.engine.train.trainer import Trainer
 
-    if is_mamba2(shape):
+    if is_mamba2(shape) or is_hybrid(shape):
         from memengine.engine import models
 
         cfg = models.config_from_dict(dict(SHAPES[shape]), "bench")
@@ -567,6 +581,52 @@ def bench_peer_train(torch, shape, B, L, prec, steps):
         out = dict(error="CUDA out of memory: " + str(e)[:120])
     out["conv"] = "causal-conv1d" if _has_causal_conv1d() else "torch conv1d"
     del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def _hybrid_fast_path() -> dict:
+    """Whether transformers' hybrid takes its fused Mamba-2 kernels (mamba-ssm's and
+    causal-conv1d's) or its torch path: the module's is_fast_path_available where the
+    installed transformers has one, else whether both packages import (transformers 5.2x
+    binds them in place of its torch functions at import time)."""
+    import importlib
+
+    mod = importlib.import_module("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
+    if hasattr(mod, "is_fast_path_available"):
+        return dict(fast_path=bool(mod.is_fast_path_available), fast_path_from="is_fast_path_available")
+    ok = {}
+    for name in ("mamba_ssm", "causal_conv1d"):
+        try:
+            importlib.import_module(name)
+            ok[name] = True
+        except Exception:
+            ok[name] = False
+    return dict(fast_path=all(ok.values()), fast_path_from="mamba_ssm and causal_conv1d import", **ok)
+
+
+def bench_hybrid_peer_train(torch, shape, B, L, steps):
+    """transformers' GraniteMoeHybridForCausalLM from the shape's config on CUDA: fp32
+    weights, bf16 autocast, attn_implementation='sdpa', the AdamW step included."""
+    import transformers
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = transformers.GraniteMoeHybridConfig(**{k: v for k, v in SHAPES[shape].items() if k != "architectures"})
+    torch.manual_seed(0)
+    m = transformers.GraniteMoeHybridForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    m = m.to("cuda", dtype=torch.float32).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (B, L), generator=g).cuda()
+    tg = torch.randint(0, cfg.vocab_size, (B, L), generator=g).cuda()
+    try:
+        out = _torch_step(torch, m, lambda x: m(input_ids=x).logits, cfg.vocab_size, ids, tg, "bf16", steps)
+    except torch.OutOfMemoryError as e:
+        out = dict(error="CUDA out of memory: " + str(e)[:120])
+    out.update(_hybrid_fast_path(), attn_implementation=m.config._attn_implementation, precision="bf16 autocast",
+               transformers=transformers.__version__)
+    del m
     gc.collect()
     torch.cuda.empty_cache()
     return out
@@ -839,7 +899,8 @@ def summary(res) -> list:
         if mx and mx.get("tokens_per_s") and me is not mx:
             line += (f"  mixed {mx['tokens_per_s']:8.0f} tok/s ({mx['peak_bytes'] / 2**30:.1f} GiB, "
                      f"{mx['tokens_per_s'] / max(me.get('tokens_per_s', 0), 1e-9):.2f}x fp32)")
-        for key in ("mamba_ssm_fp32", "mamba_ssm_bf16", "mambapy", "torch_path", "slow_path", "torch_cpu"):
+        for key in ("mamba_ssm_fp32", "mamba_ssm_bf16", "mambapy", "torch_path", "slow_path", "torch_cpu",
+                    "transformers_bf16"):
             p = row.get(key)
             if not p:
                 continue
@@ -849,6 +910,8 @@ def summary(res) -> list:
                 line += f", {p['peak_bytes'] / 2**30:.1f} GiB)" if p.get("peak_bytes") else ")"
             else:
                 line += f" | {key}: {p.get('error', '?')[:50]}"
+            if "fast_path" in p:
+                line += f" fast path {p['fast_path']}"
         if "error" in me:
             line += f" | memengine error: {me['error'][:80]}"
         lines.append(line)
@@ -982,7 +1045,10 @@ def main(argv=None):
                             row["memengine_lora"]["rank"] = a.lora_rank
                         except Exception as e:
                             row["memengine_lora"] = dict(error=str(e)[:300])
-                    if tdev == "cpu":   # the CPU peers: always
+                    if is_hybrid(sh):
+                        print(f"train {sh}: the transformers peer runs only on CUDA"
+                              + ("" if cuda else f" (torch: {tdev or 'not importable'}); no peer row"), flush=True)
+                    elif tdev == "cpu":   # the CPU peers: always
                         threads = sorted({int(x) for x in a.torch_threads.split(",")} if a.torch_threads
                                          else {1, os.cpu_count() or 1})
                         _cpu_rounds(rt, torch, row, sh, B, L, a.steps, a.rounds, threads)
@@ -1026,13 +1092,21 @@ def main(argv=None):
     if cuda and suites & {"train", "scan", "decode"}:
         rt.trim()
         gc.collect()
+        for row in res["train"]:
+            if is_hybrid(row["shape"]):
+                try:
+                    row["transformers_bf16"] = bench_hybrid_peer_train(torch, row["shape"], row["B"], row["L"],
+                                                                       a.peer_steps)
+                except Exception as e:
+                    row["transformers_bf16"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+                save()
         compiled = "scan" in suites or any(not is_mamba2(sh) for sh in shapes)
         if peer_mamba_ssm(a.peer_wait, a.peer_ready, compiled) is not None:
             if "scan" in suites and not cpu:
                 B, L, Di, N = res["scan"]["shape"]
                 res["scan"]["mamba_ssm"] = bench_scan_peer(torch, B, L, Di, N)
             for row in res["train"]:
-                if "slow_path" in row:
+                if "slow_path" in row or is_hybrid(row["shape"]):
                     continue
                 row["mamba_ssm_fp32"] = bench_peer_train(torch, row["shape"], row["B"], row["L"], "fp32", a.peer_steps)
                 if str(row["B"]) in a.bf16_batches.split(","):

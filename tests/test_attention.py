@@ -1,8 +1,8 @@
 """The attention, RoPE and SwiGLU kernels (engine/kernels/attention.py, rope.py, swiglu.py)
 against torch autograd in float64: causal softmax attention with grouped KV heads (GQA
-ratios 1, 3 and 4), head dims 4..128, lengths past one key segment (so that the online
-softmax carries its state across dispatches), partial and full rotary dims, and the
-residual multiplier folded into the output."""
+ratios 1, 2, 3 and 4), head dims 4..256, lengths that are no multiple of the kernels' blocks
+and past one segment (so that the online state carries across dispatches), partial and full
+rotary dims, and the residual multiplier folded into the output."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ CASES = [   # B, L, Hq, Hkv, D, segment budget (None: the default)
     (1, 37, 6, 2, 12, 100),     # GQA 3, several key segments of a few keys
     (2, 19, 4, 4, 8, 60),
     (1, 70, 8, 2, 128, 3000),   # the real head_dim, GQA 4, segments of ~23 keys
+    (2, 150, 4, 2, 68, 900),    # several blocks and segments of one block, 2 column chunks
+    (1, 97, 2, 1, 256, None),   # the largest head_dim
 ]
 
 

@@ -6,10 +6,14 @@ with an online softmax, no L x L matrix in memory.
 Layouts (rows m = b*L + t): q and o [M, Hq*D] (head h at columns h*D..), k and v [M, Hkv*D];
 query head h reads kv head h // (Hq/Hkv) (transformers' repeat_kv).  The forward writes o
 and `lse` [M, Hq] (the softmax's log-normaliser, which the backward takes to recompute each
-probability).  The key range (forward, dq) or the query range (dk, dv) is walked in segments,
-one dispatch each, short enough that no invocation's loops pass `LOOP_BUDGET` iterations
-(lavapipe's gallivm silently stops an invocation's loops after 65535 in all); between
-segments the online state (o unnormalised, running max and sum) stays in the output buffers.
+probability).  Tiled kernels: a workgroup takes 64 query rows (forward, dq) or 64 keys (dk,
+dv, summed over the REP query heads of their kv head in the workgroup: no atomics) and walks
+the other side in blocks of 32 staged in workgroup memory (16 KiB), below the diagonal only.
+On a GPU each walk is one dispatch; on a CPU adapter the key range (forward, dq) or the query
+range (dk, dv) is split into segments of whole blocks, one dispatch each, short enough that
+no invocation's loops pass `LOOP_BUDGET` iterations (lavapipe's gallivm silently stops an
+invocation's loops after 65535 in all); between segments the online state (o unnormalised,
+running max and sum; the gradients) stays in the output buffers.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from __future__ import annotations
 import struct
 
 from memengine.engine.errors import MemengineError
+from memengine.engine.kernels.lanes import is_cpu
 from memengine.engine.runtime import Recorder, Tensor, bound, cdiv
 
 WG = 256
-MAX_HEAD_DIM = 256      # the shader's registers (MAXD4 vec4s)
+MAX_HEAD_DIM = 256      # the kernels' registers: 4 column chunks of 16 vec4s (the decode step: MAXD4 vec4s)
 LOOP_BUDGET = 24000     # loop iterations one invocation may make in one dispatch
+TILE = 32               # keys (query rows) of a block that a workgroup walks
 
 
 def check_shape(D: int, Hq: int, Hkv: int, where: str = "attention") -> None:
@@ -33,15 +39,32 @@ def check_shape(D: int, Hq: int, Hkv: int, where: str = "attention") -> None:
         raise MemengineError(f"{where}: num_key_value_heads {Hkv} must divide num_attention_heads {Hq}")
 
 
-def segment(D: int, per_step: int = 1) -> int:
-    """Keys (or queries) one dispatch walks: each costs about per_step * (D/4 + 2) iterations."""
-    return max(1, LOOP_BUDGET // (per_step * (D // 4 + 2)))
-
-
 def _u(B, L, Hq, Hkv, D, s0, s1, first, rows, offs, scale, factor=1.0) -> bytes:
     o = list(offs) + [0] * (8 - len(offs))
     return struct.pack("<20I2f2I", B, L, Hq, Hkv, D // 4, Hq // Hkv, Hq * D, Hkv * D, s0, s1, int(first), rows,
                        *o, float(scale), float(factor), 0, 0)
+
+
+def _nch(D: int) -> dict:
+    return {"NCH": cdiv(D // 4, 16)}
+
+
+def block_costs(D: int, rep: int) -> tuple[int, int, int]:
+    """Loop iterations an invocation of the kernels makes per block of 32 (keys for the
+    forward and dq, query rows of each of the REP heads for dk, dv), every loop counted."""
+    D4, n = D // 4, cdiv(D // 4, 16)
+    fwd = 8 + cdiv(D4, 8) * 42 + 8 + 32 + 4 * (2 + n) + n * 162
+    dq = 16 + cdiv(D4, 4) * 22 + 10 + n * 162
+    dkv = rep * (16 + cdiv(D4, 4) * 22 + 10 + 2 * n * 162)
+    return fwd, dq, dkv
+
+
+def segment(rt, L: int, per_block: int) -> int:
+    """Keys (or query rows) one dispatch of a kernel walks, a multiple of 32: all of L on
+    a GPU; on a CPU adapter as many as keep an invocation under LOOP_BUDGET iterations."""
+    if not is_cpu(rt):
+        return max(TILE, cdiv(L, TILE) * TILE)
+    return TILE * max(1, LOOP_BUDGET // per_block)
 
 
 def attention_forward(rec: Recorder, o: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, lsum: Tensor, *,
@@ -54,14 +77,13 @@ def attention_forward(rec: Recorder, o: Tensor, lse: Tensor, q: Tensor, k: Tenso
         return
     rt = rec.rt
     (bq, oq), (bk, ok), (bv, ov), (bo, oo), (bm, om), (bl, ol) = (bound(rt, t) for t in (q, k, v, o, lse, lsum))
-    seg = segment(D, 2)
     binds = {0: bq, 1: bk, 2: bv, 3: bo, 4: bm, 5: bl}
+    seg = segment(rt, L, block_costs(D, Hq // Hkv)[0])
+    nqb = cdiv(L, 64)
     for s0 in range(0, L, seg):
         s1 = min(L, s0 + seg)
         u = rt.uniform(_u(B, L, Hq, Hkv, D, s0, s1, s0 == 0, M, (oq, ok, ov, oo, om, ol), scale))
-        rec.dispatch("attention", "attention_forward", {**binds, 6: u}, cdiv(B * Hq * (L - s0), WG))
-    u = rt.uniform(_u(B, L, Hq, Hkv, D, 0, 0, 0, M, (oq, ok, ov, oo, om, ol), scale))
-    rec.dispatch("attention", "attention_finish", {3: bo, 4: bm, 5: bl, 6: u}, cdiv(M * Hq, WG))
+        rec.dispatch("attention", "attention_forward", {**binds, 6: u}, B * Hq * (nqb - s0 // 64), _nch(D))
 
 
 def attention_backward(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, delta: Tensor, do: Tensor, o: Tensor,
@@ -79,19 +101,20 @@ def attention_backward(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, delta:
     u = rt.uniform(_u(B, L, Hq, Hkv, D, 0, 0, 0, M, (0, 0, 0, oo, 0, 0, odo, oe), scale, 1.0 / o_scale))
     rec.dispatch("attention", "attention_delta", {0: bdo, 1: bo, 2: be, 3: u}, cdiv(M * Hq, WG))
     (bdq, odq), (bdk, odk), (bdv, odv) = (bound(rt, t) for t in (dq, dk, dv))
-    seg = segment(D, 2)
+    _, cq, ckv = block_costs(D, Hq // Hkv)
+    c = _nch(D)
+    seg, nqb = segment(rt, L, cq), cdiv(L, 64)
     for s0 in range(0, L, seg):   # dq over key segments
         s1 = min(L, s0 + seg)
         u = rt.uniform(_u(B, L, Hq, Hkv, D, s0, s1, s0 == 0, M, (oq, ok, ov, odq, om, 0, odo, oe), scale))
         rec.dispatch("attention", "attention_backward_dq",
-                     {0: bq, 1: bk, 2: bv, 3: bdo, 4: bm, 5: be, 6: bdq, 8: u}, cdiv(B * Hq * (L - s0), WG))
-    seg = segment(D, 2 * (Hq // Hkv))
-    starts = list(range(0, L, seg))
-    for s0 in reversed(starts):   # dk, dv over query segments, the last first (it covers every key)
+                     {0: bq, 1: bk, 2: bv, 3: bdo, 4: bm, 5: be, 6: bdq, 8: u}, B * Hq * (nqb - s0 // 64), c)
+    seg = segment(rt, L, ckv)
+    for s0 in reversed(range(0, L, seg)):   # dk, dv over query segments, the last first (it covers every key)
         s1 = min(L, s0 + seg)
         u = rt.uniform(_u(B, L, Hq, Hkv, D, s0, s1, s1 == L, M, (oq, ok, ov, odk, om, odv, odo, oe), scale))
         rec.dispatch("attention", "attention_backward_dkv",
-                     {0: bq, 1: bk, 2: bv, 3: bdo, 4: bm, 5: be, 6: bdk, 7: bdv, 8: u}, cdiv(B * Hkv * s1, WG))
+                     {0: bq, 1: bk, 2: bv, 3: bdo, 4: bm, 5: be, 6: bdk, 7: bdv, 8: u}, B * Hkv * cdiv(s1, 64), c)
 
 
 # ---------------------------------------------------------------- decoding (batch 1)
