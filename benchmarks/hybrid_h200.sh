@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt"
 MEMENGINE_BACKEND=dawn timeout "${MIXED_S:-120}" python3 -m pytest -q -p no:cacheprovider --tb=short \
-    ${MIXED_TESTS:-tests/test_f16_scaling.py tests/test_mixed.py} > "$OUT/tests_mixed_dawn.txt" 2>    ${MIXED_TESTS:-tests/test_mixed.py} > "$OUT/tests_mixed_dawn.txt" 2>&11
+    ${MIXED_TESTS:-tests/test_f16_scaling.py tests/test_mixed.py} > "$OUT/tests_mixed_dawn.txt" 2>&1
 tail -2 "$OUT/tests_mixed_dawn.txt"
 timeout "${ATTN_S:-90}" python3 benchmarks/attention_h200.py 2>&1 | tee "$OUT/attention.log" | tail -8
 timeout "${HYBRID_S:-150}" python3 benchmarks/bench.py --suite train --shapes granite-4.0-h-350m --seq 4096 --batch 1 \
