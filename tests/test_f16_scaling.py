@@ -197,20 +197,10 @@ def test_rescale_follows_the_rule_for_known_amaxes_and_keeps_its_history(rt):
 
 # ------------------------------------------------------------------ (b) training
 from memengine.engine.app.options import TrainOptions  # noqa: E402
-from memengine.engine.io.data import make_windows  # noqa: E402
 from memengine.engine.models.lm import LanguageModel  # noqa: E402
-from memengine.engine.models.mamba1.config import MambaConfig  # noqa: E402
 from memengine.engine.models.mamba1.init import init_weights  # noqa: E402
 from memengine.engine.train.loop import fit  # noqa: E402
-
-CFG = MambaConfig(vocab_size=256, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
-                  conv_kernel=4, time_step_rank=4)
-
-
-def _demo_windows(seq_len):
-    from importlib import resources
-    text = resources.files("memengine.engine").joinpath("data/demo.txt").read_bytes()
-    return make_windows(np.frombuffer(text, np.uint8).astype(np.int32), seq_len)
+from test_mixed import CURVE_CFG as CFG, _demo_windows  # noqa: E402
 
 
 def test_training_with_activations_beyond_f16_stays_finite_and_near_fp32(rt):
