@@ -29,7 +29,6 @@ _LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
 class _Hybrid(Architecture):
     LAYER_PREFIX = "model.layers."
     EMBEDDINGS = "model.embed_tokens.weight"
-    precisions = ("fp32",)
     lora_refused = {"conv1d": "transformers reads the Mamba layers' conv1d weight directly (causal_conv1d_fn), "
                               "so a LoRA adapter on it would have no effect there"}
     MLP_TARGETS: tuple = ()

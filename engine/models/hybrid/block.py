@@ -51,8 +51,6 @@ class HybridBlock(Block):
 
     # -- activations
     def workspace_table(self, B: int, L: int, grad: bool, mixed: bool) -> dict:
-        if mixed:
-            raise MemengineError(f"--precision mixed is not yet supported for {self.cfg.model_type}")
         E, I, Hq, Hkv, D = self.E, self.I, self.Hq, self.Hkv, self.D
         M = B * L
         att = list(self.cfg.attention_layers)
@@ -79,7 +77,14 @@ class HybridBlock(Block):
             t.update({"dact": ((M, I), "f32", False), "dgu": ((M, 2 * I), "f32", False),
                       "dun2": ((M, E), "f32", False)})
             t.setdefault("dun", ((M, E), "f32", False))
+        if mixed:   # f16 copies of the products' inputs: the pre-norm's output in every layer
+            t.update({"un16": ((M, E), "f16", True), "un216": ((M, E), "f16", True), "act16": ((M, I), "f16", True)})
+            if self.cfg.attention_layers:
+                t["att16"] = ((M, Hq * D), "f16", att)
         return t
+
+    def d16_elems(self, M: int) -> int:
+        return max(self.mamba.d16_elems(M), M * 2 * self.I, M * self.Hq * self.D)
 
     def _rope_table(self, rec, ws):
         if not getattr(ws, "_rope_written", False):
@@ -100,19 +105,23 @@ class HybridBlock(Block):
         un2 = ws.un2[i]
         rmsnorm_forward(rec, un2, ws.rstd2[i], hm, lp.norm2_weight, c.rms_norm_eps, copy=ws.h[i + 1])
         gu = ws.gu[i]
+        half = model.half
+        un216 = half.act(rec, ws, "un216", i, un2)
         if self.granite:
-            linear_forward(rec, gu, un2, lp.gu_weight, None, M=M, N=2 * I, K=E)
+            linear_forward(rec, gu, un2, lp.gu_weight, None, M=M, N=2 * I, K=E, x16=un216,
+                           w16=half.weight(i, "gu_weight"))
             if lora is not None:
                 lora.forward(rec, ws, i, "input_linear", un2, gu, train=train)
         else:
-            for col, w, b, t in ((0, lp.gate_weight, lp.gate_bias, "gate_proj"), (I, lp.up_weight, lp.up_bias,
-                                                                                    "up_proj")):
-                linear_forward(rec, gu, un2, w, b, M=M, N=I, K=E, ldo=2 * I, out_col=col)
+            for col, w, b, t, f in ((0, lp.gate_weight, lp.gate_bias, "gate_proj", "gate_weight"),
+                                    (I, lp.up_weight, lp.up_bias, "up_proj", "up_weight")):
+                linear_forward(rec, gu, un2, w, b, M=M, N=I, K=E, ldo=2 * I, out_col=col, x16=un216,
+                               w16=half.weight(i, f))
                 if lora is not None:
                     lora.forward(rec, ws, i, t, un2, gu, train=train, ldo=2 * I, out_col=col)
         swiglu_forward(rec, ws.act[i], gu, rows=M, I=I, r=self.r)
         linear_forward(rec, ws.h[i + 1], ws.act[i], lp.down_weight, None if self.granite else lp.down_bias, M=M, N=E,
-                       K=I, acc=True)
+                       K=I, acc=True, x16=half.act(rec, ws, "act16", i, ws.act[i]), w16=half.weight(i, "down_weight"))
         if lora is not None:
             lora.forward(rec, ws, i, self.down, ws.act[i], ws.h[i + 1], train=train)
 
@@ -122,9 +131,12 @@ class HybridBlock(Block):
         lp = model.params.layers[i]
         rmsnorm_forward(rec, ws.un[i], ws.rstd[i], ws.h[i], lp.norm_weight, c.rms_norm_eps, copy=ws.hm[i])
         q, k, v = ws.q[i], ws.k[i], ws.v[i]
-        linear_forward(rec, q, ws.un[i], lp.q_weight, lp.q_bias, M=M, N=Hq * D, K=E)
-        linear_forward(rec, k, ws.un[i], lp.k_weight, lp.k_bias, M=M, N=Hkv * D, K=E)
-        linear_forward(rec, v, ws.un[i], lp.v_weight, lp.v_bias, M=M, N=Hkv * D, K=E)
+        half = model.half
+        un16 = half.act(rec, ws, "un16", i, ws.un[i])
+        for out, w, b, f, n in ((q, lp.q_weight, lp.q_bias, "q_weight", Hq * D), (k, lp.k_weight, lp.k_bias, "k_weight",
+                                                                                Hkv * D),
+                                (v, lp.v_weight, lp.v_bias, "v_weight", Hkv * D)):
+            linear_forward(rec, out, ws.un[i], w, b, M=M, N=n, K=E, x16=un16, w16=half.weight(i, f))
         lora = model.lora
         if lora is not None:
             for t, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
@@ -140,7 +152,8 @@ class HybridBlock(Block):
         if self.r != 1.0:
             scale_(rec, att, self.r)
         bias, rbias = scaled_bias(lp.o_bias, self.r)
-        linear_forward(rec, ws.hm[i], att, lp.o_weight, bias, M=M, N=E, K=Hq * D, acc=True)
+        linear_forward(rec, ws.hm[i], att, lp.o_weight, bias, M=M, N=E, K=Hq * D, acc=True,
+                       x16=half.act(rec, ws, "att16", i, att), w16=half.weight(i, "o_weight"))
         if rbias is not None:
             add_scaled_bias(rec, ws, ws.hm[i], rbias, self.r, M=M, N=E)
         if lora is not None:
@@ -153,20 +166,23 @@ class HybridBlock(Block):
         pre = f"{model.arch.LAYER_PREFIX}{i}."
         mlp = pre + self.n["mlp"]
         d = "output_linear" if self.granite else "down_proj"
+        half = model.half
         linear_backward(rec, ws.dact, grad(f"{mlp}{d}.weight"), grad(f"{mlp}{d}.bias"), ws.dh, ws.act[i],
-                        lp.down_weight, ws.ones, M=M, N=E, K=I)
+                        lp.down_weight, ws.ones, M=M, N=E, K=I, **half.operands(ws, "act16", i, "down_weight"))
         if lora is not None:
             lora.backward(rec, ws, i, self.down, ws.dh, ws.act[i], ws.dact)
         swiglu_backward(rec, ws.dgu, ws.dact, ws.gu[i], rows=M, I=I, r=self.r)
         if self.granite:
             linear_backward(rec, ws.dun2, grad(mlp + "input_linear.weight"), None, ws.dgu, ws.un2[i],
-                            lp.gu_weight, M=M, N=2 * I, K=E)
+                            lp.gu_weight, M=M, N=2 * I, K=E, **half.operands(ws, "un216", i, "gu_weight"))
             if lora is not None:
                 lora.backward(rec, ws, i, "input_linear", ws.dgu, ws.un2[i], ws.dun2)
         else:
-            for col, w, t in ((0, lp.gate_weight, "gate_proj"), (I, lp.up_weight, "up_proj")):
+            for col, w, t, f in ((0, lp.gate_weight, "gate_proj", "gate_weight"), (I, lp.up_weight, "up_proj",
+                                                                                  "up_weight")):
                 linear_backward(rec, ws.dun2, grad(f"{mlp}{t}.weight"), grad(f"{mlp}{t}.bias"), ws.dgu, ws.un2[i],
-                                w, ws.ones, M=M, N=I, K=E, lddo=2 * I, dout_col=col, dx_acc=col > 0)
+                                w, ws.ones, M=M, N=I, K=E, lddo=2 * I, dout_col=col, dx_acc=col > 0,
+                                **half.operands(ws, "un216", i, f))
             if lora is not None:
                 for col, t in ((0, "gate_proj"), (I, "up_proj")):
                     lora.backward(rec, ws, i, t, ws.dgu, ws.un2[i], ws.dun2, lddo=2 * I, dout_col=col)
@@ -181,8 +197,10 @@ class HybridBlock(Block):
         E, Hq, Hkv, D, M, B, L = self.E, self.Hq, self.Hkv, self.D, ws.M, ws.B, ws.L
         lp = model.params.layers[i]
         a = f"{model.arch.LAYER_PREFIX}{i}.self_attn."
+        half = model.half
         linear_backward(rec, ws.datt, grad(a + "o_proj.weight"), grad(a + "o_proj.bias"), ws.dh, ws.att[i],
-                        lp.o_weight, bias_ones(rec, ws, self.r), M=M, N=E, K=Hq * D)
+                        lp.o_weight, bias_ones(rec, ws, self.r), M=M, N=E, K=Hq * D,
+                        **half.operands(ws, "att16", i, "o_weight"))
         lora = model.lora
         if lora is not None:
             lora.backward(rec, ws, i, "o_proj", ws.dh, ws.att[i], ws.datt)
@@ -199,7 +217,7 @@ class HybridBlock(Block):
                                                                                       Hkv * D),
                                              ("v_proj", lp.v_weight, ws.dv, Hkv * D))):
             linear_backward(rec, ws.dun, grad(f"{a}{t}.weight"), grad(f"{a}{t}.bias"), dout, ws.un[i], w, ws.ones,
-                            M=M, N=n, K=E, dx_acc=j > 0)
+                            M=M, N=n, K=E, dx_acc=j > 0, **half.operands(ws, "un16", i, t[0] + "_weight"))
         if lora is not None:
             for t, dout in (("q_proj", ws.dq), ("k_proj", ws.dk), ("v_proj", ws.dv)):
                 lora.backward(rec, ws, i, t, dout, ws.un[i], ws.dun)
