@@ -224,7 +224,8 @@ def test_row_sums_by_shuffles_equal_the_tree_bit_for_bit(rt, monkeypatch):
         rec.submit()
         got[sg] = [rt.read(out), rt.read(rstd), rt.read(loss), rt.read(lg)]
     sg8 = [k for k in rt._pipelines if ("SG8", 1) in k[2]]
-    assert {k[0] for k in sg8} == {"rmsnorm", "cross_entropy"}, sg8
+    # (the runtime's pipelines of the whole session: the gated norm's too, where it ran)
+    assert {"rmsnorm", "cross_entropy"} <= {k[0] for k in sg8}, sg8
     for a, b in zip(got[None], got[False]):
         np.testing.assert_array_equal(a, b)
 
