@@ -16,14 +16,10 @@ import math
 import numpy as np
 import pytest
 from memengine.engine.kernels import matmul as mm
+from test_mixed import ACC_FACTOR, _need_f16, f16_kernel  # noqa: F401  (f16_kernel: the fixture)
 
 U16 = 2.0 ** -11
 U32 = 2.0 ** -24
-
-
-def _need_f16(rt):
-    if not rt.has_f16:
-        pytest.skip("adapter without shader-f16")
 
 
 def rule(amax: float, old: int = 0) -> int:
@@ -34,18 +30,6 @@ def rule(amax: float, old: int = 0) -> int:
     return min(60, 12 - (math.frexp(a)[1] - 1))
 
 
-@pytest.fixture(params=["simt", "sgmat"])
-def f16_kernel(rt, request):
-    _need_f16(rt)
-    if request.param == "sgmat" and not rt.has_subgroup_matrix:
-        pytest.skip(f"{rt.describe()} has no f16 subgroup matrices")
-    saved = rt.kernels.sgmat
-    rt.kernels.sgmat = request.param == "sgmat"
-    yield "matmul_sgmat" if request.param == "sgmat" else "matmul_f16"
-    rt.kernels.sgmat = saved
-
-
-ACC_FACTOR = {"matmul_f16": 1.0, "matmul_sgmat": 2.0}
 
 
 # ------------------------------------------------------------------ (a) one product

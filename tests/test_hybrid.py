@@ -158,10 +158,9 @@ def test_the_tensor_table_is_transformers(name, kw, B, L):
     assert back.num_key_value_heads == m.config.num_key_value_heads
 
 
-@pytest.mark.parametrize("name,kw,B,L", CASES, ids=[c[0] for c in CASES])
-def test_logits_loss_grads_match_transformers(rt, name, kw, B, L):
+def _oracle(kw, B, L):
+    """transformers' model of `kw` in float64, a batch, and its logits, loss and gradients."""
     m = hf_model(kw)
-    cfg = our_config(m, kw)
     V = kw["vocab_size"]
     ids, targets = batch(V, B, L)
     with float64_oracle():
@@ -170,6 +169,12 @@ def test_logits_loss_grads_match_transformers(rt, name, kw, B, L):
                                                      .reshape(-1), ignore_index=-1)
         loss_ref.backward()
     grads_ref = {n: p.grad.numpy() for n, p in m.named_parameters()}
+    return m, our_config(m, kw), ids, targets, logits_ref, loss_ref, grads_ref
+
+
+@pytest.mark.parametrize("name,kw,B,L", CASES, ids=[c[0] for c in CASES])
+def test_logits_loss_grads_match_transformers(rt, name, kw, B, L):
+    m, cfg, ids, targets, logits_ref, loss_ref, grads_ref = _oracle(kw, B, L)
     ours = LanguageModel(rt, cfg, tensors_of(m))
     logits = ours.logits(ids)
     loss = ours.loss_and_grads(ids, targets)
@@ -223,16 +228,7 @@ def test_mixed_precision_within_bound_of_transformers(rt, name, kw, B, L):
     from memengine.engine.kernels import matmul as mm
     from memengine.engine.runtime import Recorder
 
-    m = hf_model(kw)
-    cfg = our_config(m, kw)
-    V = kw["vocab_size"]
-    ids, targets = batch(V, B, L)
-    with float64_oracle():
-        logits_ref = m(input_ids=torch.tensor(ids, dtype=torch.long)).logits
-        loss_ref = torch.nn.functional.cross_entropy(logits_ref.reshape(-1, V), torch.tensor(targets, dtype=torch.long)
-                                                     .reshape(-1), ignore_index=-1)
-        loss_ref.backward()
-    grads_ref = {n: p.grad.numpy() for n, p in m.named_parameters()}
+    m, cfg, ids, targets, logits_ref, loss_ref, grads_ref = _oracle(kw, B, L)
     S = 1024.0
     ours = LanguageModel(rt, cfg, tensors_of(m))
     ours.set_precision("mixed")

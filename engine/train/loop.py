@@ -257,7 +257,7 @@ class TrainingLoop:
               "tokens_per_s": w["tokens"] / w["elapsed_s"] if w["elapsed_s"] > 0 else 0.0}
         if self.trainer.scaler is not None:  # --precision mixed: steps skipped by loss scaling
             ev["skipped_steps"] = w.get("skipped", 0)
-        if getattr(self.trainer, "f16", None) is not None:
+        if self.trainer.f16 is not None:
             # --precision mixed: the f16 scales now (least, greatest) and their changes so far
             # (read after the trace, which synchronised already)
             ev["f16_scales"] = self.trainer.f16.summary()

@@ -183,9 +183,9 @@ class Trainer:
             state = self._gather_moments(state)
         if self.scaler is not None:   # t = the steps loss scaling let through
             state[LOSS_SCALE_KEY] = self.scaler.state()
+            state["__step__"] = np.array([self.scaler.applied_steps()], dtype=np.int64)
         if self.f16 is not None:
             state[F16_SCALES_KEY] = self.f16.state()
-            state["__step__"] = np.array([self.scaler.applied_steps()], dtype=np.int64)
         return state
 
     def step(self, micro: list, lr: float, n_total: int | None = None) -> int:
