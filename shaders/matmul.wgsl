@@ -1,4 +1,4 @@
-// requires: subgroups, matmul_block
+// requires: subgroups, matmul_params, matmul_block
 // matmul: C[M,N] (+)= op(A)[M,K] @ op(B)[K,N] (+ bias[N]).
 //
 // Every operand is addressed through (offset, row stride, column stride), so one kernel
@@ -113,7 +113,8 @@ fn matmul_forward(@builtin(local_invocation_id) lid: vec3<u32>,
 // [z*ksplit, (z+1)*ksplit) and writes its partial product to slice z of C (c_off +
 // z*M*ldc); matmul_splitk_reduce then adds the slices into the real output.
 
-// (FastParams, the register block and store_fast: shaders/matmul_block.wgsl)
+// (FastParams and k_slice: shaders/matmul_params.wgsl; the register block and store_fast:
+// shaders/matmul_block.wgsl)
 
 @group(0) @binding(0) var<storage, read_write> C4: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> A4: array<vec4<f32>>;

@@ -1,6 +1,6 @@
 // The 8x8 register block of matmul_fast (shaders/matmul.wgsl) and matmul_f16
 // (shaders/matmul_f16.wgsl), put in front of a module whose first line requires
-// `matmul_block`; both declare C4 (binding 0), bias1 (3) and F (4) as matmul_fast does.
+// `matmul_params, matmul_block`; both declare C4 (binding 0), bias1 (3) and F (4) as matmul_fast does.
 // A thread's block: rows r0..r0+3 and r1..r1+3, columns q0..q0+3 and q1..q1+3 (c{2i} the
 // q0 half, c{2i+1} the q1 half; i = row, 0-3 from r0, 4-7 from r1).
 //
@@ -10,32 +10,6 @@
 // as a loop). matmul_fast writes 8 steps out, matmul_f16 16. The block is updated
 // through a pointer: passed and returned by value it cost matmul_fast 12% there (in_proj
 // forward 29.0 vs 33.8 TFLOP/s; benchmarks/README.md).
-
-struct FastParams {
-    M: u32, N: u32, K: u32, flags: u32,
-    a_off: u32, lda: u32, b_off: u32, ldb: u32,
-    c_off: u32, ldc: u32, bias_off: u32, ksplit: u32,   // ksplit: K per slice (split-K), 0 = all
-    sa: u32, sb: u32, _p0: u32, _p1: u32,   // the f16 kernels: A's and B's slots in their scale table
-}
-
-// --precision mixed: the f16 operands are A * 2^ea and B * 2^eb (per-tensor scales, powers of
-// two: engine/kernels/matmul.py `F16Scales`); the f16 kernels set UNSCALE from their scale
-// table before the epilogue, and store_fast multiplies it in first: (acc * x) * y with
-// x * y = 2^-(ea + eb), both exact (powers of two); x alone where 2^-(ea + eb) is an f32
-// (y = 1), else x = 2^-ea, y = 2^-eb (two large scales down: each step grows towards the
-// result, so neither overflows before it).  The f32 kernels leave it (1, 1): x * 1 = x.
-var<private> UNSCALE: vec2<f32> = vec2<f32>(1.0, 1.0);
-
-// 2^e for e in [-126, 127], from its exponent bits (exact)
-fn f16_pow2(e: i32) -> f32 {
-    return bitcast<f32>(u32(e + 127) << 23u);
-}
-
-// the factors that undo scales 2^ea, 2^eb (each in [-115, 60]: F16Scales)
-fn f16_unscale(ea: i32, eb: i32) -> vec2<f32> {
-    if (ea + eb >= -127) { return vec2<f32>(f16_pow2(-(ea + eb)), 1.0); }
-    return vec2<f32>(f16_pow2(-ea), f16_pow2(-eb));
-}
 
 struct Block {
     c0: vec4<f32>, c1: vec4<f32>, c2: vec4<f32>, c3: vec4<f32>,
@@ -65,14 +39,6 @@ fn block_store(c_base: u32, r0: u32, r1: u32, q0: u32, q1: u32, t: Block) {
     store_fast(c_base, r1 + 1u, q0, t.c10); store_fast(c_base, r1 + 1u, q1, t.c11);
     store_fast(c_base, r1 + 2u, q0, t.c12); store_fast(c_base, r1 + 2u, q1, t.c13);
     store_fast(c_base, r1 + 3u, q0, t.c14); store_fast(c_base, r1 + 3u, q1, t.c15);
-}
-
-// The workgroup's range of K, [x, y), and the element offset of its output, z: all of K into
-// C, or under split-K slice zs of K (workgroup z = zs) into slice zs of the partial products.
-fn k_slice(zs: u32) -> vec3<u32> {
-    if (F.ksplit == 0u) { return vec3<u32>(0u, F.K, F.c_off); }
-    let lo = zs * F.ksplit;
-    return vec3<u32>(lo, min(F.K, lo + F.ksplit), F.c_off + zs * F.M * F.ldc);
 }
 
 // C[r, c..c+3] = acc unscaled (+ bias) (+ C), or the plain partial product of a split-K

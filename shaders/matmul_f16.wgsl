@@ -1,4 +1,4 @@
-// requires: matmul_block
+// requires: matmul_params, matmul_block
 enable f16;
 // matmul_f16: matmul_fast (shaders/matmul.wgsl) with f16 operands, for --precision mixed.
 //
@@ -20,7 +20,8 @@ enable f16;
 // Values beyond the f16 range (and NaN) become +-inf: loss scaling detects them downstream.
 // f16_rescale: the next scales from the recorded amax (below).
 
-// (FastParams, the register block and store_fast: shaders/matmul_block.wgsl)
+// (FastParams and k_slice: shaders/matmul_params.wgsl; the register block and store_fast:
+// shaders/matmul_block.wgsl)
 
 @group(0) @binding(0) var<storage, read_write> C4: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> A4: array<vec4<f16>>;

@@ -1,4 +1,4 @@
-// requires: matmul_block
+// requires: matmul_params, matmul_block
 enable f16;
 enable subgroups;
 enable chromium_experimental_subgroup_matrix;
@@ -8,7 +8,8 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // mixed on adapters that have them (Runtime.has_subgroup_matrix).
 //
 // C[M, N] (f32) (+)= op(A) @ op(B) (+ bias, f32), A and B f16 in memory; the same uniform
-// block, flags and split-K slices as matmul_fast / matmul_f16 (shaders/matmul_block.wgsl:
+// block, flags and split-K slices as matmul_fast / matmul_f16 (shaders/matmul_params.wgsl,
+// shaders/matmul_block.wgsl:
 // FastParams, k_slice, store_fast), the same layout conditions (offsets, leading dimensions,
 // N and K multiples of 4; M too when A is transposed).
 //
