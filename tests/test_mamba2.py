@@ -34,12 +34,14 @@ LIMITS = ["adapter", "forced"]
 @pytest.fixture(scope="module", autouse=True)
 def oracle_groups_the_gated_norm():
     """The oracle must normalise the gated RMS norm per group of Di/G channels, as mamba-ssm
-    does (transformers' MambaRMSNormGated with a group_size); an older transformers that
+    does (transformers' Mamba2RMSNormGated, before 5.25 MambaRMSNormGated, with a group_size); an older transformers that
     normalises over all of Di would fail every G > 1 case here for its own reason."""
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from transformers.models.mamba2 import modeling_mamba2
 
+    # MambaRMSNormGated up to transformers 5.24, Mamba2RMSNormGated from 5.25
+    gated = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
     try:
-        norm = MambaRMSNormGated(8, group_size=4)
+        norm = gated(8, group_size=4)
     except TypeError:
         pytest.fail(f"transformers {transformers.__version__} normalises Mamba-2's gated norm over all of Di, "
                     "not per group: these oracle tests need a transformers whose MambaRMSNormGated groups")
