@@ -1,4 +1,4 @@
-// requires: matmul_params, matmul_block
+// requires: matmul_params
 enable f16;
 enable subgroups;
 enable chromium_experimental_subgroup_matrix;
@@ -8,25 +8,30 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // mixed on adapters that have them (Runtime.has_subgroup_matrix).
 //
 // C[M, N] (f32) (+)= op(A) @ op(B) (+ bias, f32), A and B f16 in memory; the same uniform
-// block, flags and split-K slices as matmul_fast / matmul_f16 (shaders/matmul_params.wgsl,
-// shaders/matmul_block.wgsl:
-// FastParams, k_slice, store_fast), the same layout conditions (offsets, leading dimensions,
+// block, flags and split-K slices as matmul_fast / matmul_f16 (shaders/matmul_params.wgsl:
+// FastParams, k_slice, UNSCALE), the same layout conditions (offsets, leading dimensions,
 // N and K multiples of 4; M too when A is transposed).
 //
-// A workgroup of 8 subgroups (4 x 2, 256 invocations: subgroups are 32 wide) makes a
-// BM x BN = 128 x 128 tile of C; a subgroup its 32 x 64 part as 2 x 4 result matrices of
-// 16 x 16, named accumulators (no private arrays: see DEVELOPERS.md). On the H200 the
-// 128 x 128 tile ran the mamba-130m mixed step 1.18x as fast as 64 x 128 tiles of 4
-// subgroups (60,663 against 51,491 tokens/s in one call; in_proj forward 98 against 69 TFLOP/s). K advances in tiles of
-// BK = 32 staged through workgroup memory with vec4 loads, zeros outside the matrices (so
-// any M, N, K the layout allows), the next tile's loads held in registers while the current
-// one multiplies. Each tile keeps its operand's layout in memory (K-contiguous or
-// M/N-contiguous rows), and subgroupMatrixLoad reads it row- or column-major accordingly.
-// The results go through a 16 x 16 patch of workgroup memory per subgroup to store_fast,
-// which undoes the operands' f16 scales (UNSCALE, set from the scale table at binding 5 as
-// matmul_f16 does), adds the bias and the old C and guards the edges.
+// A workgroup of 8 subgroups (WM x WN, 256 invocations: subgroups are 32 wide) makes a
+// BM x BN tile of C, 256 x 128 (WM 4, WN 2) or 128 x 256 (WM 2, WN 4): pipeline constants,
+// the wrapper picks per product (engine/kernels/matmul.py `sgmat_config`); a subgroup makes
+// a 64 x 64 part as 4 x 4 result matrices of 16 x 16, named accumulators (no private
+// arrays: see DEVELOPERS.md). K advances in tiles of BK = 32 staged through workgroup
+// memory with vec4 loads, zeros outside the matrices (so any M, N, K the layout allows),
+// the next tile's loads held in registers while the current one multiplies. Each tile
+// keeps its operand's layout in memory (K-contiguous or M/N-contiguous rows), and
+// subgroupMatrixLoad reads it row- or column-major accordingly; the rows are padded by 8
+// halves (16 bytes), so that the eight 16-byte rows a matrix load reads at once fall in
+// different banks. Measured on an H100 (benchmarks/results/h100/sgmat_tune/README.md),
+// against the 128 x 128 tile of 2 x 4 results a subgroup this kernel had before: the subgroup's
+// 64 x 64 part 1.4-2.9x, the padding 1.1-2x (but not alone), double-buffered staging slower.
+//
+// The epilogue: a whole tile without bias or accumulation (or a split-K slice) stores its
+// results straight from the subgroup matrices, unscaled (subgroupMatrixScalarMultiply by
+// UNSCALE's two factors, as store_c multiplies); other tiles go through a 16 x 16 patch of
+// workgroup memory per subgroup to store_c (bias, the old C, the edges guarded).
 
-@group(0) @binding(0) var<storage, read_write> C4: array<vec4<f32>>;
+@group(0) @binding(0) var<storage, read_write> C1: array<f32>;
 @group(0) @binding(1) var<storage, read> A4: array<vec4<f16>>;
 @group(0) @binding(2) var<storage, read> B4: array<vec4<f16>>;
 @group(0) @binding(3) var<storage, read> bias1: array<f32>;
@@ -34,29 +39,49 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // the operands' scale table (F16Scales): exponents first, A's at F.sa, B's at F.sb
 @group(0) @binding(5) var<storage, read> f16_exps: array<i32>;
 
-// the operands' layouts as pipeline constants (flags bits 2 and 3 as matmul_fast's TA, TB),
-// so that the driver compiles one load path per operand
+// the operands' layouts (flags bits 2 and 3 as matmul_fast's TA, TB) and the tile as pipeline
+// constants, so that the driver compiles one load path per operand and layout
 override TA: u32 = 0u;
 override TB: u32 = 0u;
-const SG_BM: u32 = 128u;
-const SG_BN: u32 = 128u;
-const SG_BK: u32 = 32u;
-const SG_THREADS: u32 = 256u;
-var<workgroup> As: array<f16, 4096>;   // SG_BM * SG_BK: [128][32] (A rows) or [32][128] (A^T rows)
-var<workgroup> Bs: array<f16, 4096>;   // SG_BK * SG_BN: [32][128] (B rows) or [128][32] (B^T rows)
-var<workgroup> Cs: array<f32, 2048>;   // a 16 x 16 result patch per subgroup
+override WM: u32 = 4u;   // subgroups down the tile: WM x WN = 8
+override WN: u32 = 2u;
+override BM: u32 = WM * 64u;
+override BN: u32 = WN * 64u;
+const BK: u32 = 32u;
+const PAD: u32 = 8u;
+// a tile of 256 rows of BK + PAD (or 32 rows of 256 + PAD): 10240 halves, either operand
+var<workgroup> As: array<f16, 10240>;
+var<workgroup> Bs: array<f16, 10240>;
+var<workgroup> Cs: array<f32, 2048>;    // a 16 x 16 result patch per subgroup
 
-// vec4 e of the A tile at K offset k0 (e < 1024), zeros outside A
-fn sg_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f16> {
-    if (TA != 0u) {                         // A^T stored [K, lda]: tile [k][m], 32 vec4 a row
-        let k = e / 32u;
-        let mq = e % 32u;
+// C[r, c..c+3] = acc unscaled (+ bias) (+ C), or the plain partial product of a split-K
+// slice (unscaled too: the reduce adds the bias and C); nothing outside C
+fn store_c(c_base: u32, r: u32, c: u32, acc: vec4<f32>) {
+    if (r >= F.M || c >= F.N) { return; }
+    var v = (acc * UNSCALE.x) * UNSCALE.y;
+    let i = c_base + r * F.ldc + c;
+    if (F.ksplit == 0u) {
+        if ((F.flags & 2u) != 0u) {
+            v += vec4<f32>(bias1[F.bias_off + c], bias1[F.bias_off + c + 1u],
+                           bias1[F.bias_off + c + 2u], bias1[F.bias_off + c + 3u]);
+        }
+        if ((F.flags & 1u) != 0u) { v += vec4<f32>(C1[i], C1[i + 1u], C1[i + 2u], C1[i + 3u]); }
+    }
+    C1[i] = v.x; C1[i + 1u] = v.y; C1[i + 2u] = v.z; C1[i + 3u] = v.w;
+}
+
+// vec4 e of the A tile at K offset k0, zeros outside A (and past the tile: e >= BM * BK / 4)
+fn load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f16> {
+    if (e >= BM * BK / 4u) { return vec4<f16>(0.0h); }
+    if (TA != 0u) {                         // A^T stored [K, lda]: tile [k][m], BM / 4 vec4 a row
+        let k = e / (BM / 4u);
+        let mq = e % (BM / 4u);
         if (k0 + k < k_hi && row0 + mq * 4u < F.M) {
             return A4[(F.a_off + (k0 + k) * F.lda + row0 + mq * 4u) / 4u];
         }
-    } else {                                // A stored [M, lda]: tile [m][k], 8 vec4 a row
-        let m = e / 8u;
-        let kq = e % 8u;
+    } else {                                // A stored [M, lda]: tile [m][k], BK / 4 vec4 a row
+        let m = e / (BK / 4u);
+        let kq = e % (BK / 4u);
         if (row0 + m < F.M && k0 + kq * 4u < k_hi) {
             return A4[(F.a_off + (row0 + m) * F.lda + k0 + kq * 4u) / 4u];
         }
@@ -64,17 +89,18 @@ fn sg_load_a(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f16> {
     return vec4<f16>(0.0h);
 }
 
-// vec4 e of the B tile at K offset k0 (e < 1024), zeros outside B
-fn sg_load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f16> {
-    if (TB != 0u) {                         // B^T stored [N, ldb]: tile [n][k], 8 vec4 a row
-        let n = e / 8u;
-        let kq = e % 8u;
+// vec4 e of the B tile at K offset k0, zeros outside B (and past the tile)
+fn load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f16> {
+    if (e >= BN * BK / 4u) { return vec4<f16>(0.0h); }
+    if (TB != 0u) {                         // B^T stored [N, ldb]: tile [n][k]
+        let n = e / (BK / 4u);
+        let kq = e % (BK / 4u);
         if (col0 + n < F.N && k0 + kq * 4u < k_hi) {
             return B4[(F.b_off + (col0 + n) * F.ldb + k0 + kq * 4u) / 4u];
         }
-    } else {                                // B stored [K, ldb]: tile [k][n], 32 vec4 a row
-        let k = e / 32u;
-        let nq = e % 32u;
+    } else {                                // B stored [K, ldb]: tile [k][n]
+        let k = e / (BN / 4u);
+        let nq = e % (BN / 4u);
         if (k0 + k < k_hi && col0 + nq * 4u < F.N) {
             return B4[(F.b_off + (k0 + k) * F.ldb + col0 + nq * 4u) / 4u];
         }
@@ -82,29 +108,35 @@ fn sg_load_b(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f16> {
     return vec4<f16>(0.0h);
 }
 
-// both tiles are stored in the order of their vec4 index: element 4e..4e+3
-fn sg_store_a(v: vec4<f16>, e: u32) {
-    As[4u * e] = v.x; As[4u * e + 1u] = v.y; As[4u * e + 2u] = v.z; As[4u * e + 3u] = v.w;
+// vec4 e of a tile into workgroup memory, its rows padded
+fn stage_a(v: vec4<f16>, e: u32) {
+    if (e >= BM * BK / 4u) { return; }
+    var i = (e / (BK / 4u)) * (BK + PAD) + (e % (BK / 4u)) * 4u;
+    if (TA != 0u) { i = (e / (BM / 4u)) * (BM + PAD) + (e % (BM / 4u)) * 4u; }
+    As[i] = v.x; As[i + 1u] = v.y; As[i + 2u] = v.z; As[i + 3u] = v.w;
 }
 
-fn sg_store_b(v: vec4<f16>, e: u32) {
-    Bs[4u * e] = v.x; Bs[4u * e + 1u] = v.y; Bs[4u * e + 2u] = v.z; Bs[4u * e + 3u] = v.w;
+fn stage_b(v: vec4<f16>, e: u32) {
+    if (e >= BN * BK / 4u) { return; }
+    var i = (e / (BN / 4u)) * (BN + PAD) + (e % (BN / 4u)) * 4u;
+    if (TB != 0u) { i = (e / (BK / 4u)) * (BK + PAD) + (e % (BK / 4u)) * 4u; }
+    Bs[i] = v.x; Bs[i + 1u] = v.y; Bs[i + 2u] = v.z; Bs[i + 3u] = v.w;
 }
 
 // the left matrix of rows m0..m0+15 of the tile and K steps kk..kk+15
 fn sg_left(m0: u32, kk: u32) -> subgroup_matrix_left<f16, 16, 16> {
-    if (TA != 0u) {   // [k][m]: column-major, stride BM
-        return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, kk * SG_BM + m0, true, SG_BM);
+    if (TA != 0u) {   // [k][m]: column-major
+        return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, kk * (BM + PAD) + m0, true, BM + PAD);
     }
-    return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, m0 * SG_BK + kk, false, SG_BK);
+    return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, m0 * (BK + PAD) + kk, false, BK + PAD);
 }
 
 // the right matrix of K steps kk..kk+15 and columns n0..n0+15 of the tile
 fn sg_right(n0: u32, kk: u32) -> subgroup_matrix_right<f16, 16, 16> {
-    if (TB != 0u) {   // [n][k]: column-major, stride BK
-        return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, n0 * SG_BK + kk, true, SG_BK);
+    if (TB != 0u) {   // [n][k]: column-major
+        return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, n0 * (BK + PAD) + kk, true, BK + PAD);
     }
-    return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, kk * SG_BN + n0, false, SG_BN);
+    return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, kk * (BN + PAD) + n0, false, BN + PAD);
 }
 
 struct SgAcc {
@@ -112,36 +144,57 @@ struct SgAcc {
     c02: subgroup_matrix_result<f32, 16, 16>, c03: subgroup_matrix_result<f32, 16, 16>,
     c10: subgroup_matrix_result<f32, 16, 16>, c11: subgroup_matrix_result<f32, 16, 16>,
     c12: subgroup_matrix_result<f32, 16, 16>, c13: subgroup_matrix_result<f32, 16, 16>,
+    c20: subgroup_matrix_result<f32, 16, 16>, c21: subgroup_matrix_result<f32, 16, 16>,
+    c22: subgroup_matrix_result<f32, 16, 16>, c23: subgroup_matrix_result<f32, 16, 16>,
+    c30: subgroup_matrix_result<f32, 16, 16>, c31: subgroup_matrix_result<f32, 16, 16>,
+    c32: subgroup_matrix_result<f32, 16, 16>, c33: subgroup_matrix_result<f32, 16, 16>,
 }
 
-// 16 K steps from kk of the staged tiles into the subgroup's 2 x 4 results
+// 16 K steps from kk of the staged tiles into the subgroup's 4 x 4 results
 fn sg_step(acc: ptr<function, SgAcc>, sm: u32, sn: u32, kk: u32) {
     let a0 = sg_left(sm, kk);
     let a1 = sg_left(sm + 16u, kk);
-    var b = sg_right(sn, kk);
+    let a2 = sg_left(sm + 32u, kk);
+    let a3 = sg_left(sm + 48u, kk);
+    var b = sg_right(sn + 0u, kk);
     (*acc).c00 = subgroupMatrixMultiplyAccumulate(a0, b, (*acc).c00);
     (*acc).c10 = subgroupMatrixMultiplyAccumulate(a1, b, (*acc).c10);
+    (*acc).c20 = subgroupMatrixMultiplyAccumulate(a2, b, (*acc).c20);
+    (*acc).c30 = subgroupMatrixMultiplyAccumulate(a3, b, (*acc).c30);
     b = sg_right(sn + 16u, kk);
     (*acc).c01 = subgroupMatrixMultiplyAccumulate(a0, b, (*acc).c01);
     (*acc).c11 = subgroupMatrixMultiplyAccumulate(a1, b, (*acc).c11);
+    (*acc).c21 = subgroupMatrixMultiplyAccumulate(a2, b, (*acc).c21);
+    (*acc).c31 = subgroupMatrixMultiplyAccumulate(a3, b, (*acc).c31);
     b = sg_right(sn + 32u, kk);
     (*acc).c02 = subgroupMatrixMultiplyAccumulate(a0, b, (*acc).c02);
     (*acc).c12 = subgroupMatrixMultiplyAccumulate(a1, b, (*acc).c12);
+    (*acc).c22 = subgroupMatrixMultiplyAccumulate(a2, b, (*acc).c22);
+    (*acc).c32 = subgroupMatrixMultiplyAccumulate(a3, b, (*acc).c32);
     b = sg_right(sn + 48u, kk);
     (*acc).c03 = subgroupMatrixMultiplyAccumulate(a0, b, (*acc).c03);
     (*acc).c13 = subgroupMatrixMultiplyAccumulate(a1, b, (*acc).c13);
+    (*acc).c23 = subgroupMatrixMultiplyAccumulate(a2, b, (*acc).c23);
+    (*acc).c33 = subgroupMatrixMultiplyAccumulate(a3, b, (*acc).c33);
+}
+
+// one 16 x 16 result at C rows r0.., columns q0..: stored whole, unscaled by us (uniform:
+// the scalar matrix operations want it so)
+fn sg_direct(m: subgroup_matrix_result<f32, 16, 16>, us: vec2<f32>, c_base: u32, r0: u32, q0: u32) {
+    let v = subgroupMatrixScalarMultiply(subgroupMatrixScalarMultiply(m, us.x), us.y);
+    subgroupMatrixStore(&C1, c_base + r0 * F.ldc + q0, v, false, F.ldc);
 }
 
 // one 16 x 16 result at C rows r0.., columns q0..: through the subgroup's patch of Cs
-fn sg_out(m: subgroup_matrix_result<f32, 16, 16>, sg: u32, lane: u32, lanes: u32,
-          c_base: u32, r0: u32, q0: u32) {
+fn sg_patch(m: subgroup_matrix_result<f32, 16, 16>, sg: u32, lane: u32, lanes: u32,
+            c_base: u32, r0: u32, q0: u32) {
     subgroupMatrixStore(&Cs, sg * 256u, m, false, 16u);
     workgroupBarrier();
     for (var e = lane; e < 64u; e += lanes) {
         let r = e / 4u;
         let q = (e % 4u) * 4u;
         let o = sg * 256u + r * 16u + q;
-        store_fast(c_base, r0 + r, q0 + q, vec4<f32>(Cs[o], Cs[o + 1u], Cs[o + 2u], Cs[o + 3u]));
+        store_c(c_base, r0 + r, q0 + q, vec4<f32>(Cs[o], Cs[o + 1u], Cs[o + 2u], Cs[o + 3u]));
     }
     workgroupBarrier();
 }
@@ -152,46 +205,74 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32,
                 @builtin(subgroup_id) sg: u32,
                 @builtin(subgroup_invocation_id) lane: u32,
                 @builtin(subgroup_size) lanes: u32) {
-    let row0 = wid.y * SG_BM;
-    let col0 = wid.x * SG_BN;
-    let sm = (sg / 2u) * 32u;   // the subgroup's rows and columns in the tile
-    let sn = (sg % 2u) * 64u;
+    let row0 = wid.y * BM;
+    let col0 = wid.x * BN;
+    let sm = (sg / WN) * 64u;   // the subgroup's rows and columns in the tile
+    let sn = (sg % WN) * 64u;
     let ks = k_slice(wid.z);
     let k_lo = ks.x;
     let k_hi = ks.y;
     let c_base = ks.z;
-    UNSCALE = f16_unscale(f16_exps[F.sa], f16_exps[F.sb]);   // undone in store_fast
+    // the factors that undo the operands' scales: a let of uniform values for the direct
+    // stores, the private copy for store_c
+    let us = f16_unscale(f16_exps[F.sa], f16_exps[F.sb]);
+    UNSCALE = us;
     var acc: SgAcc;   // zero-initialised
 
-    var va0 = sg_load_a(k_lo, k_hi, row0, tid);
-    let T = SG_THREADS;   // 4 vec4 of each tile a thread
-    var va1 = sg_load_a(k_lo, k_hi, row0, tid + T);
-    var va2 = sg_load_a(k_lo, k_hi, row0, tid + 2u * T);
-    var va3 = sg_load_a(k_lo, k_hi, row0, tid + 3u * T);
-    var vb0 = sg_load_b(k_lo, k_hi, col0, tid);
-    var vb1 = sg_load_b(k_lo, k_hi, col0, tid + T);
-    var vb2 = sg_load_b(k_lo, k_hi, col0, tid + 2u * T);
-    var vb3 = sg_load_b(k_lo, k_hi, col0, tid + 3u * T);
-    for (var k0 = k_lo; k0 < k_hi; k0 += SG_BK) {
-        sg_store_a(va0, tid);
-        sg_store_a(va1, tid + T);
-        sg_store_a(va2, tid + 2u * T);
-        sg_store_a(va3, tid + 3u * T);
-        sg_store_b(vb0, tid);
-        sg_store_b(vb1, tid + T);
-        sg_store_b(vb2, tid + 2u * T);
-        sg_store_b(vb3, tid + 3u * T);
+    // a tile of 256 rows is 8 vec4 an invocation, one of 128 rows 4 (the others are zeros
+    // nobody stores: load_a / stage_a skip them)
+    var va0 = load_a(k_lo, k_hi, row0, tid + 0u);
+    var va1 = load_a(k_lo, k_hi, row0, tid + 256u);
+    var va2 = load_a(k_lo, k_hi, row0, tid + 512u);
+    var va3 = load_a(k_lo, k_hi, row0, tid + 768u);
+    var va4 = load_a(k_lo, k_hi, row0, tid + 1024u);
+    var va5 = load_a(k_lo, k_hi, row0, tid + 1280u);
+    var va6 = load_a(k_lo, k_hi, row0, tid + 1536u);
+    var va7 = load_a(k_lo, k_hi, row0, tid + 1792u);
+    var vb0 = load_b(k_lo, k_hi, col0, tid + 0u);
+    var vb1 = load_b(k_lo, k_hi, col0, tid + 256u);
+    var vb2 = load_b(k_lo, k_hi, col0, tid + 512u);
+    var vb3 = load_b(k_lo, k_hi, col0, tid + 768u);
+    var vb4 = load_b(k_lo, k_hi, col0, tid + 1024u);
+    var vb5 = load_b(k_lo, k_hi, col0, tid + 1280u);
+    var vb6 = load_b(k_lo, k_hi, col0, tid + 1536u);
+    var vb7 = load_b(k_lo, k_hi, col0, tid + 1792u);
+    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
+        stage_a(va0, tid + 0u);
+        stage_a(va1, tid + 256u);
+        stage_a(va2, tid + 512u);
+        stage_a(va3, tid + 768u);
+        stage_a(va4, tid + 1024u);
+        stage_a(va5, tid + 1280u);
+        stage_a(va6, tid + 1536u);
+        stage_a(va7, tid + 1792u);
+        stage_b(vb0, tid + 0u);
+        stage_b(vb1, tid + 256u);
+        stage_b(vb2, tid + 512u);
+        stage_b(vb3, tid + 768u);
+        stage_b(vb4, tid + 1024u);
+        stage_b(vb5, tid + 1280u);
+        stage_b(vb6, tid + 1536u);
+        stage_b(vb7, tid + 1792u);
         workgroupBarrier();
-        if (k0 + SG_BK < k_hi) {   // the next tile's loads, in flight while this one multiplies
-            let k1 = k0 + SG_BK;
-            va0 = sg_load_a(k1, k_hi, row0, tid);
-            va1 = sg_load_a(k1, k_hi, row0, tid + T);
-            va2 = sg_load_a(k1, k_hi, row0, tid + 2u * T);
-            va3 = sg_load_a(k1, k_hi, row0, tid + 3u * T);
-            vb0 = sg_load_b(k1, k_hi, col0, tid);
-            vb1 = sg_load_b(k1, k_hi, col0, tid + T);
-            vb2 = sg_load_b(k1, k_hi, col0, tid + 2u * T);
-            vb3 = sg_load_b(k1, k_hi, col0, tid + 3u * T);
+        if (k0 + BK < k_hi) {   // the next tile's loads, in flight while this one multiplies
+            let k1 = k0 + BK;
+            va0 = load_a(k1, k_hi, row0, tid + 0u);
+            va1 = load_a(k1, k_hi, row0, tid + 256u);
+            va2 = load_a(k1, k_hi, row0, tid + 512u);
+            va3 = load_a(k1, k_hi, row0, tid + 768u);
+            va4 = load_a(k1, k_hi, row0, tid + 1024u);
+            va5 = load_a(k1, k_hi, row0, tid + 1280u);
+            va6 = load_a(k1, k_hi, row0, tid + 1536u);
+            va7 = load_a(k1, k_hi, row0, tid + 1792u);
+            vb0 = load_b(k1, k_hi, col0, tid + 0u);
+            vb1 = load_b(k1, k_hi, col0, tid + 256u);
+            vb2 = load_b(k1, k_hi, col0, tid + 512u);
+            vb3 = load_b(k1, k_hi, col0, tid + 768u);
+            vb4 = load_b(k1, k_hi, col0, tid + 1024u);
+            vb5 = load_b(k1, k_hi, col0, tid + 1280u);
+            vb6 = load_b(k1, k_hi, col0, tid + 1536u);
+            vb7 = load_b(k1, k_hi, col0, tid + 1792u);
         }
         sg_step(&acc, sm, sn, 0u);
         sg_step(&acc, sm, sn, 16u);
@@ -200,12 +281,40 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32,
 
     let r0 = row0 + sm;
     let q0 = col0 + sn;
-    sg_out(acc.c00, sg, lane, lanes, c_base, r0, q0);
-    sg_out(acc.c01, sg, lane, lanes, c_base, r0, q0 + 16u);
-    sg_out(acc.c02, sg, lane, lanes, c_base, r0, q0 + 32u);
-    sg_out(acc.c03, sg, lane, lanes, c_base, r0, q0 + 48u);
-    sg_out(acc.c10, sg, lane, lanes, c_base, r0 + 16u, q0);
-    sg_out(acc.c11, sg, lane, lanes, c_base, r0 + 16u, q0 + 16u);
-    sg_out(acc.c12, sg, lane, lanes, c_base, r0 + 16u, q0 + 32u);
-    sg_out(acc.c13, sg, lane, lanes, c_base, r0 + 16u, q0 + 48u);
+    let whole = row0 + BM <= F.M && col0 + BN <= F.N;
+    if (whole && (F.ksplit != 0u || (F.flags & 3u) == 0u)) {   // workgroup-uniform
+        sg_direct(acc.c00, us, c_base, r0 + 0u, q0 + 0u);
+        sg_direct(acc.c01, us, c_base, r0 + 0u, q0 + 16u);
+        sg_direct(acc.c02, us, c_base, r0 + 0u, q0 + 32u);
+        sg_direct(acc.c03, us, c_base, r0 + 0u, q0 + 48u);
+        sg_direct(acc.c10, us, c_base, r0 + 16u, q0 + 0u);
+        sg_direct(acc.c11, us, c_base, r0 + 16u, q0 + 16u);
+        sg_direct(acc.c12, us, c_base, r0 + 16u, q0 + 32u);
+        sg_direct(acc.c13, us, c_base, r0 + 16u, q0 + 48u);
+        sg_direct(acc.c20, us, c_base, r0 + 32u, q0 + 0u);
+        sg_direct(acc.c21, us, c_base, r0 + 32u, q0 + 16u);
+        sg_direct(acc.c22, us, c_base, r0 + 32u, q0 + 32u);
+        sg_direct(acc.c23, us, c_base, r0 + 32u, q0 + 48u);
+        sg_direct(acc.c30, us, c_base, r0 + 48u, q0 + 0u);
+        sg_direct(acc.c31, us, c_base, r0 + 48u, q0 + 16u);
+        sg_direct(acc.c32, us, c_base, r0 + 48u, q0 + 32u);
+        sg_direct(acc.c33, us, c_base, r0 + 48u, q0 + 48u);
+        return;
+    }
+    sg_patch(acc.c00, sg, lane, lanes, c_base, r0 + 0u, q0 + 0u);
+    sg_patch(acc.c01, sg, lane, lanes, c_base, r0 + 0u, q0 + 16u);
+    sg_patch(acc.c02, sg, lane, lanes, c_base, r0 + 0u, q0 + 32u);
+    sg_patch(acc.c03, sg, lane, lanes, c_base, r0 + 0u, q0 + 48u);
+    sg_patch(acc.c10, sg, lane, lanes, c_base, r0 + 16u, q0 + 0u);
+    sg_patch(acc.c11, sg, lane, lanes, c_base, r0 + 16u, q0 + 16u);
+    sg_patch(acc.c12, sg, lane, lanes, c_base, r0 + 16u, q0 + 32u);
+    sg_patch(acc.c13, sg, lane, lanes, c_base, r0 + 16u, q0 + 48u);
+    sg_patch(acc.c20, sg, lane, lanes, c_base, r0 + 32u, q0 + 0u);
+    sg_patch(acc.c21, sg, lane, lanes, c_base, r0 + 32u, q0 + 16u);
+    sg_patch(acc.c22, sg, lane, lanes, c_base, r0 + 32u, q0 + 32u);
+    sg_patch(acc.c23, sg, lane, lanes, c_base, r0 + 32u, q0 + 48u);
+    sg_patch(acc.c30, sg, lane, lanes, c_base, r0 + 48u, q0 + 0u);
+    sg_patch(acc.c31, sg, lane, lanes, c_base, r0 + 48u, q0 + 16u);
+    sg_patch(acc.c32, sg, lane, lanes, c_base, r0 + 48u, q0 + 32u);
+    sg_patch(acc.c33, sg, lane, lanes, c_base, r0 + 48u, q0 + 48u);
 }

@@ -58,8 +58,10 @@ def test_matmul_f16_within_the_rounding_bound(rt, f16_kernel, M, N, K, ta, tb):
     mm.cast_f16(rec, B16, B)
     mm.matmul(rec, C, A, B, M=M, N=N, K=K, trans_a=ta, trans_b=tb, acc=True, bias=Bi, A16=A16, B16=B16)
     rec.submit()
-    consts = () if f16_kernel == "matmul_f16" else (("TA", int(ta)), ("TB", int(tb)))
-    assert (f16_kernel, f16_kernel, consts) in rt._pipelines
+    kernel = f16_kernel if M * N * 4 >= mm.SGMAT_MIN_C_BYTES else "matmul_f16"   # a C under one 16 x 16 result
+    bm, bn = mm.sgmat_tile(M, N)
+    consts = () if kernel == "matmul_f16" else (("TA", int(ta)), ("TB", int(tb)), ("WM", bm // 64), ("WN", bn // 64))
+    assert (kernel, kernel, consts) in rt._pipelines
     np.testing.assert_array_equal(rt.read(A16), a.astype(np.float16))   # round to nearest
     a64, b64 = (a.T if ta else a).astype(np.float64), (b.T if tb else b).astype(np.float64)
     ref = a64 @ b64 + bias + c0
@@ -73,6 +75,37 @@ def test_matmul_f16_within_the_rounding_bound(rt, f16_kernel, M, N, K, ta, tb):
     assert np.all(np.abs(got - ref) <= bound16)
     # and f16 rounding is really there (the path is not secretly f32)
     assert np.abs(got - ref).max() > 1e-4
+
+
+# whole tiles without bias or accumulation: matmul_sgmat stores them straight from its
+# subgroup matrices (the rounding-bound test above takes its guarded path), also under split-K
+# (K 4096 at 256 x 256: 4 tiles split over K) and with the operands' f16 scales undone
+@pytest.mark.parametrize("M,N,K,ea,eb", [(256, 384, 96, 0, 0), (256, 256, 4096, 0, 0), (128, 256, 160, 9, -7),
+                                         (256, 128, 64, 20, 25)])
+@pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False)])
+def test_matmul_f16_whole_tiles_within_the_rounding_bound(rt, f16_kernel, M, N, K, ea, eb, ta, tb):
+    rng = np.random.default_rng(M + N + K + ea)
+    # magnitudes 2^-e, so that the scaled operands are near 1
+    a = (rng.standard_normal((K, M) if ta else (M, K)) * 2.0 ** -ea).astype(np.float32)
+    b = (rng.standard_normal((N, K) if tb else (K, N)) * 2.0 ** -eb).astype(np.float32)
+    A, B, C = rt.upload(a), rt.upload(b), rt.upload(np.full((M, N), np.nan, np.float32))
+    A16, B16 = rt.empty(a.shape, "f16"), rt.empty(b.shape, "f16")
+    table = mm.F16Scales(rt, ["a", "b"])
+    state = table.state()
+    state[0, 1:3] = (ea, eb)   # the exponents: operands cast as x * 2^e, the product unscaled by 2^-(ea + eb)
+    table.load(state)
+    rec = rt.recorder()
+    mm.cast_f16(rec, A16, A, scale=table["a"])
+    mm.cast_f16(rec, B16, B, scale=table["b"])
+    mm.matmul(rec, C, A, B, M=M, N=N, K=K, trans_a=ta, trans_b=tb, A16=A16, B16=B16)
+    rec.submit()
+    a64, b64 = (a.T if ta else a).astype(np.float64), (b.T if tb else b).astype(np.float64)
+    # the f16-rounded scaled operands, unscaled exactly: what remains is f32 accumulation only
+    a16 = (a64 * 2.0 ** ea).astype(np.float16).astype(np.float64) * 2.0 ** -ea
+    b16 = (b64 * 2.0 ** eb).astype(np.float16).astype(np.float64) * 2.0 ** -eb
+    got = rt.read(C)
+    bound32 = ACC_FACTOR[f16_kernel] * (K + 2) * U32 * (np.abs(a64) @ np.abs(b64))
+    assert np.all(np.abs(got - a16 @ b16) <= bound32)
 
 
 # ------------------------------------------------------------------ the model vs the oracle

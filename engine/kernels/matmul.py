@@ -94,17 +94,24 @@ def _rounds(blocks: int) -> float:
     return c // 2 + _LONE * (c % 2)
 
 
-def _split_cost(M: int, N: int, K: int, tiles: int, tile_elems: int, s: int, bk: int) -> float:
+def _split_cost(M: int, N: int, K: int, tiles: int, tile_elems: int, s: int, bk: int,
+                round_k_s: float | None = None) -> float:
     """Estimated seconds of the product in s K-slices (whole BK tiles each) plus, when split,
-    the reduce (reading the partial products; their stores overlap the product's arithmetic)."""
+    the reduce (reading the partial products; their stores overlap the product's arithmetic).
+    `round_k_s`: a kernel that runs one workgroup an SM (matmul_sgmat), with the seconds of
+    one K step of a full round of them; None: matmul_fast's two an SM (`_rounds`)."""
     ks = cdiv(cdiv(K, s), bk) * bk
-    t = _rounds(tiles * cdiv(K, ks)) * ks * _ROUND_K_S * tile_elems / (128 * 128)
+    if round_k_s is None:
+        t = _rounds(tiles * cdiv(K, ks)) * ks * _ROUND_K_S * tile_elems / (128 * 128)
+    else:
+        t = cdiv(tiles * cdiv(K, ks), _SMS) * ks * round_k_s
     if s > 1:
         t += 4.0 * cdiv(K, ks) * M * N / _BYTES_S + _LAUNCH_S
     return t
 
 
-def _split_k(rt, M: int, N: int, K: int, tiles: int, tile_elems: int = 128 * 128, bk: int = 16) -> int:
+def _split_k(rt, M: int, N: int, K: int, tiles: int, tile_elems: int = 128 * 128, bk: int = 16,
+             round_k_s: float | None = None) -> int:
     """How many K slices to use: the count of the cheapest estimate (`_split_cost`) among
     slices of at least _MIN_SLICE_K, at most 64, whose partial products fit one binding;
     the smaller count where estimates are within 0.5%.  Few output tiles leave SMs idle or
@@ -113,11 +120,11 @@ def _split_k(rt, M: int, N: int, K: int, tiles: int, tile_elems: int = 128 * 128
     if _settings(rt).matmul == "nosplit" or K < 2 * _MIN_SLICE_K:
         return 1
     cap = min(rt.max_binding, 256 * 2**20)
-    best, best_t = 1, _split_cost(M, N, K, tiles, tile_elems, 1, bk)
+    best, best_t = 1, _split_cost(M, N, K, tiles, tile_elems, 1, bk, round_k_s)
     for s in range(2, min(64, K // _MIN_SLICE_K) + 1):
         if 4 * s * M * N > cap:
             break
-        t = _split_cost(M, N, K, tiles, tile_elems, s, bk)
+        t = _split_cost(M, N, K, tiles, tile_elems, s, bk, round_k_s)
         if t < 0.995 * best_t:
             best, best_t = s, t
     return best
@@ -144,6 +151,11 @@ _ROUND_K_S = 0.874e-3 / 4096
 _BYTES_S = 3e12        # the reduce reading the partial products
 _LAUNCH_S = 4e-6       # the reduce's dispatch
 _MIN_SLICE_K = 256
+# matmul_sgmat (128 x 256 or 256 x 128 tiles of 256 invocations, one workgroup an SM): a K step
+# of a full round of workgroups, from the H100 (results/h100/sgmat_tune/: in_proj's input gradient,
+# 384 tiles = 3 rounds, K 3072, 0.524 ms unsplit; split in two by the fp32 estimate it ran
+# 90.7 TFLOP/s against 147.5)
+_SGMAT_ROUND_K_S = 0.524e-3 / (3 * 3072)
 
 
 def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K: int,
@@ -247,13 +259,18 @@ def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, a
                      (cdiv(N, 32), cdiv(M, 32), 1),
                      {"TA": int(trans_a), "TB": int(trans_b), "ACC": int(acc), "BIAS": int(bias is not None)})
         return
-    if shader == "matmul_f16" and getattr(rt, "has_subgroup_matrix", False) and rt.kernels.sgmat:
+    if (shader == "matmul_f16" and getattr(rt, "has_subgroup_matrix", False) and rt.kernels.sgmat
+            and C.nbytes >= SGMAT_MIN_C_BYTES):
         shader = "matmul_sgmat"   # the same product on subgroup matrices (tensor cores)
     entry = shader if shader != "matmul" else "matmul_fast"
-    if shader != "matmul":   # fixed tiles: f16 128x128, BK 16; sgmat 128x128, BK 32 (its layouts as constants)
-        bm, bn, bk = (128, 128, 16) if shader == "matmul_f16" else (128, 128, 32)
-        consts = None if shader == "matmul_f16" else {"TA": int(trans_a), "TB": int(trans_b)}
-        slices = _split_k(rt, M, N, K, cdiv(N, bn) * cdiv(M, bm), bm * bn, bk)
+    if shader == "matmul_f16":   # fixed tiles: 128x128, BK 16
+        bm, bn, bk, consts = 128, 128, 16, None
+    elif shader == "matmul_sgmat":   # its tile and the layouts as constants, BK 32
+        bm, bn = sgmat_tile(M, N)
+        bk, consts = 32, {"TA": int(trans_a), "TB": int(trans_b), "WM": bm // 64, "WN": bn // 64}
+    if shader != "matmul":
+        slices = _split_k(rt, M, N, K, cdiv(N, bn) * cdiv(M, bm), bm * bn, bk,
+                          _SGMAT_ROUND_K_S if shader == "matmul_sgmat" else None)
         ks = cdiv(cdiv(K, slices), bk) * bk if slices > 1 else K
         slices = cdiv(K, ks)
     else:
@@ -276,6 +293,20 @@ def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, a
     rec.dispatch(shader, entry,
                  {0: C, 1: A, 2: B, 3: bias if bias is not None else B, 4: u, **tab},
                  (cdiv(N, bn), cdiv(M, bm), 1), consts)
+
+
+# matmul_sgmat stores 16 x 16 results from subgroup matrices, for which Dawn wants the binding of
+# C to hold one (1 KiB); a smaller C takes matmul_f16
+SGMAT_MIN_C_BYTES = 16 * 16 * 4
+
+
+def sgmat_tile(M: int, N: int) -> tuple[int, int]:
+    """matmul_sgmat's tile (BM, BN) for an M x N product: 128 x 256 or 256 x 128, whichever
+    covers M x N with less padding, 128 x 256 on a tie (on an H100 the two ran within 3% of
+    each other on products that both cover exactly; results/h100/sgmat_tune/README.md)."""
+    def area(bm, bn):
+        return cdiv(M, bm) * bm * cdiv(N, bn) * bn
+    return (128, 256) if area(128, 256) <= area(256, 128) else (256, 128)
 
 
 def _windows(m, n, k, trans_a, trans_b, lda, ldb, ldc, has_bias) -> dict:
