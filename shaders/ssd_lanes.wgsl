@@ -13,13 +13,21 @@
 // Saved states as ssd_scan.wgsl's: states[b, c] (the state before step c*Q), states[b, NC]
 // the final one, [nb, NC + 1, H, P, N].
 //
-// Backward, per pass: the chunks in reverse, each one's states recomputed into `hist` from
-// its saved state, then the adjoint g_t = C_t dy_t + exp(dt_{t+1} A) g_{t+1}:
+// Backward, per pass, two walks and no state history.  Walk 1 runs the recurrence again from
+// zero and takes what needs the states:
+//   dC_t += dy_t s_t                            summed over the 8 lanes -> pbc
+//   dy_t (s_t . C_t)   (the pass's share of dy_t (y_t - D x_t))  -> part, for walk 2
+// Walk 2 runs back from the end with the adjoint g_t = C_t dy_t + exp(dt_{t+1} A) g_{t+1}:
 //   dx_t += dt_t (g_t . B_t) (+ D dy_t)        -> dxbc[:, d]
-//   ddt terms  exp(dt A) A (g_t . s_{t-1}) + x_t (g_t . B_t)   -> part [M, Di] (summed over p)
-//   dB_t += dt_t x_t g_t, dC_t += dy_t s_t      summed over the 8 lanes -> pbc [passes, M, nblk, 2, 4 NQ]
-//   dA_log terms A sum_t dt_t exp(dt_t A) (g_t . s_{t-1}), dD terms sum_t dy_t x_t -> part
-// and ssd_lanes_finish sums pbc over a group's blocks (dB, dC) and part over a head (ddt).
+//   dB_t += dt_t x_t g_t                        summed over the 8 lanes -> pbc
+// and the decay's gradient R_t = exp(dt_t A) (g_t . s_{t-1}) as a sum of later terms,
+//   R_t = sum_{k>=t} r_k,  r_k = dy_k (s_k . C_k) - dt_k x_k (g_k . B_k)
+// (ssd_scan.wgsl's ssd_dt_chunk sums the same terms), started from g . S at each chunk's end (its
+// saved state S), so that no sum runs longer than a chunk:
+//   ddt terms  A R_t + x_t (g_t . B_t)        -> part [passes, M, Di] (summed over p and passes)
+//   dA_log terms A sum_t dt_t R_t, dD terms sum_t dy_t x_t -> part
+// pbc is [passes, M, nblk, 2, 4 NQ] (dB | dC); ssd_lanes_finish sums it over a group's
+// blocks (dB, dC) and part over a head (ddt).
 
 struct SL { nb: u32, L: u32, NC: u32, nblk: u32,
             o_y: u32, o_st: u32, o_x: u32, o_dt: u32, o_A: u32, o_D: u32, o_dy: u32, o_dx: u32,
@@ -115,24 +123,15 @@ fn ssd_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     if (NQ > 3u) { l_st[sb + 3u] = s3; }
 }
 
-// the sum over the 8 lanes, in every lane (a butterfly of subgroup shuffles)
-fn lsum4(v: vec4<f32>) -> vec4<f32> {
-    let a = v + sg_xor4(v, 1u);
-    let b = a + sg_xor4(a, 2u);
-    return b + sg_xor4(b, 4u);
-}
-// of four uniform vectors, the one of lane l % 4
-fn quad(v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>, l: u32) -> vec4<f32> {
-    let q = l % 4u;
-    return select(select(v3, v2, q == 2u), select(v1, v0, q == 0u), q < 2u);
-}
-
-// one step of the adjoint for states 4q..4q+3: g the adjoint entering from the right
-// (already times the next step's decay), sn / sp the state after / before the step
-struct Adj { g: vec4<f32>, rb: vec4<f32>, rc: vec4<f32>, sums: vec3<f32> }
-fn adj4(bn: vec4<f32>, cn: vec4<f32>, sn: vec4<f32>, sp: vec4<f32>, g: vec4<f32>, dy: f32, dtx: f32) -> Adj {
-    let gn = fma(cn, vec4<f32>(dy), g);
-    return Adj(gn, lsum4(gn * dtx), lsum4(sn * dy), vec3<f32>(dot(gn, sp), dot(gn, bn), 0.0));
+// of four vectors per lane, the sum over the 8 lanes of the one of lane l % 4 (lanes l and
+// l + 4 get the same): a reduce-scatter of subgroup shuffles (4 instead of 4 butterflies' 12)
+fn lsum_q(v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>, l: u32) -> vec4<f32> {
+    let o = (l & 1u) != 0u;
+    let a = select(v0, v1, o) + sg_xor4(select(v1, v0, o), 1u);
+    let b = select(v2, v3, o) + sg_xor4(select(v3, v2, o), 1u);
+    let t = (l & 2u) != 0u;
+    let c = select(a, b, t) + sg_xor4(select(b, a, t), 2u);
+    return c + sg_xor4(c, 4u);
 }
 
 @compute @workgroup_size(8)
@@ -142,79 +141,76 @@ fn ssd_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let wg = wid.x + wid.y * nwg.x;
     if (wg >= u.nb * u.nblk) { return; }
     let ln = lane_of(u, wg, l);
-    var g0 = vec4<f32>(0.0); var g1 = vec4<f32>(0.0); var g2 = vec4<f32>(0.0); var g3 = vec4<f32>(0.0);
-    var hist: array<vec4<f32>, 260>;   // [Q + 1][4]: the chunk's states, row 0 the one before it
-    // the chunk's dt, x, decay and B|C vec4, kept from the recompute for the adjoint
-    var c_dt: array<f32, 64>;
-    var c_x: array<f32, 64>;
-    var c_e: array<f32, 64>;
-    var c_bc: array<vec4<f32>, 64>;
-    var sa = 0.0;   // sum of dt e (g . s_prev): the lane's dA term (times A at the end)
-    var sd = 0.0;   // sum of dy x: its dD term
-    let z = Adj(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec3<f32>(0.0));
-    let isc = l >= 4u;
     let lq = l % 4u;
+    let z = vec4<f32>(0.0);
+    // the pbc entry of lane l at row m: dB's 4lq.. (part 0, lanes 0..3) or dC's (part 1, lanes 4..7)
+    let pb = ((PASS * u.nb * u.L + ln.b * u.L) * u.nblk + ln.blk) * 2u * NQ + select(0u, NQ, l >= 4u) + lq;
+    let pstride = u.nblk * 2u * NQ;
+    let pp = PASS * u.nb * u.L * Di + ln.d;   // the lane's column of the pass's part [M, Di]
+    // 1. forward: the states again from zero
+    var s0 = z; var s1 = z; var s2 = z; var s3 = z;
+    var sd = 0.0;   // sum of dy x: the lane's dD term
+    for (var t = 0u; t < u.L; t++) {
+        let m = ln.b * u.L + t;
+        let dt = l_dt[u.o_dt + m * H + ln.h];
+        let x = x_of(u, m, ln.d);
+        let bc = bc_of(u, m, ln);
+        let dy = l_dy[u.o_dy + m * Di + ln.d];
+        let e = vec4<f32>(exp(dt * ln.a));
+        let dx = vec4<f32>(dt * x);
+        let vy = vec4<f32>(dy);
+        s0 = fma(e, s0, dx * b4(bc, 0u));
+        if (NQ > 1u) { s1 = fma(e, s1, dx * b4(bc, 1u)); }
+        if (NQ > 2u) { s2 = fma(e, s2, dx * b4(bc, 2u)); }
+        if (NQ > 3u) { s3 = fma(e, s3, dx * b4(bc, 3u)); }
+        var yp = dot(s0, c4(bc, 0u));
+        if (NQ > 1u) { yp += dot(s1, c4(bc, 1u)); }
+        if (NQ > 2u) { yp += dot(s2, c4(bc, 2u)); }
+        if (NQ > 3u) { yp += dot(s3, c4(bc, 3u)); }
+        l_part[pp + m * Di] = dy * yp;   // the pass's share of dy (y - D x), for walk 2
+        let rc = lsum_q(s0 * vy, s1 * vy, s2 * vy, s3 * vy, l);
+        if (l >= 4u && lq < NQ) { l_pbc[pb + t * pstride] = rc; }
+        if (PASS == 0u) { sd = fma(dy, x, sd); }
+    }
+    // 2. back from the end: the adjoint g, and R from g . S at each chunk's end
+    var g0 = z; var g1 = z; var g2 = z; var g3 = z;
+    var sa = 0.0;   // sum of dt R: the lane's dA term (times A at the end)
     for (var cc = 0u; cc < u.NC; cc++) {
         let c = u.NC - 1u - cc;
         let t0 = c * Q;
         let nt = min(Q, u.L - t0);
-        let sb = st4(u, ln.b, c, ln.d, 0u);
-        var s0 = l_sr[sb]; var s1 = vec4<f32>(0.0); var s2 = vec4<f32>(0.0); var s3 = vec4<f32>(0.0);
-        if (NQ > 1u) { s1 = l_sr[sb + 1u]; }
-        if (NQ > 2u) { s2 = l_sr[sb + 2u]; }
-        if (NQ > 3u) { s3 = l_sr[sb + 3u]; }
-        hist[0] = s0; hist[1] = s1; hist[2] = s2; hist[3] = s3;
-        for (var k = 0u; k < nt; k++) {
-            let m = ln.b * u.L + t0 + k;
+        let sb = st4(u, ln.b, c + 1u, ln.d, 0u);
+        var R = dot(g0, l_sr[sb]);
+        if (NQ > 1u) { R += dot(g1, l_sr[sb + 1u]); }
+        if (NQ > 2u) { R += dot(g2, l_sr[sb + 2u]); }
+        if (NQ > 3u) { R += dot(g3, l_sr[sb + 3u]); }
+        for (var kk = 0u; kk < nt; kk++) {
+            let t = t0 + nt - 1u - kk;
+            let m = ln.b * u.L + t;
             let dt = l_dt[u.o_dt + m * H + ln.h];
             let x = x_of(u, m, ln.d);
             let bc = bc_of(u, m, ln);
-            let ee = exp(dt * ln.a);
-            c_dt[k] = dt; c_x[k] = x; c_e[k] = ee; c_bc[k] = bc;
-            let e = vec4<f32>(ee);
-            let dx = vec4<f32>(dt * x);
-            let r = (k + 1u) * 4u;
-            s0 = fma(e, s0, dx * b4(bc, 0u)); hist[r] = s0;
-            if (NQ > 1u) { s1 = fma(e, s1, dx * b4(bc, 1u)); hist[r + 1u] = s1; }
-            if (NQ > 2u) { s2 = fma(e, s2, dx * b4(bc, 2u)); hist[r + 2u] = s2; }
-            if (NQ > 3u) { s3 = fma(e, s3, dx * b4(bc, 3u)); hist[r + 3u] = s3; }
-        }
-        for (var kk = 0u; kk < nt; kk++) {
-            let k = nt - 1u - kk;
-            let m = ln.b * u.L + t0 + k;
-            let dt = c_dt[k];
-            let x = c_x[k];
-            let ee = c_e[k];
-            let bc = c_bc[k];
             let dy = l_dy[u.o_dy + m * Di + ln.d];
-            let r = k * 4u;
+            let ee = exp(dt * ln.a);
+            let vy = vec4<f32>(dy);
+            g0 = fma(c4(bc, 0u), vy, g0);
+            var gb = dot(g0, b4(bc, 0u));
+            if (NQ > 1u) { g1 = fma(c4(bc, 1u), vy, g1); gb += dot(g1, b4(bc, 1u)); }
+            if (NQ > 2u) { g2 = fma(c4(bc, 2u), vy, g2); gb += dot(g2, b4(bc, 2u)); }
+            if (NQ > 3u) { g3 = fma(c4(bc, 3u), vy, g3); gb += dot(g3, b4(bc, 3u)); }
             let dtx = dt * x;
-            let j0 = adj4(b4(bc, 0u), c4(bc, 0u), hist[r + 4u], hist[r], g0, dy, dtx);
-            var j1 = z; var j2 = z; var j3 = z;
-            if (NQ > 1u) { j1 = adj4(b4(bc, 1u), c4(bc, 1u), hist[r + 5u], hist[r + 1u], g1, dy, dtx); }
-            if (NQ > 2u) { j2 = adj4(b4(bc, 2u), c4(bc, 2u), hist[r + 6u], hist[r + 2u], g2, dy, dtx); }
-            if (NQ > 3u) { j3 = adj4(b4(bc, 3u), c4(bc, 3u), hist[r + 7u], hist[r + 3u], g3, dy, dtx); }
-            g0 = j0.g * ee; g1 = j1.g * ee; g2 = j2.g * ee; g3 = j3.g * ee;
-            let sums = j0.sums + j1.sums + j2.sums + j3.sums;   // g . s_prev, g . B
-            let sdA = dt * ee * sums.x;
-            sa += sdA;
-            let ddt = fma(ln.a * ee, sums.x, x * sums.y);
+            let op = pp + m * Di;
+            R += fma(-dtx, gb, l_part[op]);
+            sa = fma(dt, R, sa);
+            let ddt = fma(ln.a, R, x * gb);
             let od = u.o_dx + m * C + ln.d;
-            let op = m * Di + ln.d;
-            if (PASS == 0u) {
-                l_dx[od] = fma(dt, sums.y, ln.D * dy);
-                l_part[op] = ddt;
-                sd += dy * x;
-            } else {
-                l_dx[od] = fma(dt, sums.y, l_dx[od]);
-                l_part[op] = l_part[op] + ddt;
-            }
-            // the 8 lanes' sums of dB and dC (the same in every lane): lane q < NQ stores dB's
-            // 4q..4q+3, lane 4 + q dC's
-            if (lq < NQ) {
-                l_pbc[(((PASS * u.nb * u.L + m) * u.nblk + ln.blk) * 2u + select(0u, 1u, isc)) * NQ + lq] = select(
-                    quad(j0.rb, j1.rb, j2.rb, j3.rb, l), quad(j0.rc, j1.rc, j2.rc, j3.rc, l), isc);
-            }
+            if (PASS == 0u) { l_dx[od] = fma(dt, gb, ln.D * dy); } else { l_dx[od] = fma(dt, gb, l_dx[od]); }
+            l_part[op] = ddt;
+            let vd = vec4<f32>(dtx);
+            let rb = lsum_q(g0 * vd, g1 * vd, g2 * vd, g3 * vd, l);
+            if (l < 4u && lq < NQ) { l_pbc[pb + t * pstride] = rb; }
+            let e = vec4<f32>(ee);
+            g0 *= e; g1 *= e; g2 *= e; g3 *= e;
         }
     }
     l_part[u.o_pa + (PASS * u.nb + ln.b) * Di + ln.d] = ln.a * sa;
@@ -250,7 +246,9 @@ fn ssd_lanes_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     }
     for (var h = l; h < H; h += 8u) {
         var s = vec4<f32>(0.0);
-        for (var p = 0u; p < P / 4u; p++) { s += l_part4[(m * Di + h * P) / 4u + p]; }
+        for (var ps = 0u; ps < max(1u, N / 16u); ps++) {
+            for (var p = 0u; p < P / 4u; p++) { s += l_part4[((ps * u.total + m) * Di + h * P) / 4u + p]; }
+        }
         l_ddt[u.o_ddt + m * H + h] = (s.x + s.y) + (s.z + s.w);
     }
 }

@@ -116,8 +116,8 @@ def sequence_scratch(nb: int, L: int, H: int, P: int, N: int, G: int, backward: 
 
 
 def _part_len(nb: int, L: int, Di: int, N: int) -> int:
-    """The 8-lane backward's `part`: ddt terms [nb*L, Di] | dA_log terms [passes, nb, Di] | dD [nb, Di]."""
-    return nb * L * Di + (lane_passes(N) + 1) * nb * Di
+    """The 8-lane backward's `part`: ddt terms [passes, nb*L, Di] | dA_log terms [passes, nb, Di] | dD [nb, Di]."""
+    return lane_passes(N) * nb * (L + 1) * Di + nb * Di
 
 
 def _sequences(rt, B, L, H, P, N, G, backward=False, lanes=False) -> list:
@@ -293,7 +293,7 @@ class _Lanes:
         rt, b, nb, L, Di, N = self.rt, self.b, self.nb, self.L, self.Di, self.N
         pbc = rt.scratch("ssd_lanes_pbc", (nb * L * self.nblk * 2 * N,))
         part = rt.scratch("ssd_lanes_part", (_part_len(nb, L, Di, N),))
-        o_pa = nb * L * Di
+        o_pa = self.npass * nb * L * Di
         o_pd = o_pa + self.npass * nb * Di
         u = self._uniform(o_pa=o_pa, o_pd=o_pd)
         for p in range(self.npass):
