@@ -6,10 +6,14 @@
 //   s_t[n] = exp(dt_t A) s_{t-1}[n] + dt_t x_t B_t[n] ;  y_t = sum_n s_t[n] C_t[n] + D_h x_t
 // A workgroup is one 8-lane subgroup (one SIMD vector): lane l owns channel blk*8 + l of
 // sequence b (P % 8 == 0, so the 8 lanes share a head, its dt and its group's B and C) and
-// keeps NQ*4 states (a pass: 16 states, or all of N <= 16) in four vec4 variables.  B_t|C_t
-// of the pass are loaded as one vec4 a lane (lanes 0..3 B, 4..7 C) and shared by subgroup
-// broadcast.  N > 16 runs in passes of 16 states, one dispatch each (PASS, a pipeline
-// constant): the states are independent, only y, dx and the ddt terms add up over passes.
+// keeps the states of a pass in KG quads of NQ vec4s (a quad: 16 states, or all of N <= 16;
+// a pass: up to 4 quads, 64 states, the most one dispatch walks: `ssd.lane_split`).  B_t|C_t
+// of a quad are loaded as one vec4 a lane (lanes 0..3 B, 4..7 C) and shared by subgroup
+// broadcast.  N past 64 runs in passes, one dispatch each (PASS, a pipeline constant): the
+// states are independent, only y, dx and the ddt terms add up over passes.  Every load
+// costs lavapipe a loop over the lanes, and a pass loads dt, x and dy again: the quads'
+// states spill to the stack, yet one pass of 64 states ran the forward 1.8-2.1x faster than
+// four of 16 (mamba2-small).
 // Saved states as ssd_scan.wgsl's: states[b, c] (the state before step c*Q), states[b, NC]
 // the final one, [nb, NC + 1, H, P, N].
 //
@@ -22,12 +26,12 @@
 //   dB_t += dt_t x_t g_t                        summed over the 8 lanes -> pbc
 // and the decay's gradient R_t = exp(dt_t A) (g_t . s_{t-1}) as a sum of later terms,
 //   R_t = sum_{k>=t} r_k,  r_k = dy_k (s_k . C_k) - dt_k x_k (g_k . B_k)
-// (ssd_scan.wgsl's ssd_dt_chunk sums the same terms), started from g . S at each chunk's end (its
-// saved state S), so that no sum runs longer than a chunk:
+// (ssd_scan.wgsl's ssd_dt_chunk sums the same terms), started from g . S at each chunk's end
+// (its saved state S), so that no sum runs longer than a chunk:
 //   ddt terms  A R_t + x_t (g_t . B_t)        -> part [passes, M, Di] (summed over p and passes)
 //   dA_log terms A sum_t dt_t R_t, dD terms sum_t dy_t x_t -> part
-// pbc is [passes, M, nblk, 2, 4 NQ] (dB | dC); ssd_lanes_finish sums it over a group's
-// blocks (dB, dC) and part over a head (ddt).
+// pbc is [passes, M, nblk, 2, KG NQ] vec4s (dB | dC); ssd_lanes_finish sums it over a
+// group's blocks (dB, dC) and part over a head (ddt).
 
 struct SL { nb: u32, L: u32, NC: u32, nblk: u32,
             o_y: u32, o_st: u32, o_x: u32, o_dt: u32, o_A: u32, o_D: u32, o_dy: u32, o_dx: u32,
@@ -43,8 +47,8 @@ struct SL { nb: u32, L: u32, NC: u32, nblk: u32,
 @group(0) @binding(6) var<uniform> U: SL;
 @group(0) @binding(7) var<storage, read> l_dy: array<f32>;           // dy [M, Di]
 @group(0) @binding(8) var<storage, read_write> l_dx: array<f32>;     // dxbc [M, C]
-@group(0) @binding(9) var<storage, read_write> l_pbc: array<vec4<f32>>;   // [passes, M, nblk, 2, 4 NQ]
-@group(0) @binding(10) var<storage, read_write> l_part: array<f32>;  // [M, Di] | dA_log | dD terms
+@group(0) @binding(9) var<storage, read_write> l_pbc: array<vec4<f32>>;   // [passes, M, nblk, 2, KG NQ]
+@group(0) @binding(10) var<storage, read_write> l_part: array<f32>;  // [passes, M, Di] | dA_log | dD terms
 @group(0) @binding(11) var<storage, read_write> l_ddt: array<f32>;   // ddt [M, H]
 
 override H: u32 = 1u;
@@ -52,22 +56,25 @@ override P: u32 = 8u;
 override N: u32 = 4u;
 override G: u32 = 1u;
 override Q: u32 = 64u;
-override NQ: u32 = 1u;     // vec4 groups of states per pass: min(N, 16) / 4
-override PASS: u32 = 0u;   // states 16*PASS .. 16*PASS + 4*NQ - 1
+override NQ: u32 = 1u;     // vec4s of states per quad: min(N, 16) / 4
+override KG: u32 = 1u;     // quads per pass (1..4)
+override PASS: u32 = 0u;   // states 16*KG*PASS .. 16*KG*PASS + 4*NQ*KG - 1
 override Di: u32 = H * P;
 override C: u32 = H * P + 2u * G * N;
+override NV: u32 = NQ * KG;   // vec4s of states per pass
 
 struct Lane { b: u32, blk: u32, d: u32, h: u32, a: f32, D: f32, bc: u32 }
 
-// lane l's sequence, block, channel, head, A, D, and the vec4 of a row's xbc it loads
-// (B's 4q..4q+3 for l = q < 4, C's for l = 4 + q; lanes past NQ load a valid one)
+// lane l's sequence, block, channel, head, A, D, and the vec4 of a row's xbc it loads for
+// quad 0 (B's 4q..4q+3 for l = q < 4, C's for l = 4 + q; lanes past NQ load a valid one;
+// quad k's is 4k further)
 fn lane_of(u: SL, wg: u32, l: u32) -> Lane {
     let blk = wg % u.nblk;
     let d = blk * 8u + l;
     let h = d / P;
     let g = h / (H / G);
     let q = min(l % 4u, NQ - 1u);
-    let col = Di + select(g, G + g, l >= 4u) * N + 16u * PASS + 4u * q;
+    let col = Di + select(g, G + g, l >= 4u) * N + 4u * NV * PASS + 4u * q;
     return Lane(wg / u.nblk, blk, d, h, -exp(l_A[u.o_A + h]), l_D[u.o_D + h], col / 4u);
 }
 
@@ -76,13 +83,89 @@ fn x_of(u: SL, m: u32, d: u32) -> f32 {
     let i = u.o_x + m * C + d;
     return l_x[i / 4u][i % 4u];
 }
-fn bc_of(u: SL, m: u32, ln: Lane) -> vec4<f32> { return l_x[(u.o_x + m * C) / 4u + ln.bc]; }
-// B's entries 4q..4q+3 of the pass (lane q's vec4), C's (lane 4 + q's)
+// the lane's B|C vec4 of quad k at row m
+fn bc_of(u: SL, m: u32, ln: Lane, k: u32) -> vec4<f32> { return l_x[(u.o_x + m * C) / 4u + ln.bc + 4u * k]; }
+// B's entries 4q..4q+3 of the quad (lane q's vec4), C's (lane 4 + q's)
 fn b4(v: vec4<f32>, q: u32) -> vec4<f32> { return sg_shuffle4(v, q); }
 fn c4(v: vec4<f32>, q: u32) -> vec4<f32> { return sg_shuffle4(v, 4u + q); }
-// the vec4 index of states[b, c] entry (d, 16*PASS + 4q)
-fn st4(u: SL, b: u32, c: u32, d: u32, q: u32) -> u32 {
-    return (u.o_st + ((b * (u.NC + 1u) + c) * Di + d) * N + 16u * PASS) / 4u + q;
+// the vec4 index of states[b, c] entry (d, first state of the pass)
+fn st4(u: SL, b: u32, c: u32, d: u32) -> u32 {
+    return (u.o_st + ((b * (u.NC + 1u) + c) * Di + d) * N + 4u * NV * PASS) / 4u;
+}
+
+// 16 states (NQ vec4s used) of one lane; functions take the quads by pointer (inlined)
+struct Quad { a: vec4<f32>, b: vec4<f32>, c: vec4<f32>, d: vec4<f32> }
+
+// s = e s + dx B (bc: the quad's B|C vec4 of this lane); returns s . C
+fn q_step(s: ptr<function, Quad>, bc: vec4<f32>, e: vec4<f32>, dx: vec4<f32>) -> f32 {
+    (*s).a = fma(e, (*s).a, dx * b4(bc, 0u));
+    var yp = dot((*s).a, c4(bc, 0u));
+    if (NQ > 1u) { (*s).b = fma(e, (*s).b, dx * b4(bc, 1u)); yp += dot((*s).b, c4(bc, 1u)); }
+    if (NQ > 2u) { (*s).c = fma(e, (*s).c, dx * b4(bc, 2u)); yp += dot((*s).c, c4(bc, 2u)); }
+    if (NQ > 3u) { (*s).d = fma(e, (*s).d, dx * b4(bc, 3u)); yp += dot((*s).d, c4(bc, 3u)); }
+    return yp;
+}
+// g = g + C dy; returns g . B
+fn q_adj(g: ptr<function, Quad>, bc: vec4<f32>, dy: vec4<f32>) -> f32 {
+    (*g).a = fma(c4(bc, 0u), dy, (*g).a);
+    var gb = dot((*g).a, b4(bc, 0u));
+    if (NQ > 1u) { (*g).b = fma(c4(bc, 1u), dy, (*g).b); gb += dot((*g).b, b4(bc, 1u)); }
+    if (NQ > 2u) { (*g).c = fma(c4(bc, 2u), dy, (*g).c); gb += dot((*g).c, b4(bc, 2u)); }
+    if (NQ > 3u) { (*g).d = fma(c4(bc, 3u), dy, (*g).d); gb += dot((*g).d, b4(bc, 3u)); }
+    return gb;
+}
+fn q_scale(g: ptr<function, Quad>, e: vec4<f32>) {
+    (*g).a *= e; (*g).b *= e; (*g).c *= e; (*g).d *= e;
+}
+fn q_save(i: u32, s: Quad) {
+    l_st[i] = s.a;
+    if (NQ > 1u) { l_st[i + 1u] = s.b; }
+    if (NQ > 2u) { l_st[i + 2u] = s.c; }
+    if (NQ > 3u) { l_st[i + 3u] = s.d; }
+}
+// g . the saved states at vec4 index i
+fn q_dot(g: Quad, i: u32) -> f32 {
+    var r = dot(g.a, l_sr[i]);
+    if (NQ > 1u) { r += dot(g.b, l_sr[i + 1u]); }
+    if (NQ > 2u) { r += dot(g.c, l_sr[i + 2u]); }
+    if (NQ > 3u) { r += dot(g.d, l_sr[i + 3u]); }
+    return r;
+}
+
+// the lane sums of v times a quad, or of two (lanes 0..3 the first, 4..7 the second): lane l
+// gets vec4 l % 4 of its quad summed over the 8 lanes, by a reduce-scatter of subgroup
+// shuffles (7 for two quads; 4 butterflies would take 12 for one)
+fn rs2(x: vec4<f32>, y: vec4<f32>, hi: bool, m: u32) -> vec4<f32> {
+    return select(x, y, hi) + sg_xor4(select(y, x, hi), m);
+}
+fn rs4(v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>, l: u32) -> vec4<f32> {
+    let o = (l & 1u) != 0u;
+    let t = (l & 2u) != 0u;
+    return rs2(rs2(v0, v1, o, 1u), rs2(v2, v3, o, 1u), t, 2u);   // summed over lanes l ^ 0..3
+}
+fn q_sum(s: Quad, v: vec4<f32>, l: u32) -> vec4<f32> {
+    let r = rs4(s.a * v, s.b * v, s.c * v, s.d * v, l);
+    return r + sg_xor4(r, 4u);
+}
+fn q_sum2(s: Quad, t: Quad, v: vec4<f32>, l: u32) -> vec4<f32> {
+    let hi = l >= 4u;
+    return rs4(rs2(s.a * v, t.a * v, hi, 4u), rs2(s.b * v, t.b * v, hi, 4u), rs2(s.c * v, t.c * v, hi, 4u),
+               rs2(s.d * v, t.d * v, hi, 4u), l);
+}
+// the lane sums of v times the pass's quads into pbc at vec4 index i (the (m, blk, part) row)
+fn pbc_store(i: u32, l: u32, v: vec4<f32>, q0: Quad, q1: Quad, q2: Quad, q3: Quad) {
+    let lq = l % 4u;
+    if (KG == 1u) {
+        let r = q_sum(q0, v, l);
+        if (l < NQ) { l_pbc[i + l] = r; }
+    } else if (KG == 3u) {
+        l_pbc[i + l] = q_sum2(q0, q1, v, l);
+        let r = q_sum(q2, v, l);
+        if (l < 4u) { l_pbc[i + 8u + l] = r; }
+    } else {
+        l_pbc[i + l] = q_sum2(q0, q1, v, l);
+        if (KG == 4u) { l_pbc[i + 8u + l] = q_sum2(q2, q3, v, l); }
+    }
 }
 
 @compute @workgroup_size(8)
@@ -92,46 +175,29 @@ fn ssd_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     let wg = wid.x + wid.y * nwg.x;
     if (wg >= u.nb * u.nblk) { return; }
     let ln = lane_of(u, wg, l);
-    var s0 = vec4<f32>(0.0); var s1 = vec4<f32>(0.0); var s2 = vec4<f32>(0.0); var s3 = vec4<f32>(0.0);
-    for (var c = 0u; c < u.NC; c++) {
+    let z = vec4<f32>(0.0);
+    var q0 = Quad(z, z, z, z); var q1 = q0; var q2 = q0; var q3 = q0;
+    for (var c = 0u; c <= u.NC; c++) {
         // the chunk states are stored outside the step loop (an `if` in it runs masked on every pass)
-        let sb = st4(u, ln.b, c, ln.d, 0u);
-        l_st[sb] = s0;
-        if (NQ > 1u) { l_st[sb + 1u] = s1; }
-        if (NQ > 2u) { l_st[sb + 2u] = s2; }
-        if (NQ > 3u) { l_st[sb + 3u] = s3; }
+        let sb = st4(u, ln.b, c, ln.d);
+        q_save(sb, q0);
+        if (KG > 1u) { q_save(sb + 4u, q1); }
+        if (KG > 2u) { q_save(sb + 8u, q2); }
+        if (KG > 3u) { q_save(sb + 12u, q3); }
         for (var t = c * Q; t < min(u.L, c * Q + Q); t++) {
             let m = ln.b * u.L + t;
             let dt = l_dt[u.o_dt + m * H + ln.h];
             let x = x_of(u, m, ln.d);
-            let bc = bc_of(u, m, ln);
             let e = vec4<f32>(exp(dt * ln.a));
             let dx = vec4<f32>(dt * x);
-            s0 = fma(e, s0, dx * b4(bc, 0u));
-            var yp = dot(s0, c4(bc, 0u));
-            if (NQ > 1u) { s1 = fma(e, s1, dx * b4(bc, 1u)); yp += dot(s1, c4(bc, 1u)); }
-            if (NQ > 2u) { s2 = fma(e, s2, dx * b4(bc, 2u)); yp += dot(s2, c4(bc, 2u)); }
-            if (NQ > 3u) { s3 = fma(e, s3, dx * b4(bc, 3u)); yp += dot(s3, c4(bc, 3u)); }
+            var yp = q_step(&q0, bc_of(u, m, ln, 0u), e, dx);
+            if (KG > 1u) { yp += q_step(&q1, bc_of(u, m, ln, 1u), e, dx); }
+            if (KG > 2u) { yp += q_step(&q2, bc_of(u, m, ln, 2u), e, dx); }
+            if (KG > 3u) { yp += q_step(&q3, bc_of(u, m, ln, 3u), e, dx); }
             let o = u.o_y + m * Di + ln.d;
             if (PASS == 0u) { l_y[o] = fma(ln.D, x, yp); } else { l_y[o] = l_y[o] + yp; }
         }
     }
-    let sb = st4(u, ln.b, u.NC, ln.d, 0u);
-    l_st[sb] = s0;
-    if (NQ > 1u) { l_st[sb + 1u] = s1; }
-    if (NQ > 2u) { l_st[sb + 2u] = s2; }
-    if (NQ > 3u) { l_st[sb + 3u] = s3; }
-}
-
-// of four vectors per lane, the sum over the 8 lanes of the one of lane l % 4 (lanes l and
-// l + 4 get the same): a reduce-scatter of subgroup shuffles (4 instead of 4 butterflies' 12)
-fn lsum_q(v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>, l: u32) -> vec4<f32> {
-    let o = (l & 1u) != 0u;
-    let a = select(v0, v1, o) + sg_xor4(select(v1, v0, o), 1u);
-    let b = select(v2, v3, o) + sg_xor4(select(v3, v2, o), 1u);
-    let t = (l & 2u) != 0u;
-    let c = select(a, b, t) + sg_xor4(select(b, a, t), 2u);
-    return c + sg_xor4(c, 4u);
 }
 
 @compute @workgroup_size(8)
@@ -141,76 +207,65 @@ fn ssd_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let wg = wid.x + wid.y * nwg.x;
     if (wg >= u.nb * u.nblk) { return; }
     let ln = lane_of(u, wg, l);
-    let lq = l % 4u;
     let z = vec4<f32>(0.0);
-    // the pbc entry of lane l at row m: dB's 4lq.. (part 0, lanes 0..3) or dC's (part 1, lanes 4..7)
-    let pb = ((PASS * u.nb * u.L + ln.b * u.L) * u.nblk + ln.blk) * 2u * NQ + select(0u, NQ, l >= 4u) + lq;
-    let pstride = u.nblk * 2u * NQ;
+    // the pbc row (m = b*L, blk, dB) of the lane's workgroup; dC's is NV further, a row per step
+    let pb = ((PASS * u.nb * u.L + ln.b * u.L) * u.nblk + ln.blk) * 2u * NV;
+    let pstride = u.nblk * 2u * NV;
     let pp = PASS * u.nb * u.L * Di + ln.d;   // the lane's column of the pass's part [M, Di]
     // 1. forward: the states again from zero
-    var s0 = z; var s1 = z; var s2 = z; var s3 = z;
+    var q0 = Quad(z, z, z, z); var q1 = q0; var q2 = q0; var q3 = q0;
     var sd = 0.0;   // sum of dy x: the lane's dD term
     for (var t = 0u; t < u.L; t++) {
         let m = ln.b * u.L + t;
         let dt = l_dt[u.o_dt + m * H + ln.h];
         let x = x_of(u, m, ln.d);
-        let bc = bc_of(u, m, ln);
         let dy = l_dy[u.o_dy + m * Di + ln.d];
         let e = vec4<f32>(exp(dt * ln.a));
         let dx = vec4<f32>(dt * x);
-        let vy = vec4<f32>(dy);
-        s0 = fma(e, s0, dx * b4(bc, 0u));
-        if (NQ > 1u) { s1 = fma(e, s1, dx * b4(bc, 1u)); }
-        if (NQ > 2u) { s2 = fma(e, s2, dx * b4(bc, 2u)); }
-        if (NQ > 3u) { s3 = fma(e, s3, dx * b4(bc, 3u)); }
-        var yp = dot(s0, c4(bc, 0u));
-        if (NQ > 1u) { yp += dot(s1, c4(bc, 1u)); }
-        if (NQ > 2u) { yp += dot(s2, c4(bc, 2u)); }
-        if (NQ > 3u) { yp += dot(s3, c4(bc, 3u)); }
+        var yp = q_step(&q0, bc_of(u, m, ln, 0u), e, dx);
+        if (KG > 1u) { yp += q_step(&q1, bc_of(u, m, ln, 1u), e, dx); }
+        if (KG > 2u) { yp += q_step(&q2, bc_of(u, m, ln, 2u), e, dx); }
+        if (KG > 3u) { yp += q_step(&q3, bc_of(u, m, ln, 3u), e, dx); }
         l_part[pp + m * Di] = dy * yp;   // the pass's share of dy (y - D x), for walk 2
-        let rc = lsum_q(s0 * vy, s1 * vy, s2 * vy, s3 * vy, l);
-        if (l >= 4u && lq < NQ) { l_pbc[pb + t * pstride] = rc; }
+        pbc_store(pb + t * pstride + NV, l, vec4<f32>(dy), q0, q1, q2, q3);
         if (PASS == 0u) { sd = fma(dy, x, sd); }
     }
     // 2. back from the end: the adjoint g, and R from g . S at each chunk's end
-    var g0 = z; var g1 = z; var g2 = z; var g3 = z;
+    var g0 = Quad(z, z, z, z); var g1 = g0; var g2 = g0; var g3 = g0;
     var sa = 0.0;   // sum of dt R: the lane's dA term (times A at the end)
     for (var cc = 0u; cc < u.NC; cc++) {
         let c = u.NC - 1u - cc;
         let t0 = c * Q;
         let nt = min(Q, u.L - t0);
-        let sb = st4(u, ln.b, c + 1u, ln.d, 0u);
-        var R = dot(g0, l_sr[sb]);
-        if (NQ > 1u) { R += dot(g1, l_sr[sb + 1u]); }
-        if (NQ > 2u) { R += dot(g2, l_sr[sb + 2u]); }
-        if (NQ > 3u) { R += dot(g3, l_sr[sb + 3u]); }
+        let sb = st4(u, ln.b, c + 1u, ln.d);
+        var R = q_dot(g0, sb);
+        if (KG > 1u) { R += q_dot(g1, sb + 4u); }
+        if (KG > 2u) { R += q_dot(g2, sb + 8u); }
+        if (KG > 3u) { R += q_dot(g3, sb + 12u); }
         for (var kk = 0u; kk < nt; kk++) {
             let t = t0 + nt - 1u - kk;
             let m = ln.b * u.L + t;
             let dt = l_dt[u.o_dt + m * H + ln.h];
             let x = x_of(u, m, ln.d);
-            let bc = bc_of(u, m, ln);
             let dy = l_dy[u.o_dy + m * Di + ln.d];
-            let ee = exp(dt * ln.a);
             let vy = vec4<f32>(dy);
-            g0 = fma(c4(bc, 0u), vy, g0);
-            var gb = dot(g0, b4(bc, 0u));
-            if (NQ > 1u) { g1 = fma(c4(bc, 1u), vy, g1); gb += dot(g1, b4(bc, 1u)); }
-            if (NQ > 2u) { g2 = fma(c4(bc, 2u), vy, g2); gb += dot(g2, b4(bc, 2u)); }
-            if (NQ > 3u) { g3 = fma(c4(bc, 3u), vy, g3); gb += dot(g3, b4(bc, 3u)); }
+            var gb = q_adj(&g0, bc_of(u, m, ln, 0u), vy);
+            if (KG > 1u) { gb += q_adj(&g1, bc_of(u, m, ln, 1u), vy); }
+            if (KG > 2u) { gb += q_adj(&g2, bc_of(u, m, ln, 2u), vy); }
+            if (KG > 3u) { gb += q_adj(&g3, bc_of(u, m, ln, 3u), vy); }
             let dtx = dt * x;
             let op = pp + m * Di;
             R += fma(-dtx, gb, l_part[op]);
             sa = fma(dt, R, sa);
-            let ddt = fma(ln.a, R, x * gb);
+            l_part[op] = fma(ln.a, R, x * gb);
             let od = u.o_dx + m * C + ln.d;
             if (PASS == 0u) { l_dx[od] = fma(dt, gb, ln.D * dy); } else { l_dx[od] = fma(dt, gb, l_dx[od]); }
-            l_part[op] = ddt;
-            let vd = vec4<f32>(dtx);
-            let rb = lsum_q(g0 * vd, g1 * vd, g2 * vd, g3 * vd, l);
-            if (l < 4u && lq < NQ) { l_pbc[pb + t * pstride] = rb; }
-            let e = vec4<f32>(ee);
-            g0 *= e; g1 *= e; g2 *= e; g3 *= e;
+            pbc_store(pb + t * pstride, l, vec4<f32>(dtx), g0, g1, g2, g3);
+            let e = vec4<f32>(exp(dt * ln.a));
+            q_scale(&g0, e);
+            if (KG > 1u) { q_scale(&g1, e); }
+            if (KG > 2u) { q_scale(&g2, e); }
+            if (KG > 3u) { q_scale(&g3, e); }
         }
     }
     l_part[u.o_pa + (PASS * u.nb + ln.b) * Di + ln.d] = ln.a * sa;
@@ -218,10 +273,10 @@ fn ssd_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 }
 
 // dxbc's B and C columns (the sums of pbc over the group's channel blocks) and ddt [M, H]
-// (the sums of part over the head's P channels): a workgroup of 8 lanes per row m, lane l
-// summing vec4s 4l.. of the row's 2GN B|C columns (strided by 8 vec4s) and heads l, l + 8, ..
-// (an invocation per column, summing scalars strided over blocks, took 0.39 ms a layer at
-// mamba2-tiny, B 1, L 256)
+// (the sums of part over the head's P channels and the passes): a workgroup of 8 lanes per
+// row m, lane l summing vec4s 4l.. of the row's 2GN B|C columns (strided by 8 vec4s) and
+// heads l, l + 8, .. (an invocation per column, summing scalars strided over blocks, took
+// 0.39 ms a layer at mamba2-tiny, B 1, L 256)
 @group(0) @binding(8) var<storage, read_write> l_dx4: array<vec4<f32>>;
 @group(0) @binding(10) var<storage, read_write> l_part4: array<vec4<f32>>;
 
@@ -232,21 +287,21 @@ fn ssd_lanes_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     let m = wid.x + wid.y * nwg.x;
     if (m >= u.total) { return; }
     let nbg = Di / G / 8u;
-    let NV = N / 4u;            // vec4s of one group's B (or C)
-    for (var j = l; j < 2u * G * NV; j += 8u) {   // j: vec4 j of the row's B|C columns
-        let part = j / (G * NV);
-        let g = (j % (G * NV)) / NV;
-        let q = j % NV;
-        let ps = q / NQ;   // the pass of these states
+    let NG = N / 4u;            // vec4s of one group's B (or C)
+    for (var j = l; j < 2u * G * NG; j += 8u) {   // j: vec4 j of the row's B|C columns
+        let part = j / (G * NG);
+        let g = (j % (G * NG)) / NG;
+        let q = j % NG;
+        let ps = q / NV;   // the pass of these states
         var s = vec4<f32>(0.0);
         for (var k = 0u; k < nbg; k++) {
-            s += l_pbc[(((ps * u.nb * u.L + m) * u.nblk + g * nbg + k) * 2u + part) * NQ + q % NQ];
+            s += l_pbc[(((ps * u.nb * u.L + m) * u.nblk + g * nbg + k) * 2u + part) * NV + q % NV];
         }
         l_dx4[(u.o_dx + m * C + Di) / 4u + j] = s;
     }
     for (var h = l; h < H; h += 8u) {
         var s = vec4<f32>(0.0);
-        for (var ps = 0u; ps < max(1u, N / 16u); ps++) {
+        for (var ps = 0u; ps < N / (4u * NV); ps++) {
             for (var p = 0u; p < P / 4u; p++) { s += l_part4[((ps * u.total + m) * Di + h * P) / 4u + p]; }
         }
         l_ddt[u.o_ddt + m * H + h] = (s.x + s.y) + (s.z + s.w);
