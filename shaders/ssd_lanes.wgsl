@@ -274,9 +274,10 @@ fn ssd_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 
 // dxbc's B and C columns (the sums of pbc over the group's channel blocks) and ddt [M, H]
 // (the sums of part over the head's P channels and the passes): a workgroup of 8 lanes per
-// row m, lane l summing vec4s 4l.. of the row's 2GN B|C columns (strided by 8 vec4s) and
-// heads l, l + 8, .. (an invocation per column, summing scalars strided over blocks, took
-// 0.39 ms a layer at mamba2-tiny, B 1, L 256)
+// row m, walking each (pass, group)'s block rows in memory order, lane l summing their vec4s
+// l, l + 8, .., and heads l, l + 8, .. (an invocation per column, summing scalars strided
+// over blocks, took 0.39 ms a layer at mamba2-tiny, B 1, L 256; a lane per B|C vec4 summing
+// it over the blocks, rows 2 NV vec4s apart, 2.2x this at mamba2-small)
 @group(0) @binding(8) var<storage, read_write> l_dx4: array<vec4<f32>>;
 @group(0) @binding(10) var<storage, read_write> l_part4: array<vec4<f32>>;
 
@@ -288,16 +289,27 @@ fn ssd_lanes_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     if (m >= u.total) { return; }
     let nbg = Di / G / 8u;
     let NG = N / 4u;            // vec4s of one group's B (or C)
-    for (var j = l; j < 2u * G * NG; j += 8u) {   // j: vec4 j of the row's B|C columns
-        let part = j / (G * NG);
-        let g = (j % (G * NG)) / NG;
-        let q = j % NG;
-        let ps = q / NV;   // the pass of these states
-        var s = vec4<f32>(0.0);
+    // a pass's (m, blk) row of pbc is dB | dC, NV vec4s each: the lanes read vec4s l, l + 8, ..
+    // of each row, the group's blocks in order (the rows one after the other in memory)
+    let z = vec4<f32>(0.0);
+    for (var pg = 0u; pg < N / (4u * NV) * G; pg++) {
+        let ps = pg / G;
+        let g = pg % G;
+        var a0 = z; var a1 = z; var a2 = z; var a3 = z;
+        let r0 = ((ps * u.nb * u.L + m) * u.nblk + g * nbg) * 2u * NV + l;
         for (var k = 0u; k < nbg; k++) {
-            s += l_pbc[(((ps * u.nb * u.L + m) * u.nblk + g * nbg + k) * 2u + part) * NV + q % NV];
+            let r = r0 + k * 2u * NV;
+            if (l < 2u * NV) { a0 += l_pbc[r]; }
+            if (l + 8u < 2u * NV) { a1 += l_pbc[r + 8u]; }
+            if (l + 16u < 2u * NV) { a2 += l_pbc[r + 16u]; }
+            if (l + 24u < 2u * NV) { a3 += l_pbc[r + 24u]; }
         }
-        l_dx4[(u.o_dx + m * C + Di) / 4u + j] = s;
+        // vec4 i of the row: part i / NV, states 4 (ps NV + i % NV) ..
+        let o = (u.o_dx + m * C + Di) / 4u + g * NG + ps * NV;
+        if (l < 2u * NV) { l_dx4[o + (l / NV) * G * NG + l % NV] = a0; }
+        if (l + 8u < 2u * NV) { l_dx4[o + ((l + 8u) / NV) * G * NG + (l + 8u) % NV] = a1; }
+        if (l + 16u < 2u * NV) { l_dx4[o + ((l + 16u) / NV) * G * NG + (l + 16u) % NV] = a2; }
+        if (l + 24u < 2u * NV) { l_dx4[o + ((l + 24u) / NV) * G * NG + (l + 24u) % NV] = a3; }
     }
     for (var h = l; h < H; h += 8u) {
         var s = vec4<f32>(0.0);
