@@ -6,20 +6,32 @@
 //   s_t[n] = exp(dt_t A) s_{t-1}[n] + dt_t x_t B_t[n] ;  y_t = sum_n s_t[n] C_t[n] + D_h x_t
 // A workgroup is one 8-lane subgroup (one SIMD vector): lane l owns channel blk*8 + l of
 // sequence b (P % 8 == 0, so the 8 lanes share a head, its dt and its group's B and C) and
-// keeps NQ*4 states (a pass: 16 states, or all of N <= 16) in four vec4 variables.  B_t|C_t
-// of the pass are loaded as one vec4 a lane (lanes 0..3 B, 4..7 C) and shared by subgroup
-// broadcast.  N > 16 runs in passes of 16 states, one dispatch each (PASS, a pipeline
-// constant): the states are independent, only y, dx and the ddt terms add up over passes.
+// keeps the states of a pass in KG quads of NQ vec4s (a quad: 16 states, or all of N <= 16;
+// a pass: up to 4 quads, 64 states, the most one dispatch walks: `ssd.lane_split`).  B_t|C_t
+// of a quad are loaded as one vec4 a lane (lanes 0..3 B, 4..7 C) and shared by subgroup
+// broadcast.  N past 64 runs in passes, one dispatch each (PASS, a pipeline constant): the
+// states are independent, only y, dx and the ddt terms add up over passes.  Every load
+// costs lavapipe a loop over the lanes, and a pass loads dt, x and dy again: the quads'
+// states spill to the stack, yet one pass of 64 states ran the forward 1.8-2.1x faster than
+// four of 16 (mamba2-small).
 // Saved states as ssd_scan.wgsl's: states[b, c] (the state before step c*Q), states[b, NC]
 // the final one, [nb, NC + 1, H, P, N].
 //
-// Backward, per pass: the chunks in reverse, each one's states recomputed into `hist` from
-// its saved state, then the adjoint g_t = C_t dy_t + exp(dt_{t+1} A) g_{t+1}:
+// Backward, per pass, two walks and no state history.  Walk 1 runs the recurrence again from
+// zero and takes what needs the states:
+//   dC_t += dy_t s_t                            summed over the 8 lanes -> pbc
+//   dy_t (s_t . C_t)   (the pass's share of dy_t (y_t - D x_t))  -> part, for walk 2
+// Walk 2 runs back from the end with the adjoint g_t = C_t dy_t + exp(dt_{t+1} A) g_{t+1}:
 //   dx_t += dt_t (g_t . B_t) (+ D dy_t)        -> dxbc[:, d]
-//   ddt terms  exp(dt A) A (g_t . s_{t-1}) + x_t (g_t . B_t)   -> part [M, Di] (summed over p)
-//   dB_t += dt_t x_t g_t, dC_t += dy_t s_t      summed over the 8 lanes -> pbc [passes, M, nblk, 2, 4 NQ]
-//   dA_log terms A sum_t dt_t exp(dt_t A) (g_t . s_{t-1}), dD terms sum_t dy_t x_t -> part
-// and ssd_lanes_finish sums pbc over a group's blocks (dB, dC) and part over a head (ddt).
+//   dB_t += dt_t x_t g_t                        summed over the 8 lanes -> pbc
+// and the decay's gradient R_t = exp(dt_t A) (g_t . s_{t-1}) as a sum of later terms,
+//   R_t = sum_{k>=t} r_k,  r_k = dy_k (s_k . C_k) - dt_k x_k (g_k . B_k)
+// (ssd_scan.wgsl's ssd_dt_chunk sums the same terms), started from g . S at each chunk's end
+// (its saved state S), so that no sum runs longer than a chunk:
+//   ddt terms  A R_t + x_t (g_t . B_t)        -> part [passes, M, Di] (summed over p and passes)
+//   dA_log terms A sum_t dt_t R_t, dD terms sum_t dy_t x_t -> part
+// pbc is [passes, M, nblk, 2, KG NQ] vec4s (dB | dC); ssd_lanes_finish sums it over a
+// group's blocks (dB, dC) and part over a head (ddt).
 
 struct SL { nb: u32, L: u32, NC: u32, nblk: u32,
             o_y: u32, o_st: u32, o_x: u32, o_dt: u32, o_A: u32, o_D: u32, o_dy: u32, o_dx: u32,
@@ -35,8 +47,8 @@ struct SL { nb: u32, L: u32, NC: u32, nblk: u32,
 @group(0) @binding(6) var<uniform> U: SL;
 @group(0) @binding(7) var<storage, read> l_dy: array<f32>;           // dy [M, Di]
 @group(0) @binding(8) var<storage, read_write> l_dx: array<f32>;     // dxbc [M, C]
-@group(0) @binding(9) var<storage, read_write> l_pbc: array<vec4<f32>>;   // [passes, M, nblk, 2, 4 NQ]
-@group(0) @binding(10) var<storage, read_write> l_part: array<f32>;  // [M, Di] | dA_log | dD terms
+@group(0) @binding(9) var<storage, read_write> l_pbc: array<vec4<f32>>;   // [passes, M, nblk, 2, KG NQ]
+@group(0) @binding(10) var<storage, read_write> l_part: array<f32>;  // [passes, M, Di] | dA_log | dD terms
 @group(0) @binding(11) var<storage, read_write> l_ddt: array<f32>;   // ddt [M, H]
 
 override H: u32 = 1u;
@@ -44,22 +56,25 @@ override P: u32 = 8u;
 override N: u32 = 4u;
 override G: u32 = 1u;
 override Q: u32 = 64u;
-override NQ: u32 = 1u;     // vec4 groups of states per pass: min(N, 16) / 4
-override PASS: u32 = 0u;   // states 16*PASS .. 16*PASS + 4*NQ - 1
+override NQ: u32 = 1u;     // vec4s of states per quad: min(N, 16) / 4
+override KG: u32 = 1u;     // quads per pass (1..4)
+override PASS: u32 = 0u;   // states 4*NV*PASS .. 4*NV*PASS + 4*NV - 1
 override Di: u32 = H * P;
 override C: u32 = H * P + 2u * G * N;
+override NV: u32 = NQ * KG;   // vec4s of states per pass
 
 struct Lane { b: u32, blk: u32, d: u32, h: u32, a: f32, D: f32, bc: u32 }
 
-// lane l's sequence, block, channel, head, A, D, and the vec4 of a row's xbc it loads
-// (B's 4q..4q+3 for l = q < 4, C's for l = 4 + q; lanes past NQ load a valid one)
+// lane l's sequence, block, channel, head, A, D, and the vec4 of a row's xbc it loads for
+// quad 0 (B's 4q..4q+3 for l = q < 4, C's for l = 4 + q; lanes past NQ load a valid one;
+// quad k's is 4k further)
 fn lane_of(u: SL, wg: u32, l: u32) -> Lane {
     let blk = wg % u.nblk;
     let d = blk * 8u + l;
     let h = d / P;
     let g = h / (H / G);
     let q = min(l % 4u, NQ - 1u);
-    let col = Di + select(g, G + g, l >= 4u) * N + 16u * PASS + 4u * q;
+    let col = Di + select(g, G + g, l >= 4u) * N + 4u * NV * PASS + 4u * q;
     return Lane(wg / u.nblk, blk, d, h, -exp(l_A[u.o_A + h]), l_D[u.o_D + h], col / 4u);
 }
 
@@ -68,13 +83,89 @@ fn x_of(u: SL, m: u32, d: u32) -> f32 {
     let i = u.o_x + m * C + d;
     return l_x[i / 4u][i % 4u];
 }
-fn bc_of(u: SL, m: u32, ln: Lane) -> vec4<f32> { return l_x[(u.o_x + m * C) / 4u + ln.bc]; }
-// B's entries 4q..4q+3 of the pass (lane q's vec4), C's (lane 4 + q's)
+// the lane's B|C vec4 of quad k at row m
+fn bc_of(u: SL, m: u32, ln: Lane, k: u32) -> vec4<f32> { return l_x[(u.o_x + m * C) / 4u + ln.bc + 4u * k]; }
+// B's entries 4q..4q+3 of the quad (lane q's vec4), C's (lane 4 + q's)
 fn b4(v: vec4<f32>, q: u32) -> vec4<f32> { return sg_shuffle4(v, q); }
 fn c4(v: vec4<f32>, q: u32) -> vec4<f32> { return sg_shuffle4(v, 4u + q); }
-// the vec4 index of states[b, c] entry (d, 16*PASS + 4q)
-fn st4(u: SL, b: u32, c: u32, d: u32, q: u32) -> u32 {
-    return (u.o_st + ((b * (u.NC + 1u) + c) * Di + d) * N + 16u * PASS) / 4u + q;
+// the vec4 index of states[b, c] entry (d, first state of the pass)
+fn st4(u: SL, b: u32, c: u32, d: u32) -> u32 {
+    return (u.o_st + ((b * (u.NC + 1u) + c) * Di + d) * N + 4u * NV * PASS) / 4u;
+}
+
+// 16 states (NQ vec4s used) of one lane; functions take the quads by pointer (inlined)
+struct Quad { a: vec4<f32>, b: vec4<f32>, c: vec4<f32>, d: vec4<f32> }
+
+// s = e s + dx B (bc: the quad's B|C vec4 of this lane); returns s . C
+fn q_step(s: ptr<function, Quad>, bc: vec4<f32>, e: vec4<f32>, dx: vec4<f32>) -> f32 {
+    (*s).a = fma(e, (*s).a, dx * b4(bc, 0u));
+    var yp = dot((*s).a, c4(bc, 0u));
+    if (NQ > 1u) { (*s).b = fma(e, (*s).b, dx * b4(bc, 1u)); yp += dot((*s).b, c4(bc, 1u)); }
+    if (NQ > 2u) { (*s).c = fma(e, (*s).c, dx * b4(bc, 2u)); yp += dot((*s).c, c4(bc, 2u)); }
+    if (NQ > 3u) { (*s).d = fma(e, (*s).d, dx * b4(bc, 3u)); yp += dot((*s).d, c4(bc, 3u)); }
+    return yp;
+}
+// g = g + C dy; returns g . B
+fn q_adj(g: ptr<function, Quad>, bc: vec4<f32>, dy: vec4<f32>) -> f32 {
+    (*g).a = fma(c4(bc, 0u), dy, (*g).a);
+    var gb = dot((*g).a, b4(bc, 0u));
+    if (NQ > 1u) { (*g).b = fma(c4(bc, 1u), dy, (*g).b); gb += dot((*g).b, b4(bc, 1u)); }
+    if (NQ > 2u) { (*g).c = fma(c4(bc, 2u), dy, (*g).c); gb += dot((*g).c, b4(bc, 2u)); }
+    if (NQ > 3u) { (*g).d = fma(c4(bc, 3u), dy, (*g).d); gb += dot((*g).d, b4(bc, 3u)); }
+    return gb;
+}
+fn q_scale(g: ptr<function, Quad>, e: vec4<f32>) {
+    (*g).a *= e; (*g).b *= e; (*g).c *= e; (*g).d *= e;
+}
+fn q_save(i: u32, s: Quad) {
+    l_st[i] = s.a;
+    if (NQ > 1u) { l_st[i + 1u] = s.b; }
+    if (NQ > 2u) { l_st[i + 2u] = s.c; }
+    if (NQ > 3u) { l_st[i + 3u] = s.d; }
+}
+// g . the saved states at vec4 index i
+fn q_dot(g: Quad, i: u32) -> f32 {
+    var r = dot(g.a, l_sr[i]);
+    if (NQ > 1u) { r += dot(g.b, l_sr[i + 1u]); }
+    if (NQ > 2u) { r += dot(g.c, l_sr[i + 2u]); }
+    if (NQ > 3u) { r += dot(g.d, l_sr[i + 3u]); }
+    return r;
+}
+
+// the lane sums of v times a quad, or of two (lanes 0..3 the first, 4..7 the second): lane l
+// gets vec4 l % 4 of its quad summed over the 8 lanes, by a reduce-scatter of subgroup
+// shuffles (7 for two quads; 4 butterflies would take 12 for one)
+fn rs2(x: vec4<f32>, y: vec4<f32>, hi: bool, m: u32) -> vec4<f32> {
+    return select(x, y, hi) + sg_xor4(select(y, x, hi), m);
+}
+fn rs4(v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>, l: u32) -> vec4<f32> {
+    let o = (l & 1u) != 0u;
+    let t = (l & 2u) != 0u;
+    return rs2(rs2(v0, v1, o, 1u), rs2(v2, v3, o, 1u), t, 2u);   // summed over lanes l ^ 0..3
+}
+fn q_sum(s: Quad, v: vec4<f32>, l: u32) -> vec4<f32> {
+    let r = rs4(s.a * v, s.b * v, s.c * v, s.d * v, l);
+    return r + sg_xor4(r, 4u);
+}
+fn q_sum2(s: Quad, t: Quad, v: vec4<f32>, l: u32) -> vec4<f32> {
+    let hi = l >= 4u;
+    return rs4(rs2(s.a * v, t.a * v, hi, 4u), rs2(s.b * v, t.b * v, hi, 4u), rs2(s.c * v, t.c * v, hi, 4u),
+               rs2(s.d * v, t.d * v, hi, 4u), l);
+}
+// the lane sums of v times the pass's quads into pbc at vec4 index i (the (m, blk, part) row)
+fn pbc_store(i: u32, l: u32, v: vec4<f32>, q0: Quad, q1: Quad, q2: Quad, q3: Quad) {
+    let lq = l % 4u;
+    if (KG == 1u) {
+        let r = q_sum(q0, v, l);
+        if (l < NQ) { l_pbc[i + l] = r; }
+    } else if (KG == 3u) {
+        l_pbc[i + l] = q_sum2(q0, q1, v, l);
+        let r = q_sum(q2, v, l);
+        if (l < 4u) { l_pbc[i + 8u + l] = r; }
+    } else {
+        l_pbc[i + l] = q_sum2(q0, q1, v, l);
+        if (KG == 4u) { l_pbc[i + 8u + l] = q_sum2(q2, q3, v, l); }
+    }
 }
 
 @compute @workgroup_size(8)
@@ -84,55 +175,29 @@ fn ssd_lanes_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     let wg = wid.x + wid.y * nwg.x;
     if (wg >= u.nb * u.nblk) { return; }
     let ln = lane_of(u, wg, l);
-    var s0 = vec4<f32>(0.0); var s1 = vec4<f32>(0.0); var s2 = vec4<f32>(0.0); var s3 = vec4<f32>(0.0);
-    for (var c = 0u; c < u.NC; c++) {
+    let z = vec4<f32>(0.0);
+    var q0 = Quad(z, z, z, z); var q1 = q0; var q2 = q0; var q3 = q0;
+    for (var c = 0u; c <= u.NC; c++) {
         // the chunk states are stored outside the step loop (an `if` in it runs masked on every pass)
-        let sb = st4(u, ln.b, c, ln.d, 0u);
-        l_st[sb] = s0;
-        if (NQ > 1u) { l_st[sb + 1u] = s1; }
-        if (NQ > 2u) { l_st[sb + 2u] = s2; }
-        if (NQ > 3u) { l_st[sb + 3u] = s3; }
+        let sb = st4(u, ln.b, c, ln.d);
+        q_save(sb, q0);
+        if (KG > 1u) { q_save(sb + 4u, q1); }
+        if (KG > 2u) { q_save(sb + 8u, q2); }
+        if (KG > 3u) { q_save(sb + 12u, q3); }
         for (var t = c * Q; t < min(u.L, c * Q + Q); t++) {
             let m = ln.b * u.L + t;
             let dt = l_dt[u.o_dt + m * H + ln.h];
             let x = x_of(u, m, ln.d);
-            let bc = bc_of(u, m, ln);
             let e = vec4<f32>(exp(dt * ln.a));
             let dx = vec4<f32>(dt * x);
-            s0 = fma(e, s0, dx * b4(bc, 0u));
-            var yp = dot(s0, c4(bc, 0u));
-            if (NQ > 1u) { s1 = fma(e, s1, dx * b4(bc, 1u)); yp += dot(s1, c4(bc, 1u)); }
-            if (NQ > 2u) { s2 = fma(e, s2, dx * b4(bc, 2u)); yp += dot(s2, c4(bc, 2u)); }
-            if (NQ > 3u) { s3 = fma(e, s3, dx * b4(bc, 3u)); yp += dot(s3, c4(bc, 3u)); }
+            var yp = q_step(&q0, bc_of(u, m, ln, 0u), e, dx);
+            if (KG > 1u) { yp += q_step(&q1, bc_of(u, m, ln, 1u), e, dx); }
+            if (KG > 2u) { yp += q_step(&q2, bc_of(u, m, ln, 2u), e, dx); }
+            if (KG > 3u) { yp += q_step(&q3, bc_of(u, m, ln, 3u), e, dx); }
             let o = u.o_y + m * Di + ln.d;
             if (PASS == 0u) { l_y[o] = fma(ln.D, x, yp); } else { l_y[o] = l_y[o] + yp; }
         }
     }
-    let sb = st4(u, ln.b, u.NC, ln.d, 0u);
-    l_st[sb] = s0;
-    if (NQ > 1u) { l_st[sb + 1u] = s1; }
-    if (NQ > 2u) { l_st[sb + 2u] = s2; }
-    if (NQ > 3u) { l_st[sb + 3u] = s3; }
-}
-
-// the sum over the 8 lanes, in every lane (a butterfly of subgroup shuffles)
-fn lsum4(v: vec4<f32>) -> vec4<f32> {
-    let a = v + sg_xor4(v, 1u);
-    let b = a + sg_xor4(a, 2u);
-    return b + sg_xor4(b, 4u);
-}
-// of four uniform vectors, the one of lane l % 4
-fn quad(v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32>, l: u32) -> vec4<f32> {
-    let q = l % 4u;
-    return select(select(v3, v2, q == 2u), select(v1, v0, q == 0u), q < 2u);
-}
-
-// one step of the adjoint for states 4q..4q+3: g the adjoint entering from the right
-// (already times the next step's decay), sn / sp the state after / before the step
-struct Adj { g: vec4<f32>, rb: vec4<f32>, rc: vec4<f32>, sums: vec3<f32> }
-fn adj4(bn: vec4<f32>, cn: vec4<f32>, sn: vec4<f32>, sp: vec4<f32>, g: vec4<f32>, dy: f32, dtx: f32) -> Adj {
-    let gn = fma(cn, vec4<f32>(dy), g);
-    return Adj(gn, lsum4(gn * dtx), lsum4(sn * dy), vec3<f32>(dot(gn, sp), dot(gn, bn), 0.0));
 }
 
 @compute @workgroup_size(8)
@@ -142,79 +207,65 @@ fn ssd_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let wg = wid.x + wid.y * nwg.x;
     if (wg >= u.nb * u.nblk) { return; }
     let ln = lane_of(u, wg, l);
-    var g0 = vec4<f32>(0.0); var g1 = vec4<f32>(0.0); var g2 = vec4<f32>(0.0); var g3 = vec4<f32>(0.0);
-    var hist: array<vec4<f32>, 260>;   // [Q + 1][4]: the chunk's states, row 0 the one before it
-    // the chunk's dt, x, decay and B|C vec4, kept from the recompute for the adjoint
-    var c_dt: array<f32, 64>;
-    var c_x: array<f32, 64>;
-    var c_e: array<f32, 64>;
-    var c_bc: array<vec4<f32>, 64>;
-    var sa = 0.0;   // sum of dt e (g . s_prev): the lane's dA term (times A at the end)
-    var sd = 0.0;   // sum of dy x: its dD term
-    let z = Adj(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec3<f32>(0.0));
-    let isc = l >= 4u;
-    let lq = l % 4u;
+    let z = vec4<f32>(0.0);
+    // the pbc row (m = b*L, blk, dB) of the lane's workgroup; dC's is NV further, a row per step
+    let pb = ((PASS * u.nb * u.L + ln.b * u.L) * u.nblk + ln.blk) * 2u * NV;
+    let pstride = u.nblk * 2u * NV;
+    let pp = PASS * u.nb * u.L * Di + ln.d;   // the lane's column of the pass's part [M, Di]
+    // 1. forward: the states again from zero
+    var q0 = Quad(z, z, z, z); var q1 = q0; var q2 = q0; var q3 = q0;
+    var sd = 0.0;   // sum of dy x: the lane's dD term
+    for (var t = 0u; t < u.L; t++) {
+        let m = ln.b * u.L + t;
+        let dt = l_dt[u.o_dt + m * H + ln.h];
+        let x = x_of(u, m, ln.d);
+        let dy = l_dy[u.o_dy + m * Di + ln.d];
+        let e = vec4<f32>(exp(dt * ln.a));
+        let dx = vec4<f32>(dt * x);
+        var yp = q_step(&q0, bc_of(u, m, ln, 0u), e, dx);
+        if (KG > 1u) { yp += q_step(&q1, bc_of(u, m, ln, 1u), e, dx); }
+        if (KG > 2u) { yp += q_step(&q2, bc_of(u, m, ln, 2u), e, dx); }
+        if (KG > 3u) { yp += q_step(&q3, bc_of(u, m, ln, 3u), e, dx); }
+        l_part[pp + m * Di] = dy * yp;   // the pass's share of dy (y - D x), for walk 2
+        pbc_store(pb + t * pstride + NV, l, vec4<f32>(dy), q0, q1, q2, q3);
+        if (PASS == 0u) { sd = fma(dy, x, sd); }
+    }
+    // 2. back from the end: the adjoint g, and R from g . S at each chunk's end
+    var g0 = Quad(z, z, z, z); var g1 = g0; var g2 = g0; var g3 = g0;
+    var sa = 0.0;   // sum of dt R: the lane's dA term (times A at the end)
     for (var cc = 0u; cc < u.NC; cc++) {
         let c = u.NC - 1u - cc;
         let t0 = c * Q;
         let nt = min(Q, u.L - t0);
-        let sb = st4(u, ln.b, c, ln.d, 0u);
-        var s0 = l_sr[sb]; var s1 = vec4<f32>(0.0); var s2 = vec4<f32>(0.0); var s3 = vec4<f32>(0.0);
-        if (NQ > 1u) { s1 = l_sr[sb + 1u]; }
-        if (NQ > 2u) { s2 = l_sr[sb + 2u]; }
-        if (NQ > 3u) { s3 = l_sr[sb + 3u]; }
-        hist[0] = s0; hist[1] = s1; hist[2] = s2; hist[3] = s3;
-        for (var k = 0u; k < nt; k++) {
-            let m = ln.b * u.L + t0 + k;
+        let sb = st4(u, ln.b, c + 1u, ln.d);
+        var R = q_dot(g0, sb);
+        if (KG > 1u) { R += q_dot(g1, sb + 4u); }
+        if (KG > 2u) { R += q_dot(g2, sb + 8u); }
+        if (KG > 3u) { R += q_dot(g3, sb + 12u); }
+        for (var kk = 0u; kk < nt; kk++) {
+            let t = t0 + nt - 1u - kk;
+            let m = ln.b * u.L + t;
             let dt = l_dt[u.o_dt + m * H + ln.h];
             let x = x_of(u, m, ln.d);
-            let bc = bc_of(u, m, ln);
-            let ee = exp(dt * ln.a);
-            c_dt[k] = dt; c_x[k] = x; c_e[k] = ee; c_bc[k] = bc;
-            let e = vec4<f32>(ee);
-            let dx = vec4<f32>(dt * x);
-            let r = (k + 1u) * 4u;
-            s0 = fma(e, s0, dx * b4(bc, 0u)); hist[r] = s0;
-            if (NQ > 1u) { s1 = fma(e, s1, dx * b4(bc, 1u)); hist[r + 1u] = s1; }
-            if (NQ > 2u) { s2 = fma(e, s2, dx * b4(bc, 2u)); hist[r + 2u] = s2; }
-            if (NQ > 3u) { s3 = fma(e, s3, dx * b4(bc, 3u)); hist[r + 3u] = s3; }
-        }
-        for (var kk = 0u; kk < nt; kk++) {
-            let k = nt - 1u - kk;
-            let m = ln.b * u.L + t0 + k;
-            let dt = c_dt[k];
-            let x = c_x[k];
-            let ee = c_e[k];
-            let bc = c_bc[k];
             let dy = l_dy[u.o_dy + m * Di + ln.d];
-            let r = k * 4u;
+            let vy = vec4<f32>(dy);
+            var gb = q_adj(&g0, bc_of(u, m, ln, 0u), vy);
+            if (KG > 1u) { gb += q_adj(&g1, bc_of(u, m, ln, 1u), vy); }
+            if (KG > 2u) { gb += q_adj(&g2, bc_of(u, m, ln, 2u), vy); }
+            if (KG > 3u) { gb += q_adj(&g3, bc_of(u, m, ln, 3u), vy); }
             let dtx = dt * x;
-            let j0 = adj4(b4(bc, 0u), c4(bc, 0u), hist[r + 4u], hist[r], g0, dy, dtx);
-            var j1 = z; var j2 = z; var j3 = z;
-            if (NQ > 1u) { j1 = adj4(b4(bc, 1u), c4(bc, 1u), hist[r + 5u], hist[r + 1u], g1, dy, dtx); }
-            if (NQ > 2u) { j2 = adj4(b4(bc, 2u), c4(bc, 2u), hist[r + 6u], hist[r + 2u], g2, dy, dtx); }
-            if (NQ > 3u) { j3 = adj4(b4(bc, 3u), c4(bc, 3u), hist[r + 7u], hist[r + 3u], g3, dy, dtx); }
-            g0 = j0.g * ee; g1 = j1.g * ee; g2 = j2.g * ee; g3 = j3.g * ee;
-            let sums = j0.sums + j1.sums + j2.sums + j3.sums;   // g . s_prev, g . B
-            let sdA = dt * ee * sums.x;
-            sa += sdA;
-            let ddt = fma(ln.a * ee, sums.x, x * sums.y);
+            let op = pp + m * Di;
+            R += fma(-dtx, gb, l_part[op]);
+            sa = fma(dt, R, sa);
+            l_part[op] = fma(ln.a, R, x * gb);
             let od = u.o_dx + m * C + ln.d;
-            let op = m * Di + ln.d;
-            if (PASS == 0u) {
-                l_dx[od] = fma(dt, sums.y, ln.D * dy);
-                l_part[op] = ddt;
-                sd += dy * x;
-            } else {
-                l_dx[od] = fma(dt, sums.y, l_dx[od]);
-                l_part[op] = l_part[op] + ddt;
-            }
-            // the 8 lanes' sums of dB and dC (the same in every lane): lane q < NQ stores dB's
-            // 4q..4q+3, lane 4 + q dC's
-            if (lq < NQ) {
-                l_pbc[(((PASS * u.nb * u.L + m) * u.nblk + ln.blk) * 2u + select(0u, 1u, isc)) * NQ + lq] = select(
-                    quad(j0.rb, j1.rb, j2.rb, j3.rb, l), quad(j0.rc, j1.rc, j2.rc, j3.rc, l), isc);
-            }
+            if (PASS == 0u) { l_dx[od] = fma(dt, gb, ln.D * dy); } else { l_dx[od] = fma(dt, gb, l_dx[od]); }
+            pbc_store(pb + t * pstride, l, vec4<f32>(dtx), g0, g1, g2, g3);
+            let e = vec4<f32>(exp(dt * ln.a));
+            q_scale(&g0, e);
+            if (KG > 1u) { q_scale(&g1, e); }
+            if (KG > 2u) { q_scale(&g2, e); }
+            if (KG > 3u) { q_scale(&g3, e); }
         }
     }
     l_part[u.o_pa + (PASS * u.nb + ln.b) * Di + ln.d] = ln.a * sa;
@@ -222,10 +273,11 @@ fn ssd_lanes_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 }
 
 // dxbc's B and C columns (the sums of pbc over the group's channel blocks) and ddt [M, H]
-// (the sums of part over the head's P channels): a workgroup of 8 lanes per row m, lane l
-// summing vec4s 4l.. of the row's 2GN B|C columns (strided by 8 vec4s) and heads l, l + 8, ..
-// (an invocation per column, summing scalars strided over blocks, took 0.39 ms a layer at
-// mamba2-tiny, B 1, L 256)
+// (the sums of part over the head's P channels and the passes): a workgroup of 8 lanes per
+// row m, walking each (pass, group)'s block rows in memory order, lane l summing their vec4s
+// l, l + 8, .., and heads l, l + 8, .. (an invocation per column, summing scalars strided
+// over blocks, took 0.39 ms a layer at mamba2-tiny, B 1, L 256; a lane per B|C vec4 summing
+// it over the blocks, rows 2 NV vec4s apart, 2.2x this at mamba2-small)
 @group(0) @binding(8) var<storage, read_write> l_dx4: array<vec4<f32>>;
 @group(0) @binding(10) var<storage, read_write> l_part4: array<vec4<f32>>;
 
@@ -236,21 +288,34 @@ fn ssd_lanes_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     let m = wid.x + wid.y * nwg.x;
     if (m >= u.total) { return; }
     let nbg = Di / G / 8u;
-    let NV = N / 4u;            // vec4s of one group's B (or C)
-    for (var j = l; j < 2u * G * NV; j += 8u) {   // j: vec4 j of the row's B|C columns
-        let part = j / (G * NV);
-        let g = (j % (G * NV)) / NV;
-        let q = j % NV;
-        let ps = q / NQ;   // the pass of these states
-        var s = vec4<f32>(0.0);
+    let NG = N / 4u;            // vec4s of one group's B (or C)
+    // a pass's (m, blk) row of pbc is dB | dC, NV vec4s each: the lanes read vec4s l, l + 8, ..
+    // of each row, the group's blocks in order (the rows one after the other in memory)
+    let z = vec4<f32>(0.0);
+    for (var pg = 0u; pg < N / (4u * NV) * G; pg++) {
+        let ps = pg / G;
+        let g = pg % G;
+        var a0 = z; var a1 = z; var a2 = z; var a3 = z;
+        let r0 = ((ps * u.nb * u.L + m) * u.nblk + g * nbg) * 2u * NV + l;
         for (var k = 0u; k < nbg; k++) {
-            s += l_pbc[(((ps * u.nb * u.L + m) * u.nblk + g * nbg + k) * 2u + part) * NQ + q % NQ];
+            let r = r0 + k * 2u * NV;
+            if (l < 2u * NV) { a0 += l_pbc[r]; }
+            if (l + 8u < 2u * NV) { a1 += l_pbc[r + 8u]; }
+            if (l + 16u < 2u * NV) { a2 += l_pbc[r + 16u]; }
+            if (l + 24u < 2u * NV) { a3 += l_pbc[r + 24u]; }
         }
-        l_dx4[(u.o_dx + m * C + Di) / 4u + j] = s;
+        // vec4 i of the row: part i / NV, states 4 (ps NV + i % NV) ..
+        let o = (u.o_dx + m * C + Di) / 4u + g * NG + ps * NV;
+        if (l < 2u * NV) { l_dx4[o + (l / NV) * G * NG + l % NV] = a0; }
+        if (l + 8u < 2u * NV) { l_dx4[o + ((l + 8u) / NV) * G * NG + (l + 8u) % NV] = a1; }
+        if (l + 16u < 2u * NV) { l_dx4[o + ((l + 16u) / NV) * G * NG + (l + 16u) % NV] = a2; }
+        if (l + 24u < 2u * NV) { l_dx4[o + ((l + 24u) / NV) * G * NG + (l + 24u) % NV] = a3; }
     }
     for (var h = l; h < H; h += 8u) {
         var s = vec4<f32>(0.0);
-        for (var p = 0u; p < P / 4u; p++) { s += l_part4[(m * Di + h * P) / 4u + p]; }
+        for (var ps = 0u; ps < N / (4u * NV); ps++) {
+            for (var p = 0u; p < P / 4u; p++) { s += l_part4[((ps * u.total + m) * Di + h * P) / 4u + p]; }
+        }
         l_ddt[u.o_ddt + m * H + h] = (s.x + s.y) + (s.z + s.w);
     }
 }

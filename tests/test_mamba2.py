@@ -689,8 +689,10 @@ def _ssd_reference(xbc, dt, A_log, D, dy, H, P, N, G):
 
 SSD_SHAPES = [(2, 40, 24, 64, 16, 1), (2, 37, 8, 4, 3, 4), (1, 1, 3, 6, 7, 1), (2, 150, 4, 8, 5, 2),
               (1, 200, 6, 70, 130, 3), (1, 128, 2, 16, 8, 1),
-              # the 8-lane kernels' shapes (P % 8 == 0, N % 4 == 0, passes of 16 states past 16)
-              (2, 150, 4, 8, 12, 2), (1, 70, 2, 8, 4, 1), (1, 1, 2, 16, 16, 2), (2, 90, 4, 16, 48, 2)]
+              # the 8-lane kernels' shapes (P % 8 == 0, N % 4 == 0; past 16 states, passes of
+              # 2, 3 or 4 quads of 16, or of one: ssd.lane_split)
+              (2, 150, 4, 8, 12, 2), (1, 70, 2, 8, 4, 1), (1, 1, 2, 16, 16, 2), (2, 90, 4, 16, 48, 2),
+              (1, 70, 2, 8, 32, 1), (2, 130, 4, 8, 64, 2), (1, 40, 2, 16, 128, 2), (1, 30, 2, 8, 80, 1)]
 LANE_SSD = [s for s in SSD_SHAPES if s[3] % 8 == 0 and s[4] % 4 == 0 and (s[4] <= 16 or s[4] % 16 == 0)]
 
 
