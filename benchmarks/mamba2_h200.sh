@@ -9,7 +9,9 @@
 #    unbuilt, so torch's conv1d, not causal-conv1d). Its autotuner compiles about 200
 #    configurations of the SSD kernels on first use, one after the other: more than the
 #    rest of a call leaves (twelve processes compiling a share each had not finished after
-#    180 s), so the peer's rows need a call of their own (BENCH_S up to 540);
+#    180 s), so the peer's rows need a call of their own (BENCH_S up to 540); PRECOMPILE=1
+#    first runs benchmarks/peer_precompile.py (each of WORKERS processes compiles a share of
+#    every autotuned kernel's configurations at batch 2; not yet run there);
 # 2. the fp32 step on wgpu-native with its kernel profile (no peer; WGPU=0 skips);
 # 3. with CODESTRAL=1: the mamba-codestral-7b plan (`memengine info`) and one measured
 #    training step at B 1, L 2048 with its peak memory.
@@ -26,6 +28,10 @@ if [ "${ORACLE:-1}" = 1 ]; then   # before the peer is importable (transformers 
   MEMENGINE_BACKEND=dawn timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider --tb=short \
       tests/test_mamba2.py > "$OUT/tests_mamba2.txt" 2>&1
   tail -3 "$OUT/tests_mamba2.txt"
+fi
+if [ "${PRECOMPILE:-0}" = 1 ]; then   # the peer's Triton kernels compiled ahead by worker processes
+  PYTHONPATH=$PEER:$PYTHONPATH timeout "${PRECOMPILE_S:-240}" python3 benchmarks/peer_precompile.py \
+      --shape mamba2-130m --seq 2048 --workers "${WORKERS:-12}" 2>&1 | tail -3 | tee "$OUT/precompile.txt"
 fi
 PYTHONPATH=$PEER:$PYTHONPATH MEMENGINE_BACKEND=dawn timeout "${BENCH_S:-300}" python3 benchmarks/bench.py \
     --suite train --shapes mamba2-130m --seq 2048 --batch 8 --steps 3 --peer-steps 3 --lora-rank 0 \
