@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-V1 = ROOT / "benchmarks/results/h100/sgmat_tune/matmul_sgmat_v1.wgsl"
 
 # (name, M, N, K, TA, TB, slices): the step's largest products and their layouts
 SHAPES = [
@@ -36,69 +36,31 @@ SHAPES = [
 ]
 
 
-# the matmul_sgmat interface (bindings, uniform block, split-K slice, f16 unscale, guarded
-# epilogue) with C as scalars: subgroupMatrixStore needs an array of f32
-PRELUDE = """
-struct FastParams {
-    M: u32, N: u32, K: u32, flags: u32,
-    a_off: u32, lda: u32, b_off: u32, ldb: u32,
-    c_off: u32, ldc: u32, bias_off: u32, ksplit: u32,
-    sa: u32, sb: u32, _p0: u32, _p1: u32,
-}
-@group(0) @binding(0) var<storage, read_write> C1: array<f32>;
-@group(0) @binding(1) var<storage, read> A4: array<vec4<f16>>;
-@group(0) @binding(2) var<storage, read> B4: array<vec4<f16>>;
-@group(0) @binding(3) var<storage, read> bias1: array<f32>;
-@group(0) @binding(4) var<uniform> F: FastParams;
-@group(0) @binding(5) var<storage, read> f16_exps: array<i32>;
-var<private> UNSCALE: vec2<f32> = vec2<f32>(1.0, 1.0);
-fn f16_pow2(e: i32) -> f32 { return bitcast<f32>(u32(e + 127) << 23u); }
-fn f16_unscale(ea: i32, eb: i32) -> vec2<f32> {
-    if (ea + eb >= -127) { return vec2<f32>(f16_pow2(-(ea + eb)), 1.0); }
-    return vec2<f32>(f16_pow2(-ea), f16_pow2(-eb));
-}
-fn k_slice(zs: u32) -> vec3<u32> {
-    if (F.ksplit == 0u) { return vec3<u32>(0u, F.K, F.c_off); }
-    let lo = zs * F.ksplit;
-    return vec3<u32>(lo, min(F.K, lo + F.ksplit), F.c_off + zs * F.M * F.ldc);
-}
-fn store_c(c_base: u32, r: u32, c: u32, acc: vec4<f32>) {
-    if (r >= F.M || c >= F.N) { return; }
-    var v = (acc * UNSCALE.x) * UNSCALE.y;
-    let i = c_base + r * F.ldc + c;
-    if (F.ksplit == 0u) {
-        if ((F.flags & 2u) != 0u) {
-            v += vec4<f32>(bias1[F.bias_off + c], bias1[F.bias_off + c + 1u],
-                           bias1[F.bias_off + c + 2u], bias1[F.bias_off + c + 3u]);
-        }
-        if ((F.flags & 1u) != 0u) { v += vec4<f32>(C1[i], C1[i + 1u], C1[i + 2u], C1[i + 3u]); }
-    }
-    C1[i] = v.x; C1[i + 1u] = v.y; C1[i + 2u] = v.z; C1[i + 3u] = v.w;
-}
-"""
+# the matmul_sgmat interface, from the shader itself: its bindings (the uniform block, split-K
+# slice and f16 unscale come from shaders/matmul_params.wgsl, which every form requires)
+SGMAT = (ROOT / "shaders/matmul_sgmat.wgsl").read_text()
+PRELUDE = "\n".join(ln for ln in SGMAT.splitlines() if ln.startswith("@group(0)"))
+# matmul_sgmat.wgsl's guarded epilogue (store_c), taken from the shader itself
+STORE_C = re.search(r"// C\[r, c\.\.c\+3\] = acc unscaled.*?\n}\n", SGMAT, re.S).group(0)
+
 
 SMALL = [("small", 256, 384, 320, 0, 1, 1), ("small TA", 256, 384, 320, 1, 0, 2)]   # edges, split-K
 
 
 def form(name, **kw):
-    f = dict(name=name, WM=4, WN=2, TM=2, TN=4, BK=32, PAD=0, STAGES=1, DIRECT=0)
+    f = dict(name=name, WM=4, WN=2, TM=2, TN=4, BK=32, PAD=0, DIRECT=0)
     f.update(kw)
     return f
 
 
 FORMS = [
     form("prod"),                                    # shaders/matmul_sgmat.wgsl itself (its tile per product)
-    form("v1"),                                      # the kernel before (128x128, BK 32, one stage)
-    form("base"),                                    # today's kernel, generated
+    form("base"),                                    # the kernel before (128x128, 2x4 results a subgroup)
     form("pad", PAD=8),
     form("pad_direct", PAD=8, DIRECT=1),
     form("padk_direct", PADK=8, PADMN=0, DIRECT=1),
     form("padmn_direct", PADK=0, PADMN=8, DIRECT=1),
-    form("pad_db", PAD=8, STAGES=2),
-    form("pad_db_direct", PAD=8, STAGES=2, DIRECT=1),
     form("bk64_pad_direct", BK=64, PAD=8, DIRECT=1),
-    form("w2x2_64x64_db", WM=2, WN=2, TM=4, TN=4, PAD=8, STAGES=2, DIRECT=1),
-    form("pad_db_direct_nomul", PAD=8, STAGES=2, DIRECT=2),   # the epilogue without the unscale
     form("w2x4_128x256", WM=2, WN=4, TM=4, TN=4, PAD=8, DIRECT=1),
     form("w4x2_256x128", WM=4, WN=2, TM=4, TN=4, PAD=8, DIRECT=1),
 ]
@@ -106,7 +68,7 @@ FORMS = [
 
 def source(f: dict) -> str:
     """The WGSL of one form (the bindings, uniform block and epilogue of matmul_sgmat)."""
-    WM, WN, TM, TN, BK, PAD, ST = f["WM"], f["WN"], f["TM"], f["TN"], f["BK"], f["PAD"], f["STAGES"]
+    WM, WN, TM, TN, BK, PAD = f["WM"], f["WN"], f["TM"], f["TN"], f["BK"], f["PAD"]
     PK, PMN = f.get("PADK", PAD), f.get("PADMN", PAD)
     T = 32 * WM * WN
     BM, BN = WM * TM * 16, WN * TN * 16
@@ -116,19 +78,20 @@ def source(f: dict) -> str:
     # shared strides: [m][k] BK+PAD, [k][m] BM+PAD, [k][n] BN+PAD, [n][k] BK+PAD
     a_size = max(BM * (BK + PK), BK * (BM + PMN))
     b_size = max(BN * (BK + PK), BK * (BN + PMN))
-    wg_bytes = 2 * ST * (a_size + b_size) + 4 * WM * WN * 256
+    wg_bytes = 2 * (a_size + b_size) + 4 * WM * WN * 256
     if wg_bytes > 49152:
         raise ValueError(f"{f['name']}: {wg_bytes} bytes of workgroup memory")
     o = []
     w = o.append
+    w("// requires: matmul_params")
     w("enable f16;\nenable subgroups;\nenable chromium_experimental_subgroup_matrix;")
     w("diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);")
     w(PRELUDE)
+    w(STORE_C)
     w("override TA: u32 = 0u;\noverride TB: u32 = 0u;")
     w(f"const BM: u32 = {BM}u;\nconst BN: u32 = {BN}u;\nconst BK: u32 = {BK}u;\nconst PADK: u32 = {PK}u;\nconst PADMN: u32 = {PMN}u;")
-    w(f"const A_STAGE: u32 = {a_size}u;\nconst B_STAGE: u32 = {b_size}u;")
-    w(f"var<workgroup> As: array<f16, {a_size * ST}>;")
-    w(f"var<workgroup> Bs: array<f16, {b_size * ST}>;")
+    w(f"var<workgroup> As: array<f16, {a_size}>;")
+    w(f"var<workgroup> Bs: array<f16, {b_size}>;")
     w(f"var<workgroup> Cs: array<f32, {WM * WN * 256}>;")
     w(f"""
 fn ga(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f16> {{
@@ -151,27 +114,25 @@ fn gb(k0: u32, k_hi: u32, col0: u32, e: u32) -> vec4<f16> {{
     }}
     return vec4<f16>(0.0h);
 }}
-fn sa(v: vec4<f16>, e: u32, base: u32) {{
+fn sa(v: vec4<f16>, e: u32) {{
     var i: u32;
     if (TA != 0u) {{ i = (e / (BM / 4u)) * (BM + PADMN) + (e % (BM / 4u)) * 4u; }}
     else {{ i = (e / (BK / 4u)) * (BK + PADK) + (e % (BK / 4u)) * 4u; }}
-    i += base;
     As[i] = v.x; As[i + 1u] = v.y; As[i + 2u] = v.z; As[i + 3u] = v.w;
 }}
-fn sb(v: vec4<f16>, e: u32, base: u32) {{
+fn sb(v: vec4<f16>, e: u32) {{
     var i: u32;
     if (TB != 0u) {{ i = (e / (BK / 4u)) * (BK + PADK) + (e % (BK / 4u)) * 4u; }}
     else {{ i = (e / (BN / 4u)) * (BN + PADMN) + (e % (BN / 4u)) * 4u; }}
-    i += base;
     Bs[i] = v.x; Bs[i + 1u] = v.y; Bs[i + 2u] = v.z; Bs[i + 3u] = v.w;
 }}
-fn left(m0: u32, kk: u32, base: u32) -> subgroup_matrix_left<f16, 16, 16> {{
-    if (TA != 0u) {{ return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, base + kk * (BM + PADMN) + m0, true, BM + PADMN); }}
-    return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, base + m0 * (BK + PADK) + kk, false, BK + PADK);
+fn left(m0: u32, kk: u32) -> subgroup_matrix_left<f16, 16, 16> {{
+    if (TA != 0u) {{ return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, kk * (BM + PADMN) + m0, true, BM + PADMN); }}
+    return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, m0 * (BK + PADK) + kk, false, BK + PADK);
 }}
-fn right(n0: u32, kk: u32, base: u32) -> subgroup_matrix_right<f16, 16, 16> {{
-    if (TB != 0u) {{ return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, base + n0 * (BK + PADK) + kk, true, BK + PADK); }}
-    return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, base + kk * (BN + PADMN) + n0, false, BN + PADMN);
+fn right(n0: u32, kk: u32) -> subgroup_matrix_right<f16, 16, 16> {{
+    if (TB != 0u) {{ return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, n0 * (BK + PADK) + kk, true, BK + PADK); }}
+    return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, kk * (BN + PADMN) + n0, false, BN + PADMN);
 }}
 fn patch_out(m: subgroup_matrix_result<f32, 16, 16>, sg: u32, lane: u32, lanes: u32, c_base: u32, r0: u32, q0: u32) {{
     subgroupMatrixStore(&Cs, sg * 256u, m, false, 16u);
@@ -187,11 +148,11 @@ fn patch_out(m: subgroup_matrix_result<f32, 16, 16>, sg: u32, lane: u32, lanes: 
     w(",\n".join(f"    c{i}{j}: subgroup_matrix_result<f32, 16, 16>" for i, j in accs))
     w("}")
     # one 16-step of K: TM lefts, then each right against them
-    w("fn kstep(acc: ptr<function, Acc>, sm: u32, sn: u32, kk: u32, ab: u32, bb: u32) {")
+    w("fn kstep(acc: ptr<function, Acc>, sm: u32, sn: u32, kk: u32) {")
     for i in range(TM):
-        w(f"    let a{i} = left(sm + {16 * i}u, kk, ab);")
+        w(f"    let a{i} = left(sm + {16 * i}u, kk);")
     for j in range(TN):
-        w(f"    {'var b' if j == 0 else 'b'} = right(sn + {16 * j}u, kk, bb);")
+        w(f"    {'var b' if j == 0 else 'b'} = right(sn + {16 * j}u, kk);")
         for i in range(TM):
             w(f"    (*acc).c{i}{j} = subgroupMatrixMultiplyAccumulate(a{i}, b, (*acc).c{i}{j});")
     w("}")
@@ -212,69 +173,30 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
         w(f"    var va{t} = ga(k_lo, k_hi, row0, tid + {t * T}u);")
     for t in range(lb):
         w(f"    var vb{t} = gb(k_lo, k_hi, col0, tid + {t * T}u);")
-    ksteps = BK // 16
-    if ST == 1:
-        w("    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {")
-        for t in range(la):
-            w(f"        sa(va{t}, tid + {t * T}u, 0u);")
-        for t in range(lb):
-            w(f"        sb(vb{t}, tid + {t * T}u, 0u);")
-        w("        workgroupBarrier();")
-        w("        if (k0 + BK < k_hi) {")
-        w("            let k1 = k0 + BK;")
-        for t in range(la):
-            w(f"            va{t} = ga(k1, k_hi, row0, tid + {t * T}u);")
-        for t in range(lb):
-            w(f"            vb{t} = gb(k1, k_hi, col0, tid + {t * T}u);")
-        w("        }")
-        for s in range(ksteps):
-            w(f"        kstep(&acc, sm, sn, {16 * s}u, 0u, 0u);")
-        w("        workgroupBarrier();")
-        w("    }")
-    else:
-        # stage 0 filled first; then per tile: multiply stage s, store the held loads of the
-        # next tile into stage s^1, load the tile after it, one barrier
-        for t in range(la):
-            w(f"    sa(va{t}, tid + {t * T}u, 0u);")
-        for t in range(lb):
-            w(f"    sb(vb{t}, tid + {t * T}u, 0u);")
-        w("    workgroupBarrier();")
-        w("    if (k_lo + BK < k_hi) {")
-        for t in range(la):
-            w(f"        va{t} = ga(k_lo + BK, k_hi, row0, tid + {t * T}u);")
-        for t in range(lb):
-            w(f"        vb{t} = gb(k_lo + BK, k_hi, col0, tid + {t * T}u);")
-        w("    }")
-        w("    var s = 0u;")
-        w("    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {")
-        w("        let ab = s * A_STAGE; let bb = s * B_STAGE;")
-        for st in range(ksteps):
-            w(f"        kstep(&acc, sm, sn, {16 * st}u, ab, bb);")
-        w("        if (k0 + BK < k_hi) {")
-        w("            let an = (1u - s) * A_STAGE; let bn = (1u - s) * B_STAGE;")
-        for t in range(la):
-            w(f"            sa(va{t}, tid + {t * T}u, an);")
-        for t in range(lb):
-            w(f"            sb(vb{t}, tid + {t * T}u, bn);")
-        w("            if (k0 + 2u * BK < k_hi) {")
-        w("                let k2 = k0 + 2u * BK;")
-        for t in range(la):
-            w(f"                va{t} = ga(k2, k_hi, row0, tid + {t * T}u);")
-        for t in range(lb):
-            w(f"                vb{t} = gb(k2, k_hi, col0, tid + {t * T}u);")
-        w("            }")
-        w("        }")
-        w("        s = 1u - s;")
-        w("        workgroupBarrier();")
-        w("    }")
+    w("    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {")
+    for t in range(la):
+        w(f"        sa(va{t}, tid + {t * T}u);")
+    for t in range(lb):
+        w(f"        sb(vb{t}, tid + {t * T}u);")
+    w("        workgroupBarrier();")
+    w("        if (k0 + BK < k_hi) {")
+    w("            let k1 = k0 + BK;")
+    for t in range(la):
+        w(f"            va{t} = ga(k1, k_hi, row0, tid + {t * T}u);")
+    for t in range(lb):
+        w(f"            vb{t} = gb(k1, k_hi, col0, tid + {t * T}u);")
+    w("        }")
+    for st in range(BK // 16):
+        w(f"        kstep(&acc, sm, sn, {16 * st}u);")
+    w("        workgroupBarrier();")
+    w("    }")
     w("    let r0 = row0 + sm;\n    let q0 = col0 + sn;")
     if f["DIRECT"]:
         w("    let us = f16_unscale(f16_exps[F.sa], f16_exps[F.sb]);   // uniform, as the scalar ops want")
         w("    let whole = row0 + BM <= F.M && col0 + BN <= F.N;")
         w("    if (whole && (F.ksplit != 0u || (F.flags & 3u) == 0u)) {")
         for i, j in accs:
-            v = f"acc.c{i}{j}" if f["DIRECT"] == 2 else \
-                f"subgroupMatrixScalarMultiply(subgroupMatrixScalarMultiply(acc.c{i}{j}, us.x), us.y)"
+            v = f"subgroupMatrixScalarMultiply(subgroupMatrixScalarMultiply(acc.c{i}{j}, us.x), us.y)"
             w(f"        subgroupMatrixStore(&C1, c_base + (r0 + {16 * i}u) * F.ldc + q0 + {16 * j}u, {v}, false, F.ldc);")
         w("        return;")
         w("    }")
@@ -332,9 +254,6 @@ def run(forms, shapes, reps, out_json, torch_ok=True):
             BM, BN = tiles(f)
             if name == "prod":   # shaders/matmul_sgmat.wgsl as it is
                 sh = "matmul_sgmat"
-            elif name == "v1":   # the kernel before this tuning (results/h100/sgmat_tune/matmul_sgmat_v1.wgsl)
-                sh = "_tune_v1"
-                (shader_dir / f"{sh}.wgsl").write_text(V1.read_text())
             else:
                 sh = f"_tune_{name}"
                 (shader_dir / f"{sh}.wgsl").write_text(source(f))
