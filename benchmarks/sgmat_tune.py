@@ -169,22 +169,17 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
     let k_lo = ks.x; let k_hi = ks.y; let c_base = ks.z;
     UNSCALE = f16_unscale(f16_exps[F.sa], f16_exps[F.sb]);
     var acc: Acc;""")
-    for t in range(la):
-        w(f"    var va{t} = ga(k_lo, k_hi, row0, tid + {t * T}u);")
-    for t in range(lb):
-        w(f"    var vb{t} = gb(k_lo, k_hi, col0, tid + {t * T}u);")
+    def tile_lines(indent, fmt):   # one line a vec4 of each operand's tile an invocation holds
+        for op, n in (("a", la), ("b", lb)):
+            for t in range(n):
+                w(indent + fmt.format(op=op, t=t, e=f"tid + {t * T}u", rc="row0" if op == "a" else "col0"))
+    tile_lines("    ", "var v{op}{t} = g{op}(k_lo, k_hi, {rc}, {e});")
     w("    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {")
-    for t in range(la):
-        w(f"        sa(va{t}, tid + {t * T}u);")
-    for t in range(lb):
-        w(f"        sb(vb{t}, tid + {t * T}u);")
+    tile_lines("        ", "s{op}(v{op}{t}, {e});")
     w("        workgroupBarrier();")
     w("        if (k0 + BK < k_hi) {")
     w("            let k1 = k0 + BK;")
-    for t in range(la):
-        w(f"            va{t} = ga(k1, k_hi, row0, tid + {t * T}u);")
-    for t in range(lb):
-        w(f"            vb{t} = gb(k1, k_hi, col0, tid + {t * T}u);")
+    tile_lines("            ", "v{op}{t} = g{op}(k1, k_hi, {rc}, {e});")
     w("        }")
     for st in range(BK // 16):
         w(f"        kstep(&acc, sm, sn, {16 * st}u);")

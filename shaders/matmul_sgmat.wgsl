@@ -14,7 +14,7 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 //
 // A workgroup of 8 subgroups (WM x WN, 256 invocations: subgroups are 32 wide) makes a
 // BM x BN tile of C, 256 x 128 (WM 4, WN 2) or 128 x 256 (WM 2, WN 4): pipeline constants,
-// the wrapper picks per product (engine/kernels/matmul.py `sgmat_config`); a subgroup makes
+// the wrapper picks per product (engine/kernels/matmul.py `sgmat_tile`); a subgroup makes
 // a 64 x 64 part as 4 x 4 result matrices of 16 x 16, named accumulators (no private
 // arrays: see DEVELOPERS.md). K advances in tiles of BK = 32 staged through workgroup
 // memory with vec4 loads, zeros outside the matrices (so any M, N, K the layout allows),
@@ -24,11 +24,12 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // halves (16 bytes), so that the eight 16-byte rows a matrix load reads at once fall in
 // different banks. Measured on an H100 (benchmarks/results/h100/sgmat_tune/README.md),
 // against the 128 x 128 tile of 2 x 4 results a subgroup this kernel had before: the subgroup's
-// 64 x 64 part 1.4-2.9x, the padding 1.1-2x (but not alone), double-buffered staging slower.
+// 64 x 64 part 1.4-2.9x; the padding alone 1.7-2.1x where B is stored [K, N] but 0.8x where it
+// is stored [N, K]; double-buffered staging slower in every layout.
 //
 // The epilogue: a whole tile without bias or accumulation (or a split-K slice) stores its
 // results straight from the subgroup matrices, unscaled (subgroupMatrixScalarMultiply by
-// UNSCALE's two factors, as store_c multiplies); other tiles go through a 16 x 16 patch of
+// the two factors store_c multiplies by); other tiles go through a 16 x 16 patch of
 // workgroup memory per subgroup to store_c (bias, the old C, the edges guarded).
 
 @group(0) @binding(0) var<storage, read_write> C1: array<f32>;
