@@ -240,3 +240,27 @@ def test_devices_lists_what_both_backends_see():
     assert seen == {"wgpu", "dawn"}
     assert sum(x["auto"] for x in d["devices"]) == 1
     assert all("error" in x for x in d["unavailable"])
+
+
+def test_dawn_profiles_kernels_with_unrounded_timestamps(tint):
+    """Dawn rounds timestamp queries to 65.536 us unless its device toggle says otherwise,
+    which made every kernel of a profile a multiple of that: the dawn backend turns it off."""
+    import numpy as np
+    from memengine.engine.kernels.activation import silu_forward
+
+    if not tint.enable_profiling():
+        pytest.skip("this adapter has no timestamp queries")
+    try:
+        x = tint.upload(np.linspace(-3, 3, 4099, dtype=np.float32))
+        out = tint.empty((4099,))
+        totals = []
+        for _ in range(4):
+            rec = tint.recorder()
+            silu_forward(rec, out, x)
+            rec.submit()
+            totals += [ms for _, _, ms in tint.profile_report()]
+    finally:
+        tint.profiler = None
+    assert totals and all(ms > 0 for ms in totals), totals
+    # a rounded timestamp makes each difference, in ns, a multiple of 65536
+    assert any(round(ms * 1e6) % 65536 for ms in totals), totals

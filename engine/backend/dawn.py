@@ -11,6 +11,8 @@ What differs from wgpu-native, all of it here:
   promise has a thread event that its poller sets; Dawn's is set by nobody while Python
   waits on it, which hung `wait_mapped`): the wait is `WaitAny` on the map's future, in
   WAIT_SLICE_S slices with an interrupt check between them;
+- timestamps unrounded (the device toggle `timestamp_quantization` off: Dawn rounds them to
+  65.536 us otherwise, which made every kernel of a profile a multiple of that);
 - Tint wants `enable subgroups;` in front of a module that uses subgroup operations;
 - `subgroup_matrix_configs(adapter)`: the adapter's subgroup-matrix shapes (Dawn's
   `chromium-experimental-subgroup-matrix`), which `--backend auto` asks for.
@@ -30,6 +32,9 @@ SUBGROUP_MATRIX_FEATURE = "chromium-experimental-subgroup-matrix"
 INSTANCE_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
 # the device toggle of a module without Tint's run-time checks (see create_module)
 TRUSTED_TOGGLE = "disable_robustness"
+# Dawn rounds timestamp queries to 65.536 us by default (a browser's timing-attack guard):
+# the kernel profile (--profile) wants them as the GPU gives them
+PROFILE_TOGGLES_OFF = ("timestamp_quantization",)
 
 
 class Dawn(Backend):
@@ -92,7 +97,7 @@ class Dawn(Backend):
         toggles = [] if checks else [TRUSTED_TOGGLE]
         with silence_fd2(not verbose):
             return extras.request_device_sync(adapter, required_features=features, required_limits=limits,
-                                              enable_toggles=toggles)
+                                              enable_toggles=toggles, disable_toggles=list(PROFILE_TOGGLES_OFF))
 
     def device_limits(self, device) -> dict:
         return dict(device.limits)
