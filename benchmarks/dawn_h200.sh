@@ -9,7 +9,8 @@
 #    matrices, f16 without them, cuBLAS fp32 and bf16);
 # 4. bench.py's train suite at B 8, L 2048 (and B 1): fp32 and --precision mixed under
 #    Dawn, then mamba-ssm fp32 and bf16 autocast in the same run;
-# 5. with WGPU_TRAIN=1 the fp32 step on wgpu-native too; with ORACLE=1 (before 4) the oracle tests under Dawn and wgpu-native (Mamba-1, Mamba-2, mixed
+# 5. with TUNE_FORMS=a,b (before 2) benchmarks/sgmat_tune.py times those forms of the product;
+# 6. with WGPU_TRAIN=1 the fp32 step on wgpu-native too; with ORACLE=1 (before 4) the oracle tests under Dawn and wgpu-native (Mamba-1, Mamba-2, mixed
 #    precision; ORACLE_BACKENDS picks), their logs whole.
 # Each step has its own time limit (STEP_S, default 150 s); results under $OUT (or ./out).
 set -o pipefail
@@ -26,6 +27,10 @@ rt = get_runtime()
 print(rt.describe(), 'f16', rt.has_f16, 'subgroups', rt.has_subgroups, 'subgroup matrices', rt.has_subgroup_matrix)
 print(rt.backend.subgroup_matrix_configs(rt.adapter)); print(dict(rt.adapter.info))
 " 2>&1 | tee "$OUT/adapter.txt"
+if [ -n "${TUNE_FORMS:-}" ]; then
+  timeout "$S" python3 benchmarks/sgmat_tune.py --forms "$TUNE_FORMS" --out "$OUT/sgmat_tune.json" 2>&1 \
+      | grep --line-buffered -v "^\[transformers\]" | tee "$OUT/sgmat_tune.log" | tail -12
+fi
 timeout "$S" python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_mixed.py -k rounding_bound > "$OUT/tests_sgmat.txt" 2>&1
 tail -3 "$OUT/tests_sgmat.txt"
 timeout "$S" python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_backend.py -k tint >> "$OUT/tests_sgmat.txt" 2>&1

@@ -11,7 +11,8 @@
 #    rest of a call leaves (twelve processes compiling a share each had not finished after
 #    180 s), so the peer's rows need a call of their own (BENCH_S up to 540); PRECOMPILE=1
 #    first runs benchmarks/peer_precompile.py (each of WORKERS processes compiles a share of
-#    every autotuned kernel's configurations at batch 2; not yet run there);
+#    every autotuned kernel's configurations at batch 2: 205 s with WORKERS=14 on an H100,
+#    after which the bench's peer rows ran within BENCH_S=330, results/h100/sgmat_interior/);
 # 2. the fp32 step on wgpu-native with its kernel profile (no peer; WGPU=0 skips);
 # 3. with CODESTRAL=1: the mamba-codestral-7b plan (`memengine info`) and one measured
 #    training step at B 1, L 2048 with its peak memory.

@@ -63,6 +63,8 @@ FORMS = [
     form("bk64_pad_direct", BK=64, PAD=8, DIRECT=1),
     form("w2x4_128x256", WM=2, WN=4, TM=4, TN=4, PAD=8, DIRECT=1),
     form("w4x2_256x128", WM=4, WN=2, TM=4, TN=4, PAD=8, DIRECT=1),
+    form("w2x4_fast", WM=2, WN=4, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1),
+    form("w4x2_fast", WM=4, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1),
 ]
 
 
@@ -173,6 +175,47 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
         for op, n in (("a", la), ("b", lb)):
             for t in range(n):
                 w(indent + fmt.format(op=op, t=t, e=f"tid + {t * T}u", rc="row0" if op == "a" else "col0"))
+    if f.get("FAST"):
+        # interior tiles (whole in M and N, K a multiple of BK): each invocation's vec4s of a
+        # tile at offsets fixed outside the K loop (its first vec4's row tid / R and column
+        # tid % R of a tile row of R vec4, the t-th T / R rows further), no bounds checks
+        w("    let interior = row0 + BM <= F.M && col0 + BN <= F.N && (k_hi - k_lo) % BK == 0u;")
+        w("    if (interior) {")
+        for op, T_, off, ld, rc, TX, MN, PADo, arr in (("a", "TA", "a_off", "lda", "row0", "TA", "BM", "PADMN", "As"),
+                                                       ("b", "TB", "b_off", "ldb", "col0", "TB", "BN", "PADMN", "Bs")):
+            # K-contiguous rows ([m][k] for A, [n][k] for B) unless the operand's flag says
+            # MN-contiguous ([k][m] for A^T, [k][n] for B)
+            kc = f"{TX} == 0u" if op == "a" else f"{TX} != 0u"
+            w(f"        var g{op} = 0u; var s{op}0 = 0u; var g{op}t = 0u; var s{op}t = 0u; var g{op}k = 0u;")
+            w(f"        if ({kc}) {{")
+            w(f"            let r = tid / (BK / 4u); let c = tid % (BK / 4u);")
+            w(f"            g{op} = F.{off} / 4u + ({rc} + r) * (F.{ld} / 4u) + k_lo / 4u + c;")
+            w(f"            g{op}t = ({T}u / (BK / 4u)) * (F.{ld} / 4u); g{op}k = BK / 4u;")
+            w(f"            s{op}0 = r * (BK + PADK) + c * 4u; s{op}t = ({T}u / (BK / 4u)) * (BK + PADK);")
+            w("        } else {")
+            w(f"            let r = tid / ({MN} / 4u); let c = tid % ({MN} / 4u);")
+            w(f"            g{op} = F.{off} / 4u + (k_lo + r) * (F.{ld} / 4u) + {rc} / 4u + c;")
+            w(f"            g{op}t = ({T}u / ({MN} / 4u)) * (F.{ld} / 4u); g{op}k = BK * (F.{ld} / 4u);")
+            w(f"            s{op}0 = r * ({MN} + {PADo}) + c * 4u; s{op}t = ({T}u / ({MN} / 4u)) * ({MN} + {PADo});")
+            w("        }")
+        def fast_lines(indent, fmt):
+            for op, n, src in (("a", la, "A4"), ("b", lb, "B4")):
+                for t in range(n):
+                    w(indent + fmt.format(op=op, t=t, src=src, arr="As" if op == "a" else "Bs"))
+        fast_lines("        ", "var f{op}{t} = {src}[g{op} + {t}u * g{op}t];")
+        w("        for (var k0 = k_lo; k0 < k_hi; k0 += BK) {")
+        fast_lines("            ", "let i{op}{t} = s{op}0 + {t}u * s{op}t; {arr}[i{op}{t}] = f{op}{t}.x; {arr}[i{op}{t} + 1u] = f{op}{t}.y; "
+                   "{arr}[i{op}{t} + 2u] = f{op}{t}.z; {arr}[i{op}{t} + 3u] = f{op}{t}.w;")
+        w("            workgroupBarrier();")
+        w("            if (k0 + BK < k_hi) {")
+        w("                ga += gak; gb += gbk;")
+        fast_lines("                ", "f{op}{t} = {src}[g{op} + {t}u * g{op}t];")
+        w("            }")
+        for st in range(BK // 16):
+            w(f"            kstep(&acc, sm, sn, {16 * st}u);")
+        w("            workgroupBarrier();")
+        w("        }")
+        w("    } else {")
     tile_lines("    ", "var v{op}{t} = g{op}(k_lo, k_hi, {rc}, {e});")
     w("    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {")
     tile_lines("        ", "s{op}(v{op}{t}, {e});")
@@ -185,6 +228,8 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
         w(f"        kstep(&acc, sm, sn, {16 * st}u);")
     w("        workgroupBarrier();")
     w("    }")
+    if f.get("FAST"):
+        w("    }")
     w("    let r0 = row0 + sm;\n    let q0 = col0 + sn;")
     if f["DIRECT"]:
         w("    let us = f16_unscale(f16_exps[F.sa], f16_exps[F.sb]);   // uniform, as the scalar ops want")

@@ -25,7 +25,10 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // different banks. Measured on an H100 (benchmarks/results/h100/sgmat_tune/README.md),
 // against the 128 x 128 tile of 2 x 4 results a subgroup this kernel had before: the subgroup's
 // 64 x 64 part 1.4-2.9x; the padding alone 1.7-2.1x where B is stored [K, N] but 0.8x where it
-// is stored [N, K]; double-buffered staging slower in every layout.
+// is stored [N, K]; double-buffered staging slower in every layout. Interior tiles take a
+// path without bounds checks whose offsets are fixed outside the K loop (interior_tiles):
+// 1.34-1.44x on the weight gradients (A transposed), 1.00-1.11x elsewhere, the step's products
+// 143 -> 110 ms (benchmarks/results/h100/sgmat_interior/README.md).
 //
 // The epilogue: a whole tile without bias or accumulation (or a split-K slice) stores its
 // results straight from the subgroup matrices, unscaled (subgroupMatrixScalarMultiply by
@@ -124,6 +127,53 @@ fn stage_b(v: vec4<f16>, e: u32) {
     Bs[i] = v.x; Bs[i + 1u] = v.y; Bs[i + 2u] = v.z; Bs[i + 3u] = v.w;
 }
 
+// Interior tiles (whole in M and N, their K range a multiple of BK) take a path without
+// bounds checks whose offsets are fixed outside the K loop: an invocation's t-th vec4 of an
+// operand's tile lies at g + t * gt in memory (g advancing by gk a K tile) and at s + t * st
+// in the staged tile. A tile row holds R vec4 (BK / 4 where K is contiguous in memory, else
+// the tile's M or N side / 4); 256 / R rows apart, so the rows and columns of
+// load_a / stage_a (e = tid + 256 t) are the same.
+struct Walk { g: u32, gt: u32, gk: u32, s: u32, st: u32 }
+
+// kc: K contiguous in memory ([m][k] of A, [n][k] of B^T); mn: the tile's M or N side;
+// rc0: its first row or column in C; off, ld: the operand's offset and leading dimension
+fn walk(kc: bool, mn: u32, off: u32, ld: u32, rc0: u32, k_lo: u32, tid: u32) -> Walk {
+    let ld4 = ld / 4u;
+    if (kc) {
+        let r = tid / (BK / 4u);
+        let c = tid % (BK / 4u);
+        return Walk(off / 4u + (rc0 + r) * ld4 + k_lo / 4u + c, (256u / (BK / 4u)) * ld4, BK / 4u,
+                    r * (BK + PAD) + c * 4u, (256u / (BK / 4u)) * (BK + PAD));
+    }
+    let r = tid / (mn / 4u);
+    let c = tid % (mn / 4u);
+    return Walk(off / 4u + (k_lo + r) * ld4 + rc0 / 4u + c, (256u / (mn / 4u)) * ld4, BK * ld4,
+                r * (mn + PAD) + c * 4u, (256u / (mn / 4u)) * (mn + PAD));
+}
+
+// the t-th vec4 of an interior tile (nothing past the tile: t >= side / 32)
+fn fetch_a(w: Walk, t: u32) -> vec4<f16> {
+    if (t >= BM / 32u) { return vec4<f16>(0.0h); }
+    return A4[w.g + t * w.gt];
+}
+
+fn fetch_b(w: Walk, t: u32) -> vec4<f16> {
+    if (t >= BN / 32u) { return vec4<f16>(0.0h); }
+    return B4[w.g + t * w.gt];
+}
+
+fn put_a(v: vec4<f16>, w: Walk, t: u32) {
+    if (t >= BM / 32u) { return; }
+    let i = w.s + t * w.st;
+    As[i] = v.x; As[i + 1u] = v.y; As[i + 2u] = v.z; As[i + 3u] = v.w;
+}
+
+fn put_b(v: vec4<f16>, w: Walk, t: u32) {
+    if (t >= BN / 32u) { return; }
+    let i = w.s + t * w.st;
+    Bs[i] = v.x; Bs[i + 1u] = v.y; Bs[i + 2u] = v.z; Bs[i + 3u] = v.w;
+}
+
 // the left matrix of rows m0..m0+15 of the tile and K steps kk..kk+15
 fn sg_left(m0: u32, kk: u32) -> subgroup_matrix_left<f16, 16, 16> {
     if (TA != 0u) {   // [k][m]: column-major
@@ -179,6 +229,36 @@ fn sg_step(acc: ptr<function, SgAcc>, sm: u32, sn: u32, kk: u32) {
     (*acc).c33 = subgroupMatrixMultiplyAccumulate(a3, b, (*acc).c33);
 }
 
+// the K loop of an interior tile: the same staging and products as the guarded loop in
+// matmul_sgmat, its loads and stores at the walk's offsets
+fn interior_tiles(acc: ptr<function, SgAcc>, tid: u32, row0: u32, col0: u32, sm: u32, sn: u32,
+                  k_lo: u32, k_hi: u32) {
+    var wa = walk(TA == 0u, BM, F.a_off, F.lda, row0, k_lo, tid);
+    var wb = walk(TB != 0u, BN, F.b_off, F.ldb, col0, k_lo, tid);
+    var va0 = fetch_a(wa, 0u); var va1 = fetch_a(wa, 1u); var va2 = fetch_a(wa, 2u); var va3 = fetch_a(wa, 3u);
+    var va4 = fetch_a(wa, 4u); var va5 = fetch_a(wa, 5u); var va6 = fetch_a(wa, 6u); var va7 = fetch_a(wa, 7u);
+    var vb0 = fetch_b(wb, 0u); var vb1 = fetch_b(wb, 1u); var vb2 = fetch_b(wb, 2u); var vb3 = fetch_b(wb, 3u);
+    var vb4 = fetch_b(wb, 4u); var vb5 = fetch_b(wb, 5u); var vb6 = fetch_b(wb, 6u); var vb7 = fetch_b(wb, 7u);
+    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
+        put_a(va0, wa, 0u); put_a(va1, wa, 1u); put_a(va2, wa, 2u); put_a(va3, wa, 3u);
+        put_a(va4, wa, 4u); put_a(va5, wa, 5u); put_a(va6, wa, 6u); put_a(va7, wa, 7u);
+        put_b(vb0, wb, 0u); put_b(vb1, wb, 1u); put_b(vb2, wb, 2u); put_b(vb3, wb, 3u);
+        put_b(vb4, wb, 4u); put_b(vb5, wb, 5u); put_b(vb6, wb, 6u); put_b(vb7, wb, 7u);
+        workgroupBarrier();
+        if (k0 + BK < k_hi) {
+            wa.g += wa.gk;
+            wb.g += wb.gk;
+            va0 = fetch_a(wa, 0u); va1 = fetch_a(wa, 1u); va2 = fetch_a(wa, 2u); va3 = fetch_a(wa, 3u);
+            va4 = fetch_a(wa, 4u); va5 = fetch_a(wa, 5u); va6 = fetch_a(wa, 6u); va7 = fetch_a(wa, 7u);
+            vb0 = fetch_b(wb, 0u); vb1 = fetch_b(wb, 1u); vb2 = fetch_b(wb, 2u); vb3 = fetch_b(wb, 3u);
+            vb4 = fetch_b(wb, 4u); vb5 = fetch_b(wb, 5u); vb6 = fetch_b(wb, 6u); vb7 = fetch_b(wb, 7u);
+        }
+        sg_step(acc, sm, sn, 0u);
+        sg_step(acc, sm, sn, 16u);
+        workgroupBarrier();
+    }
+}
+
 // one 16 x 16 result at C rows r0.., columns q0..: stored whole, unscaled by us (uniform:
 // the scalar matrix operations want it so)
 fn sg_direct(m: subgroup_matrix_result<f32, 16, 16>, us: vec2<f32>, c_base: u32, r0: u32, q0: u32) {
@@ -220,64 +300,68 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32,
     UNSCALE = us;
     var acc: SgAcc;   // zero-initialised
 
-    // a tile of 256 rows is 8 vec4 an invocation, one of 128 rows 4 (the others are zeros
-    // nobody stores: load_a / stage_a skip them)
-    var va0 = load_a(k_lo, k_hi, row0, tid + 0u);
-    var va1 = load_a(k_lo, k_hi, row0, tid + 256u);
-    var va2 = load_a(k_lo, k_hi, row0, tid + 512u);
-    var va3 = load_a(k_lo, k_hi, row0, tid + 768u);
-    var va4 = load_a(k_lo, k_hi, row0, tid + 1024u);
-    var va5 = load_a(k_lo, k_hi, row0, tid + 1280u);
-    var va6 = load_a(k_lo, k_hi, row0, tid + 1536u);
-    var va7 = load_a(k_lo, k_hi, row0, tid + 1792u);
-    var vb0 = load_b(k_lo, k_hi, col0, tid + 0u);
-    var vb1 = load_b(k_lo, k_hi, col0, tid + 256u);
-    var vb2 = load_b(k_lo, k_hi, col0, tid + 512u);
-    var vb3 = load_b(k_lo, k_hi, col0, tid + 768u);
-    var vb4 = load_b(k_lo, k_hi, col0, tid + 1024u);
-    var vb5 = load_b(k_lo, k_hi, col0, tid + 1280u);
-    var vb6 = load_b(k_lo, k_hi, col0, tid + 1536u);
-    var vb7 = load_b(k_lo, k_hi, col0, tid + 1792u);
-    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
-        stage_a(va0, tid + 0u);
-        stage_a(va1, tid + 256u);
-        stage_a(va2, tid + 512u);
-        stage_a(va3, tid + 768u);
-        stage_a(va4, tid + 1024u);
-        stage_a(va5, tid + 1280u);
-        stage_a(va6, tid + 1536u);
-        stage_a(va7, tid + 1792u);
-        stage_b(vb0, tid + 0u);
-        stage_b(vb1, tid + 256u);
-        stage_b(vb2, tid + 512u);
-        stage_b(vb3, tid + 768u);
-        stage_b(vb4, tid + 1024u);
-        stage_b(vb5, tid + 1280u);
-        stage_b(vb6, tid + 1536u);
-        stage_b(vb7, tid + 1792u);
-        workgroupBarrier();
-        if (k0 + BK < k_hi) {   // the next tile's loads, in flight while this one multiplies
-            let k1 = k0 + BK;
-            va0 = load_a(k1, k_hi, row0, tid + 0u);
-            va1 = load_a(k1, k_hi, row0, tid + 256u);
-            va2 = load_a(k1, k_hi, row0, tid + 512u);
-            va3 = load_a(k1, k_hi, row0, tid + 768u);
-            va4 = load_a(k1, k_hi, row0, tid + 1024u);
-            va5 = load_a(k1, k_hi, row0, tid + 1280u);
-            va6 = load_a(k1, k_hi, row0, tid + 1536u);
-            va7 = load_a(k1, k_hi, row0, tid + 1792u);
-            vb0 = load_b(k1, k_hi, col0, tid + 0u);
-            vb1 = load_b(k1, k_hi, col0, tid + 256u);
-            vb2 = load_b(k1, k_hi, col0, tid + 512u);
-            vb3 = load_b(k1, k_hi, col0, tid + 768u);
-            vb4 = load_b(k1, k_hi, col0, tid + 1024u);
-            vb5 = load_b(k1, k_hi, col0, tid + 1280u);
-            vb6 = load_b(k1, k_hi, col0, tid + 1536u);
-            vb7 = load_b(k1, k_hi, col0, tid + 1792u);
+    if (row0 + BM <= F.M && col0 + BN <= F.N && (k_hi - k_lo) % BK == 0u) {   // workgroup-uniform
+        interior_tiles(&acc, tid, row0, col0, sm, sn, k_lo, k_hi);
+    } else {
+        // a tile of 256 rows is 8 vec4 an invocation, one of 128 rows 4 (the others are zeros
+        // nobody stores: load_a / stage_a skip them)
+        var va0 = load_a(k_lo, k_hi, row0, tid + 0u);
+        var va1 = load_a(k_lo, k_hi, row0, tid + 256u);
+        var va2 = load_a(k_lo, k_hi, row0, tid + 512u);
+        var va3 = load_a(k_lo, k_hi, row0, tid + 768u);
+        var va4 = load_a(k_lo, k_hi, row0, tid + 1024u);
+        var va5 = load_a(k_lo, k_hi, row0, tid + 1280u);
+        var va6 = load_a(k_lo, k_hi, row0, tid + 1536u);
+        var va7 = load_a(k_lo, k_hi, row0, tid + 1792u);
+        var vb0 = load_b(k_lo, k_hi, col0, tid + 0u);
+        var vb1 = load_b(k_lo, k_hi, col0, tid + 256u);
+        var vb2 = load_b(k_lo, k_hi, col0, tid + 512u);
+        var vb3 = load_b(k_lo, k_hi, col0, tid + 768u);
+        var vb4 = load_b(k_lo, k_hi, col0, tid + 1024u);
+        var vb5 = load_b(k_lo, k_hi, col0, tid + 1280u);
+        var vb6 = load_b(k_lo, k_hi, col0, tid + 1536u);
+        var vb7 = load_b(k_lo, k_hi, col0, tid + 1792u);
+        for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
+            stage_a(va0, tid + 0u);
+            stage_a(va1, tid + 256u);
+            stage_a(va2, tid + 512u);
+            stage_a(va3, tid + 768u);
+            stage_a(va4, tid + 1024u);
+            stage_a(va5, tid + 1280u);
+            stage_a(va6, tid + 1536u);
+            stage_a(va7, tid + 1792u);
+            stage_b(vb0, tid + 0u);
+            stage_b(vb1, tid + 256u);
+            stage_b(vb2, tid + 512u);
+            stage_b(vb3, tid + 768u);
+            stage_b(vb4, tid + 1024u);
+            stage_b(vb5, tid + 1280u);
+            stage_b(vb6, tid + 1536u);
+            stage_b(vb7, tid + 1792u);
+            workgroupBarrier();
+            if (k0 + BK < k_hi) {   // the next tile's loads, in flight while this one multiplies
+                let k1 = k0 + BK;
+                va0 = load_a(k1, k_hi, row0, tid + 0u);
+                va1 = load_a(k1, k_hi, row0, tid + 256u);
+                va2 = load_a(k1, k_hi, row0, tid + 512u);
+                va3 = load_a(k1, k_hi, row0, tid + 768u);
+                va4 = load_a(k1, k_hi, row0, tid + 1024u);
+                va5 = load_a(k1, k_hi, row0, tid + 1280u);
+                va6 = load_a(k1, k_hi, row0, tid + 1536u);
+                va7 = load_a(k1, k_hi, row0, tid + 1792u);
+                vb0 = load_b(k1, k_hi, col0, tid + 0u);
+                vb1 = load_b(k1, k_hi, col0, tid + 256u);
+                vb2 = load_b(k1, k_hi, col0, tid + 512u);
+                vb3 = load_b(k1, k_hi, col0, tid + 768u);
+                vb4 = load_b(k1, k_hi, col0, tid + 1024u);
+                vb5 = load_b(k1, k_hi, col0, tid + 1280u);
+                vb6 = load_b(k1, k_hi, col0, tid + 1536u);
+                vb7 = load_b(k1, k_hi, col0, tid + 1792u);
+            }
+            sg_step(&acc, sm, sn, 0u);
+            sg_step(&acc, sm, sn, 16u);
+            workgroupBarrier();
         }
-        sg_step(&acc, sm, sn, 0u);
-        sg_step(&acc, sm, sn, 16u);
-        workgroupBarrier();
     }
 
     let r0 = row0 + sm;

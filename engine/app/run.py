@@ -37,10 +37,10 @@ from memengine.engine.train.trainer import EvalResult, Trainer, evaluate
 STATE_VERSION = 2   # 2: with its checksum and the optimizer's step (engine/train/state_schema.py)
 
 # --precision mixed on an adapter with f16 subgroup matrices (tensor cores, Dawn) against fp32,
-# training tokens/s measured in one call (benchmarks/results/h200/dawn_sgmat: NVIDIA H200,
-# mamba-130m, B 8, L 2048: 57,944 mixed, 38,776 fp32 under Dawn, 42,895 fp32 under wgpu-native)
-MIXED_SPEEDUP = {"dawn": 1.49, "wgpu": 1.35}
-MIXED_MEASURED_ON = "an NVIDIA H200 (mamba-130m, B 8, L 2048)"
+# training tokens/s measured in one call (benchmarks/results/h100/sgmat_interior, call 5: NVIDIA
+# H100, mamba-130m, B 8, L 2048: 70,598 mixed, 38,156 fp32 under Dawn, 42,596 fp32 under wgpu-native)
+MIXED_SPEEDUP = {"dawn": 1.85, "wgpu": 1.66}
+MIXED_MEASURED_ON = "an NVIDIA H100 (mamba-130m, B 8, L 2048)"
 
 
 def precision_note(rt, precision: str) -> str | None:
