@@ -444,9 +444,16 @@ def _batch(cfg, B, L):
     return Batch(ids=ids, targets=tg, n_targets=B * L, n_tokens=B * L)
 
 
-def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False, precision="fp32", lora_rank=0):
+def bench_memengine_train(rt, shape, B, L, steps, warmup=3, profile=False, precision="fp32", lora_rank=0):
     """A full training step, or (lora_rank > 0) a LoRA step: an adapter of that rank on
-    in_proj and x_proj, alpha 2r, the base frozen (no gradient buffer for it)."""
+    in_proj and x_proj, alpha 2r, the base frozen (no gradient buffer for it).
+
+    `warmup` steps first: a trainer submits its steps in pieces (engine/runtime/pacing.py)
+    until it has timed one under pacing.BOUNDED_STEP_S, which takes two or three; the timed
+    steps are its steady state, and `paced_pieces` says how many pieces they still went in
+    (steps slower than that bound always go in pieces).  On an H100 (mamba-130m, L 2048,
+    --precision mixed, results/h100/sgmat_wg128/) one warm-up step left the first timed step
+    in pieces: B 1 17,901 tokens/s over 3 steps, against 36,737 over 10 after two."""
     from memengine.engine import lora
     from memengine.engine.app.options import TrainOptions
     from memengine.engine.models.mamba1.config import MambaConfig
@@ -476,13 +483,15 @@ def bench_memengine_train(rt, shape, B, L, steps, warmup=1, profile=False, preci
     for _ in range(warmup):
         tr.step([batch], o.lr)
     tr.read_trace()  # a sync point: the timing starts on an idle GPU
+    pieces0 = tr.pacer.pieces
     t0 = time.perf_counter()
     for _ in range(steps):
         tr.step([batch], o.lr)
     losses, _ = tr.read_trace()  # waits for the last step
     dt = time.perf_counter() - t0
     out = dict(tokens_per_s=B * L * steps / dt, step_s=dt / steps, loss=float(losses[-1]),
-               peak_bytes=rt.peak_bytes, precision=precision)  # (the parameter, gradient and f16 stores included)
+               peak_bytes=rt.peak_bytes, precision=precision,   # (the parameter, gradient and f16 stores included)
+               warmup=warmup, paced_pieces=tr.pacer.pieces - pieces0)
     if tr.scaler is not None:
         out.update(tr.scaler.read())
     if profile and rt.enable_profiling():
@@ -953,7 +962,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default="mamba-130m", help="model shapes for train, matmul and decode")
     ap.add_argument("--seq", default="2048")
     ap.add_argument("--batch", default="8,1")
-    ap.add_argument("--steps", type=int, default=5, help="timed training steps (after a warm-up step)")
+    ap.add_argument("--steps", type=int, default=5, help="timed training steps (after --warmup steps)")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="memengine's untimed steps before them (its first steps go in pieces until one is timed)")
     ap.add_argument("--peer-steps", type=int, default=None,
                     help="timed steps of the PyTorch peers (default: --steps, so both sides average as many)")
     ap.add_argument("--device", default=None, help="memengine --device (auto|gpu|cpu|NAME)")
@@ -1031,7 +1042,7 @@ def main(argv=None):
                         key = "memengine" if prec == "fp32" else f"memengine_{prec}"
                         prof = a.profile and not res.get(f"profile_{prec}" if prec != "fp32" else "profile")
                         try:
-                            row[key] = bench_memengine_train(rt, sh, B, L, a.steps, profile=prof, precision=prec)
+                            row[key] = bench_memengine_train(rt, sh, B, L, a.steps, a.warmup, profile=prof, precision=prec)
                         except Exception as e:
                             row[key] = dict(error=str(e)[:300])
                         if prof and "profile" in row[key]:

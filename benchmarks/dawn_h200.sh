@@ -10,6 +10,9 @@
 # 4. bench.py's train suite at B 8, L 2048 (and B 1): fp32 and --precision mixed under
 #    Dawn, then mamba-ssm fp32 and bf16 autocast in the same run;
 # 5. with TUNE_FORMS=a,b (before 2) benchmarks/sgmat_tune.py times those forms of the product;
+# With TESTS=0 step 2's tests are left out (TESTS_K= : all of tests/test_mixed.py, not only its
+# rounding-bound tests), with MATMUL=0 step 3; STEPS (default 10) timed
+# training steps after bench.py's warm-up steps.
 # 6. with WGPU_TRAIN=1 the fp32 step on wgpu-native too; with ORACLE=1 (before 4) the oracle tests under Dawn and wgpu-native (Mamba-1, Mamba-2, mixed
 #    precision; ORACLE_BACKENDS picks), their logs whole.
 # Each step has its own time limit (STEP_S, default 150 s); results under $OUT (or ./out).
@@ -31,12 +34,16 @@ if [ -n "${TUNE_FORMS:-}" ]; then
   timeout "$S" python3 benchmarks/sgmat_tune.py --forms "$TUNE_FORMS" --out "$OUT/sgmat_tune.json" 2>&1 \
       | grep --line-buffered -v "^\[transformers\]" | tee "$OUT/sgmat_tune.log" | tail -12
 fi
-timeout "$S" python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_mixed.py -k rounding_bound > "$OUT/tests_sgmat.txt" 2>&1
-tail -3 "$OUT/tests_sgmat.txt"
-timeout "$S" python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_backend.py -k tint >> "$OUT/tests_sgmat.txt" 2>&1
-tail -3 "$OUT/tests_sgmat.txt"
-timeout "$S" python3 benchmarks/bench.py --suite matmul --shapes mamba-130m --out "$OUT/bench_matmul.json" 2>&1 \
-    | grep --line-buffered -v "^\[transformers\]" | tee "$OUT/bench_matmul.log"
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout "$S" python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_mixed.py -k "${TESTS_K-rounding_bound}" > "$OUT/tests_sgmat.txt" 2>&1
+  tail -3 "$OUT/tests_sgmat.txt"
+  timeout "$S" python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_backend.py -k tint >> "$OUT/tests_sgmat.txt" 2>&1
+  tail -3 "$OUT/tests_sgmat.txt"
+fi
+if [ "${MATMUL:-1}" = 1 ]; then
+  timeout "$S" python3 benchmarks/bench.py --suite matmul --shapes mamba-130m --out "$OUT/bench_matmul.json" 2>&1 \
+      | grep --line-buffered -v "^\[transformers\]" | tee "$OUT/bench_matmul.log"
+fi
 if [ "${ORACLE:-0}" = 1 ]; then   # before the peer is importable (transformers would take its kernels)
   for b in ${ORACLE_BACKENDS:-dawn wgpu}; do
     MEMENGINE_BACKEND=$b timeout "$S" python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_oracle.py \
@@ -46,7 +53,7 @@ if [ "${ORACLE:-0}" = 1 ]; then   # before the peer is importable (transformers 
 fi
 export PYTHONPATH=/tmp/peers/mamba_ssm-2.3.2.post1:$PYTHONPATH
 timeout $((S * 2)) python3 benchmarks/bench.py --suite train --shapes mamba-130m --seq 2048 --batch "${BATCH:-8}" \
-    --precision fp32,mixed --steps 3 --peer-steps 3 --lora-rank 0 --profile --peer-wait 200 --peer-ready /tmp/peers_done \
+    --precision fp32,mixed --steps "${STEPS:-10}" --peer-steps "${STEPS:-10}" --lora-rank 0 --profile --peer-wait 200 --peer-ready /tmp/peers_done --bf16-batches "${BATCH:-8}" \
     --out "$OUT/bench_train.json" 2>&1 | grep --line-buffered -v "^\[transformers\]" | tee "$OUT/bench_train.log"
 if [ "${WGPU_TRAIN:-0}" = 1 ]; then   # the same step on wgpu-native, fp32 (its best), for comparison
   MEMENGINE_BACKEND=wgpu timeout "$S" python3 benchmarks/bench.py --suite train --shapes mamba-130m --seq 2048 \
