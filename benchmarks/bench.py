@@ -916,6 +916,8 @@ def summary(res) -> list:
             if p.get("tokens_per_s"):
                 ratio = p.get("ratio") or me.get("tokens_per_s", 0) / p["tokens_per_s"]
                 line += f" | {key} {p['tokens_per_s']:8.0f} ({ratio:.2f}x"
+                if mx and mx.get("tokens_per_s") and me is not mx:   # and the mixed step's ratio
+                    line += f", mixed {mx['tokens_per_s'] / p['tokens_per_s']:.2f}x"
                 line += f", {p['peak_bytes'] / 2**30:.1f} GiB)" if p.get("peak_bytes") else ")"
             else:
                 line += f" | {key}: {p.get('error', '?')[:50]}"

@@ -12,10 +12,9 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // FastParams, k_slice, UNSCALE), the same layout conditions (offsets, leading dimensions,
 // N and K multiples of 4; M too when A is transposed).
 //
-// A workgroup of 8 subgroups (WM x WN, 256 invocations: subgroups are 32 wide) makes a
-// BM x BN tile of C, 256 x 128 (WM 4, WN 2) or 128 x 256 (WM 2, WN 4): pipeline constants,
-// the wrapper picks per product (engine/kernels/matmul.py `sgmat_tile`); a subgroup makes
-// a 64 x 64 part as 4 x 4 result matrices of 16 x 16, named accumulators (no private
+// A workgroup of WM x WN = 2 x 2 subgroups (WG = 128 invocations: subgroups are 32 wide)
+// makes a BM x BN = 128 x 128 tile of C (engine/kernels/matmul.py `sgmat_tile`); a subgroup
+// makes a 64 x 64 part as 4 x 4 result matrices of 16 x 16, named accumulators (no private
 // arrays: see DEVELOPERS.md). K advances in tiles of BK = 32 staged through workgroup
 // memory with vec4 loads, zeros outside the matrices (so any M, N, K the layout allows),
 // the next tile's loads held in registers while the current one multiplies. Each tile
@@ -28,7 +27,10 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // is stored [N, K]; double-buffered staging slower in every layout. Interior tiles take a
 // path without bounds checks whose offsets are fixed outside the K loop (interior_tiles):
 // 1.34-1.44x on the weight gradients (A transposed), 1.00-1.11x elsewhere, the step's products
-// 143 -> 110 ms (benchmarks/results/h100/sgmat_interior/README.md).
+// 143 -> 110 ms (benchmarks/results/h100/sgmat_interior/README.md). Workgroups of 4 subgroups
+// (128 x 128) against 8 (128 x 256 or 256 x 128), the same 64 x 64 part a subgroup: 1.00-1.12x
+// on the step's products (two share an SM, where the registers allow one of 8 subgroups, so
+// one's barriers overlap the other's products; benchmarks/results/h100/sgmat_wg128/README.md).
 //
 // The epilogue: a whole tile without bias or accumulation (or a split-K slice) stores its
 // results straight from the subgroup matrices, unscaled (subgroupMatrixScalarMultiply by
@@ -43,20 +45,25 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // the operands' scale table (F16Scales): exponents first, A's at F.sa, B's at F.sb
 @group(0) @binding(5) var<storage, read> f16_exps: array<i32>;
 
-// the operands' layouts (flags bits 2 and 3 as matmul_fast's TA, TB) and the tile as pipeline
-// constants, so that the driver compiles one load path per operand and layout
+// the operands' layouts (flags bits 2 and 3 as matmul_fast's TA, TB) as pipeline constants,
+// so that the driver compiles one load path per operand and layout
 override TA: u32 = 0u;
 override TB: u32 = 0u;
-override WM: u32 = 4u;   // subgroups down the tile: WM x WN = 8
-override WN: u32 = 2u;
-override BM: u32 = WM * 64u;
-override BN: u32 = WN * 64u;
+const WM: u32 = 2u;   // subgroups down the tile and across it (an invocation stages 16 / WN
+const WN: u32 = 2u;   // vec4 of A's tile and 16 / WM of B's: WM, WN >= 2)
+const BM: u32 = WM * 64u;
+const BN: u32 = WN * 64u;
+const WG: u32 = WM * WN * 32u;   // invocations a workgroup
 const BK: u32 = 32u;
 const PAD: u32 = 8u;
-// a tile of 256 rows of BK + PAD (or 32 rows of 256 + PAD): 10240 halves, either operand
-var<workgroup> As: array<f16, 10240>;
-var<workgroup> Bs: array<f16, 10240>;
-var<workgroup> Cs: array<f32, 2048>;    // a 16 x 16 result patch per subgroup
+// a tile of BM rows of BK + PAD (or BK rows of BM + PAD), B's likewise (constant sizes:
+// subgroupMatrixLoad takes no array sized by a pipeline constant); a 16 x 16 result patch
+// per subgroup
+const A_HALVES: u32 = max(BM * (BK + PAD), BK * (BM + PAD));
+const B_HALVES: u32 = max(BN * (BK + PAD), BK * (BN + PAD));
+var<workgroup> As: array<f16, A_HALVES>;
+var<workgroup> Bs: array<f16, B_HALVES>;
+var<workgroup> Cs: array<f32, WG * 8u>;
 
 // C[r, c..c+3] = acc unscaled (+ bias) (+ C), or the plain partial product of a split-K
 // slice (unscaled too: the reduce adds the bias and C); nothing outside C
@@ -131,8 +138,8 @@ fn stage_b(v: vec4<f16>, e: u32) {
 // bounds checks whose offsets are fixed outside the K loop: an invocation's t-th vec4 of an
 // operand's tile lies at g + t * gt in memory (g advancing by gk a K tile) and at s + t * st
 // in the staged tile. A tile row holds R vec4 (BK / 4 where K is contiguous in memory, else
-// the tile's M or N side / 4); 256 / R rows apart, so the rows and columns of
-// load_a / stage_a (e = tid + 256 t) are the same.
+// the tile's M or N side / 4); WG / R rows apart, so the rows and columns of
+// load_a / stage_a (e = tid + WG t) are the same.
 struct Walk { g: u32, gt: u32, gk: u32, s: u32, st: u32 }
 
 // kc: K contiguous in memory ([m][k] of A, [n][k] of B^T); mn: the tile's M or N side;
@@ -142,34 +149,34 @@ fn walk(kc: bool, mn: u32, off: u32, ld: u32, rc0: u32, k_lo: u32, tid: u32) -> 
     if (kc) {
         let r = tid / (BK / 4u);
         let c = tid % (BK / 4u);
-        return Walk(off / 4u + (rc0 + r) * ld4 + k_lo / 4u + c, (256u / (BK / 4u)) * ld4, BK / 4u,
-                    r * (BK + PAD) + c * 4u, (256u / (BK / 4u)) * (BK + PAD));
+        return Walk(off / 4u + (rc0 + r) * ld4 + k_lo / 4u + c, (WG / (BK / 4u)) * ld4, BK / 4u,
+                    r * (BK + PAD) + c * 4u, (WG / (BK / 4u)) * (BK + PAD));
     }
     let r = tid / (mn / 4u);
     let c = tid % (mn / 4u);
-    return Walk(off / 4u + (k_lo + r) * ld4 + rc0 / 4u + c, (256u / (mn / 4u)) * ld4, BK * ld4,
-                r * (mn + PAD) + c * 4u, (256u / (mn / 4u)) * (mn + PAD));
+    return Walk(off / 4u + (k_lo + r) * ld4 + rc0 / 4u + c, (WG / (mn / 4u)) * ld4, BK * ld4,
+                r * (mn + PAD) + c * 4u, (WG / (mn / 4u)) * (mn + PAD));
 }
 
-// the t-th vec4 of an interior tile (nothing past the tile: t >= side / 32)
+// the t-th vec4 of an interior tile (nothing past the tile: t WG >= side BK / 4)
 fn fetch_a(w: Walk, t: u32) -> vec4<f16> {
-    if (t >= BM / 32u) { return vec4<f16>(0.0h); }
+    if (t * WG >= BM * BK / 4u) { return vec4<f16>(0.0h); }
     return A4[w.g + t * w.gt];
 }
 
 fn fetch_b(w: Walk, t: u32) -> vec4<f16> {
-    if (t >= BN / 32u) { return vec4<f16>(0.0h); }
+    if (t * WG >= BN * BK / 4u) { return vec4<f16>(0.0h); }
     return B4[w.g + t * w.gt];
 }
 
 fn put_a(v: vec4<f16>, w: Walk, t: u32) {
-    if (t >= BM / 32u) { return; }
+    if (t * WG >= BM * BK / 4u) { return; }
     let i = w.s + t * w.st;
     As[i] = v.x; As[i + 1u] = v.y; As[i + 2u] = v.z; As[i + 3u] = v.w;
 }
 
 fn put_b(v: vec4<f16>, w: Walk, t: u32) {
-    if (t >= BN / 32u) { return; }
+    if (t * WG >= BN * BK / 4u) { return; }
     let i = w.s + t * w.st;
     Bs[i] = v.x; Bs[i + 1u] = v.y; Bs[i + 2u] = v.z; Bs[i + 3u] = v.w;
 }
@@ -280,7 +287,7 @@ fn sg_patch(m: subgroup_matrix_result<f32, 16, 16>, sg: u32, lane: u32, lanes: u
     workgroupBarrier();
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn matmul_sgmat(@builtin(local_invocation_index) tid: u32,
                 @builtin(workgroup_id) wid: vec3<u32>,
                 @builtin(subgroup_id) sg: u32,
@@ -303,60 +310,60 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32,
     if (row0 + BM <= F.M && col0 + BN <= F.N && (k_hi - k_lo) % BK == 0u) {   // workgroup-uniform
         interior_tiles(&acc, tid, row0, col0, sm, sn, k_lo, k_hi);
     } else {
-        // a tile of 256 rows is 8 vec4 an invocation, one of 128 rows 4 (the others are zeros
-        // nobody stores: load_a / stage_a skip them)
+        // at most 8 vec4 of each tile an invocation (a side of 64 WG / 32 rows): past the tile
+        // zeros nobody stores (load_a / stage_a skip them)
         var va0 = load_a(k_lo, k_hi, row0, tid + 0u);
-        var va1 = load_a(k_lo, k_hi, row0, tid + 256u);
-        var va2 = load_a(k_lo, k_hi, row0, tid + 512u);
-        var va3 = load_a(k_lo, k_hi, row0, tid + 768u);
-        var va4 = load_a(k_lo, k_hi, row0, tid + 1024u);
-        var va5 = load_a(k_lo, k_hi, row0, tid + 1280u);
-        var va6 = load_a(k_lo, k_hi, row0, tid + 1536u);
-        var va7 = load_a(k_lo, k_hi, row0, tid + 1792u);
+        var va1 = load_a(k_lo, k_hi, row0, tid + 1u * WG);
+        var va2 = load_a(k_lo, k_hi, row0, tid + 2u * WG);
+        var va3 = load_a(k_lo, k_hi, row0, tid + 3u * WG);
+        var va4 = load_a(k_lo, k_hi, row0, tid + 4u * WG);
+        var va5 = load_a(k_lo, k_hi, row0, tid + 5u * WG);
+        var va6 = load_a(k_lo, k_hi, row0, tid + 6u * WG);
+        var va7 = load_a(k_lo, k_hi, row0, tid + 7u * WG);
         var vb0 = load_b(k_lo, k_hi, col0, tid + 0u);
-        var vb1 = load_b(k_lo, k_hi, col0, tid + 256u);
-        var vb2 = load_b(k_lo, k_hi, col0, tid + 512u);
-        var vb3 = load_b(k_lo, k_hi, col0, tid + 768u);
-        var vb4 = load_b(k_lo, k_hi, col0, tid + 1024u);
-        var vb5 = load_b(k_lo, k_hi, col0, tid + 1280u);
-        var vb6 = load_b(k_lo, k_hi, col0, tid + 1536u);
-        var vb7 = load_b(k_lo, k_hi, col0, tid + 1792u);
+        var vb1 = load_b(k_lo, k_hi, col0, tid + 1u * WG);
+        var vb2 = load_b(k_lo, k_hi, col0, tid + 2u * WG);
+        var vb3 = load_b(k_lo, k_hi, col0, tid + 3u * WG);
+        var vb4 = load_b(k_lo, k_hi, col0, tid + 4u * WG);
+        var vb5 = load_b(k_lo, k_hi, col0, tid + 5u * WG);
+        var vb6 = load_b(k_lo, k_hi, col0, tid + 6u * WG);
+        var vb7 = load_b(k_lo, k_hi, col0, tid + 7u * WG);
         for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
             stage_a(va0, tid + 0u);
-            stage_a(va1, tid + 256u);
-            stage_a(va2, tid + 512u);
-            stage_a(va3, tid + 768u);
-            stage_a(va4, tid + 1024u);
-            stage_a(va5, tid + 1280u);
-            stage_a(va6, tid + 1536u);
-            stage_a(va7, tid + 1792u);
+            stage_a(va1, tid + 1u * WG);
+            stage_a(va2, tid + 2u * WG);
+            stage_a(va3, tid + 3u * WG);
+            stage_a(va4, tid + 4u * WG);
+            stage_a(va5, tid + 5u * WG);
+            stage_a(va6, tid + 6u * WG);
+            stage_a(va7, tid + 7u * WG);
             stage_b(vb0, tid + 0u);
-            stage_b(vb1, tid + 256u);
-            stage_b(vb2, tid + 512u);
-            stage_b(vb3, tid + 768u);
-            stage_b(vb4, tid + 1024u);
-            stage_b(vb5, tid + 1280u);
-            stage_b(vb6, tid + 1536u);
-            stage_b(vb7, tid + 1792u);
+            stage_b(vb1, tid + 1u * WG);
+            stage_b(vb2, tid + 2u * WG);
+            stage_b(vb3, tid + 3u * WG);
+            stage_b(vb4, tid + 4u * WG);
+            stage_b(vb5, tid + 5u * WG);
+            stage_b(vb6, tid + 6u * WG);
+            stage_b(vb7, tid + 7u * WG);
             workgroupBarrier();
             if (k0 + BK < k_hi) {   // the next tile's loads, in flight while this one multiplies
                 let k1 = k0 + BK;
                 va0 = load_a(k1, k_hi, row0, tid + 0u);
-                va1 = load_a(k1, k_hi, row0, tid + 256u);
-                va2 = load_a(k1, k_hi, row0, tid + 512u);
-                va3 = load_a(k1, k_hi, row0, tid + 768u);
-                va4 = load_a(k1, k_hi, row0, tid + 1024u);
-                va5 = load_a(k1, k_hi, row0, tid + 1280u);
-                va6 = load_a(k1, k_hi, row0, tid + 1536u);
-                va7 = load_a(k1, k_hi, row0, tid + 1792u);
+                va1 = load_a(k1, k_hi, row0, tid + 1u * WG);
+                va2 = load_a(k1, k_hi, row0, tid + 2u * WG);
+                va3 = load_a(k1, k_hi, row0, tid + 3u * WG);
+                va4 = load_a(k1, k_hi, row0, tid + 4u * WG);
+                va5 = load_a(k1, k_hi, row0, tid + 5u * WG);
+                va6 = load_a(k1, k_hi, row0, tid + 6u * WG);
+                va7 = load_a(k1, k_hi, row0, tid + 7u * WG);
                 vb0 = load_b(k1, k_hi, col0, tid + 0u);
-                vb1 = load_b(k1, k_hi, col0, tid + 256u);
-                vb2 = load_b(k1, k_hi, col0, tid + 512u);
-                vb3 = load_b(k1, k_hi, col0, tid + 768u);
-                vb4 = load_b(k1, k_hi, col0, tid + 1024u);
-                vb5 = load_b(k1, k_hi, col0, tid + 1280u);
-                vb6 = load_b(k1, k_hi, col0, tid + 1536u);
-                vb7 = load_b(k1, k_hi, col0, tid + 1792u);
+                vb1 = load_b(k1, k_hi, col0, tid + 1u * WG);
+                vb2 = load_b(k1, k_hi, col0, tid + 2u * WG);
+                vb3 = load_b(k1, k_hi, col0, tid + 3u * WG);
+                vb4 = load_b(k1, k_hi, col0, tid + 4u * WG);
+                vb5 = load_b(k1, k_hi, col0, tid + 5u * WG);
+                vb6 = load_b(k1, k_hi, col0, tid + 6u * WG);
+                vb7 = load_b(k1, k_hi, col0, tid + 7u * WG);
             }
             sg_step(&acc, sm, sn, 0u);
             sg_step(&acc, sm, sn, 16u);

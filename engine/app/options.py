@@ -381,7 +381,7 @@ class TrainOptions(Options):
                          help="mixed: f16 matmul operands with f32 accumulation, f32 master weights "
                               "and moments, dynamic loss scaling (skipped steps are reported); needs "
                               "an adapter with shader-f16. Faster than fp32 where the adapter has f16 "
-                              "subgroup matrices (tensor cores through the Dawn backend: H100 1.85x), "
+                              "subgroup matrices (tensor cores through the Dawn backend: H100 2.39x), "
                               "slower elsewhere (H200 on wgpu-native 0.74x, lavapipe 0.3x; README).")
     weight_decay: float = opt(0.01, check=not_negative(), help="Decoupled AdamW weight decay.")
     max_delta: float = opt(0.0, check=not_negative(),

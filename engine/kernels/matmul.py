@@ -98,13 +98,14 @@ def _split_cost(M: int, N: int, K: int, tiles: int, tile_elems: int, s: int, bk:
                 round_k_s: float | None = None) -> float:
     """Estimated seconds of the product in s K-slices (whole BK tiles each) plus, when split,
     the reduce (reading the partial products; their stores overlap the product's arithmetic).
-    `round_k_s`: a kernel that runs one workgroup an SM (matmul_sgmat), with the seconds of
-    one K step of a full round of them; None: matmul_fast's two an SM (`_rounds`)."""
+    `round_k_s`: a kernel that runs _SGMAT_PER_SM workgroups an SM (matmul_sgmat), with the
+    seconds of one K step of a full round of them; None: matmul_fast's two an SM
+    (`_rounds`)."""
     ks = cdiv(cdiv(K, s), bk) * bk
     if round_k_s is None:
         t = _rounds(tiles * cdiv(K, ks)) * ks * _ROUND_K_S * tile_elems / (128 * 128)
     else:
-        t = cdiv(tiles * cdiv(K, ks), _SMS) * ks * round_k_s
+        t = cdiv(tiles * cdiv(K, ks), _SMS * _SGMAT_PER_SM) * ks * round_k_s
     if s > 1:
         t += 4.0 * cdiv(K, ks) * M * N / _BYTES_S + _LAUNCH_S
     return t
@@ -151,11 +152,12 @@ _ROUND_K_S = 0.874e-3 / 4096
 _BYTES_S = 3e12        # the reduce reading the partial products
 _LAUNCH_S = 4e-6       # the reduce's dispatch
 _MIN_SLICE_K = 256
-# matmul_sgmat (128 x 256 or 256 x 128 tiles of 256 invocations, one workgroup an SM): a K step
-# of a full round of workgroups, from the H100 (results/h100/sgmat_tune/: in_proj's input gradient,
-# 384 tiles = 3 rounds, K 3072, 0.524 ms unsplit; split in two by the fp32 estimate it ran
-# 90.7 TFLOP/s against 147.5)
-_SGMAT_ROUND_K_S = 0.524e-3 / (3 * 3072)
+# matmul_sgmat (128 x 128 tiles of 128 invocations, two workgroups an SM: the registers of 4
+# subgroups' 64 x 64 results allow two): a K step of a full round of workgroups, from the H100
+# (results/h100/sgmat_wg128/: in_proj's input gradient, 768 tiles = 3 rounds, K 3072, 179.9
+# TFLOP/s = 0.430 ms unsplit)
+_SGMAT_PER_SM = 2
+_SGMAT_ROUND_K_S = 0.430e-3 / (3 * 3072)
 
 
 def matmul(rec: Recorder, C: Tensor, A: Tensor, B: Tensor, *, M: int, N: int, K: int,
@@ -267,7 +269,7 @@ def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, a
         bm, bn, bk, consts = 128, 128, 16, None
     elif shader == "matmul_sgmat":   # its tile and the layouts as constants, BK 32
         bm, bn = sgmat_tile(M, N)
-        bk, consts = 32, {"TA": int(trans_a), "TB": int(trans_b), "WM": bm // 64, "WN": bn // 64}
+        bk, consts = 32, {"TA": int(trans_a), "TB": int(trans_b)}
     if shader != "matmul":
         slices = _split_k(rt, M, N, K, cdiv(N, bn) * cdiv(M, bm), bm * bn, bk,
                           _SGMAT_ROUND_K_S if shader == "matmul_sgmat" else None)
@@ -301,12 +303,10 @@ SGMAT_MIN_C_BYTES = 16 * 16 * 4
 
 
 def sgmat_tile(M: int, N: int) -> tuple[int, int]:
-    """matmul_sgmat's tile (BM, BN) for an M x N product: 128 x 256 or 256 x 128, whichever
-    covers M x N with less padding, 128 x 256 on a tie (on an H100 the two ran within 3% of
-    each other on products that both cover exactly; results/h100/sgmat_tune/README.md)."""
-    def area(bm, bn):
-        return cdiv(M, bm) * bm * cdiv(N, bn) * bn
-    return (128, 256) if area(128, 256) <= area(256, 128) else (256, 128)
+    """matmul_sgmat's tile (BM, BN) for an M x N product: 128 x 128 (4 subgroups) for every
+    product; on an H100 it ran 1.00-1.12x the 128 x 256 and 256 x 128 tiles of 8 subgroups
+    at each large product of the mamba-130m step (results/h100/sgmat_wg128/README.md)."""
+    return 128, 128
 
 
 def _windows(m, n, k, trans_a, trans_b, lda, ldb, ldc, has_bias) -> dict:
