@@ -10,11 +10,11 @@
 # 4. bench.py's train suite at B 8, L 2048 (and B 1): fp32 and --precision mixed under
 #    Dawn, then mamba-ssm fp32 and bf16 autocast in the same run;
 # 5. with TUNE_FORMS=a,b (before 2) benchmarks/sgmat_tune.py times those forms of the product;
-# With TESTS=0 step 2's tests are left out (TESTS_K= : all of tests/test_mixed.py, not only its
-# rounding-bound tests), with MATMUL=0 step 3; STEPS (default 10) timed
-# training steps after bench.py's warm-up steps.
 # 6. with WGPU_TRAIN=1 the fp32 step on wgpu-native too; with ORACLE=1 (before 4) the oracle tests under Dawn and wgpu-native (Mamba-1, Mamba-2, mixed
 #    precision; ORACLE_BACKENDS picks), their logs whole.
+# With TESTS=0 step 2's tests are left out (TESTS_K= : all of tests/test_mixed.py, not only its
+# rounding-bound tests), with MATMUL=0 step 3; STEPS (default 10): the timed training steps
+# after bench.py's warm-up steps.
 # Each step has its own time limit (STEP_S, default 150 s); results under $OUT (or ./out).
 set -o pipefail
 OUT=${OUT:-$PWD/out}

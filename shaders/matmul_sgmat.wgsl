@@ -13,7 +13,7 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // N and K multiples of 4; M too when A is transposed).
 //
 // A workgroup of WM x WN = 2 x 2 subgroups (WG = 128 invocations: subgroups are 32 wide)
-// makes a BM x BN = 128 x 128 tile of C (engine/kernels/matmul.py `sgmat_tile`); a subgroup
+// makes a BM x BN = 128 x 128 tile of C (engine/kernels/matmul.py `SGMAT_TILE`); a subgroup
 // makes a 64 x 64 part as 4 x 4 result matrices of 16 x 16, named accumulators (no private
 // arrays: see DEVELOPERS.md). K advances in tiles of BK = 32 staged through workgroup
 // memory with vec4 loads, zeros outside the matrices (so any M, N, K the layout allows),

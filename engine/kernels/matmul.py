@@ -268,7 +268,7 @@ def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, a
     if shader == "matmul_f16":   # fixed tiles: 128x128, BK 16
         bm, bn, bk, consts = 128, 128, 16, None
     elif shader == "matmul_sgmat":   # its tile and the layouts as constants, BK 32
-        bm, bn = sgmat_tile(M, N)
+        bm, bn = SGMAT_TILE
         bk, consts = 32, {"TA": int(trans_a), "TB": int(trans_b)}
     if shader != "matmul":
         slices = _split_k(rt, M, N, K, cdiv(N, bn) * cdiv(M, bm), bm * bn, bk,
@@ -302,11 +302,10 @@ def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, a
 SGMAT_MIN_C_BYTES = 16 * 16 * 4
 
 
-def sgmat_tile(M: int, N: int) -> tuple[int, int]:
-    """matmul_sgmat's tile (BM, BN) for an M x N product: 128 x 128 (4 subgroups) for every
-    product; on an H100 it ran 1.00-1.12x the 128 x 256 and 256 x 128 tiles of 8 subgroups
-    at each large product of the mamba-130m step (results/h100/sgmat_wg128/README.md)."""
-    return 128, 128
+# matmul_sgmat's tile (BM, BN: the shader's constants), 4 subgroups, for every product; on an
+# H100 it ran 1.00-1.12x the 128 x 256 and 256 x 128 tiles of 8 subgroups at each large
+# product of the mamba-130m step (results/h100/sgmat_wg128/README.md)
+SGMAT_TILE = (128, 128)
 
 
 def _windows(m, n, k, trans_a, trans_b, lda, ldb, ldc, has_bias) -> dict:
