@@ -32,9 +32,10 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // on the step's products (two share an SM, where the registers allow one of 8 subgroups, so
 // one's barriers overlap the other's products; benchmarks/results/h100/sgmat_wg128/README.md).
 //
-// The epilogue: a whole tile without bias or accumulation (or a split-K slice) stores its
-// results straight from the subgroup matrices, unscaled (subgroupMatrixScalarMultiply by
-// the two factors store_c multiplies by); other tiles go through a 16 x 16 patch of
+// The epilogue: a whole tile without bias (or a split-K slice) stores its results straight
+// from the subgroup matrices, unscaled (subgroupMatrixScalarMultiply by the two factors
+// store_c multiplies by); where it accumulates into C, its results start as C's blocks scaled
+// up by the operands' 2^(ea + eb) (sg_preload). Other tiles go through a 16 x 16 patch of
 // workgroup memory per subgroup to store_c (bias, the old C, the edges guarded).
 
 @group(0) @binding(0) var<storage, read_write> C1: array<f32>;
@@ -266,6 +267,36 @@ fn interior_tiles(acc: ptr<function, SgAcc>, tid: u32, row0: u32, col0: u32, sm:
     }
 }
 
+// the results' start where a whole tile accumulates into C without bias (flags 1) and K whole:
+// C's 16 x 16 blocks times 2^(ea + eb) (p), so that the direct stores' unscaling gives C plus
+// the product (PRELOAD_EXP: 2^s exact and C * 2^s short of overflow unless |C| >= 2^64)
+const PRELOAD_EXP_MIN: i32 = -32;
+const PRELOAD_EXP_MAX: i32 = 64;
+
+fn sg_c(p: f32, c_base: u32, r0: u32, q0: u32) -> subgroup_matrix_result<f32, 16, 16> {
+    let m = subgroupMatrixLoad<subgroup_matrix_result<f32, 16, 16>>(&C1, c_base + r0 * F.ldc + q0, false, F.ldc);
+    return subgroupMatrixScalarMultiply(m, p);
+}
+
+fn sg_preload(acc: ptr<function, SgAcc>, p: f32, c_base: u32, r0: u32, q0: u32) {
+    (*acc).c00 = sg_c(p, c_base, r0 + 0u, q0 + 0u);
+    (*acc).c01 = sg_c(p, c_base, r0 + 0u, q0 + 16u);
+    (*acc).c02 = sg_c(p, c_base, r0 + 0u, q0 + 32u);
+    (*acc).c03 = sg_c(p, c_base, r0 + 0u, q0 + 48u);
+    (*acc).c10 = sg_c(p, c_base, r0 + 16u, q0 + 0u);
+    (*acc).c11 = sg_c(p, c_base, r0 + 16u, q0 + 16u);
+    (*acc).c12 = sg_c(p, c_base, r0 + 16u, q0 + 32u);
+    (*acc).c13 = sg_c(p, c_base, r0 + 16u, q0 + 48u);
+    (*acc).c20 = sg_c(p, c_base, r0 + 32u, q0 + 0u);
+    (*acc).c21 = sg_c(p, c_base, r0 + 32u, q0 + 16u);
+    (*acc).c22 = sg_c(p, c_base, r0 + 32u, q0 + 32u);
+    (*acc).c23 = sg_c(p, c_base, r0 + 32u, q0 + 48u);
+    (*acc).c30 = sg_c(p, c_base, r0 + 48u, q0 + 0u);
+    (*acc).c31 = sg_c(p, c_base, r0 + 48u, q0 + 16u);
+    (*acc).c32 = sg_c(p, c_base, r0 + 48u, q0 + 32u);
+    (*acc).c33 = sg_c(p, c_base, r0 + 48u, q0 + 48u);
+}
+
 // one 16 x 16 result at C rows r0.., columns q0..: stored whole, unscaled by us (uniform:
 // the scalar matrix operations want it so)
 fn sg_direct(m: subgroup_matrix_result<f32, 16, 16>, us: vec2<f32>, c_base: u32, r0: u32, q0: u32) {
@@ -303,9 +334,17 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32,
     let c_base = ks.z;
     // the factors that undo the operands' scales: a let of uniform values for the direct
     // stores, the private copy for store_c
-    let us = f16_unscale(f16_exps[F.sa], f16_exps[F.sb]);
+    let ea = f16_exps[F.sa];
+    let eb = f16_exps[F.sb];
+    let us = f16_unscale(ea, eb);
     UNSCALE = us;
+    let r0 = row0 + sm;
+    let q0 = col0 + sn;
+    let whole = row0 + BM <= F.M && col0 + BN <= F.N;
+    let preload = whole && F.ksplit == 0u && (F.flags & 3u) == 1u &&
+                  ea + eb >= PRELOAD_EXP_MIN && ea + eb <= PRELOAD_EXP_MAX;   // workgroup-uniform
     var acc: SgAcc;   // zero-initialised
+    if (preload) { sg_preload(&acc, f16_pow2(ea + eb), c_base, r0, q0); }
 
     if (row0 + BM <= F.M && col0 + BN <= F.N && (k_hi - k_lo) % BK == 0u) {   // workgroup-uniform
         interior_tiles(&acc, tid, row0, col0, sm, sn, k_lo, k_hi);
@@ -371,10 +410,7 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32,
         }
     }
 
-    let r0 = row0 + sm;
-    let q0 = col0 + sn;
-    let whole = row0 + BM <= F.M && col0 + BN <= F.N;
-    if (whole && (F.ksplit != 0u || (F.flags & 3u) == 0u)) {   // workgroup-uniform
+    if (whole && (F.ksplit != 0u || (F.flags & 3u) == 0u || preload)) {   // workgroup-uniform
         sg_direct(acc.c00, us, c_base, r0 + 0u, q0 + 0u);
         sg_direct(acc.c01, us, c_base, r0 + 0u, q0 + 16u);
         sg_direct(acc.c02, us, c_base, r0 + 0u, q0 + 32u);

@@ -79,15 +79,21 @@ def test_matmul_f16_within_the_rounding_bound(rt, f16_kernel, M, N, K, ta, tb):
 # whole tiles without bias or accumulation: matmul_sgmat stores them straight from its
 # subgroup matrices (the rounding-bound test above takes its guarded path), also under split-K
 # (K 4096 at 256 x 256: 4 tiles split over K) and with the operands' f16 scales undone
+# `acc`: into C (matmul_sgmat starts such tiles' results from C scaled by 2^(ea + eb) where
+# -32 <= ea + eb <= 64, else it adds C in its guarded epilogue: (40, 30) and (-20, -15))
 @pytest.mark.parametrize("M,N,K,ea,eb", [(256, 384, 96, 0, 0), (256, 256, 4096, 0, 0), (128, 256, 160, 9, -7),
-                                         (256, 128, 64, 20, 25)])
+                                         (256, 128, 64, 20, 25), (128, 256, 80, 3, 5), (128, 128, 80, 40, 30),
+                                         (128, 256, 48, -20, -15)])
 @pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False)])
-def test_matmul_f16_whole_tiles_within_the_rounding_bound(rt, f16_kernel, M, N, K, ea, eb, ta, tb):
+@pytest.mark.parametrize("acc", [False, True])
+def test_matmul_f16_whole_tiles_within_the_rounding_bound(rt, f16_kernel, M, N, K, ea, eb, ta, tb, acc):
     rng = np.random.default_rng(M + N + K + ea)
     # magnitudes 2^-e, so that the scaled operands are near 1
     a = (rng.standard_normal((K, M) if ta else (M, K)) * 2.0 ** -ea).astype(np.float32)
     b = (rng.standard_normal((N, K) if tb else (K, N)) * 2.0 ** -eb).astype(np.float32)
-    A, B, C = rt.upload(a), rt.upload(b), rt.upload(np.full((M, N), np.nan, np.float32))
+    # C before: the product's magnitude (sqrt(K) 2^-(ea + eb)), or NaN where it is overwritten
+    c0 = (rng.standard_normal((M, N)) * np.sqrt(K) * 2.0 ** -(ea + eb)).astype(np.float32)
+    A, B, C = rt.upload(a), rt.upload(b), rt.upload(c0 if acc else np.full((M, N), np.nan, np.float32))
     A16, B16 = rt.empty(a.shape, "f16"), rt.empty(b.shape, "f16")
     table = mm.F16Scales(rt, ["a", "b"])
     state = table.state()
@@ -96,15 +102,16 @@ def test_matmul_f16_whole_tiles_within_the_rounding_bound(rt, f16_kernel, M, N, 
     rec = rt.recorder()
     mm.cast_f16(rec, A16, A, scale=table["a"])
     mm.cast_f16(rec, B16, B, scale=table["b"])
-    mm.matmul(rec, C, A, B, M=M, N=N, K=K, trans_a=ta, trans_b=tb, A16=A16, B16=B16)
+    mm.matmul(rec, C, A, B, M=M, N=N, K=K, trans_a=ta, trans_b=tb, acc=acc, A16=A16, B16=B16)
     rec.submit()
     a64, b64 = (a.T if ta else a).astype(np.float64), (b.T if tb else b).astype(np.float64)
     # the f16-rounded scaled operands, unscaled exactly: what remains is f32 accumulation only
     a16 = (a64 * 2.0 ** ea).astype(np.float16).astype(np.float64) * 2.0 ** -ea
     b16 = (b64 * 2.0 ** eb).astype(np.float16).astype(np.float64) * 2.0 ** -eb
+    c64 = c0.astype(np.float64) if acc else 0.0
     got = rt.read(C)
-    bound32 = ACC_FACTOR[f16_kernel] * (K + 2) * U32 * (np.abs(a64) @ np.abs(b64))
-    assert np.all(np.abs(got - a16 @ b16) <= bound32)
+    bound32 = ACC_FACTOR[f16_kernel] * (K + 2) * U32 * (np.abs(a64) @ np.abs(b64) + np.abs(c64))
+    assert np.all(np.abs(got - (a16 @ b16 + c64)) <= bound32)
 
 
 # ------------------------------------------------------------------ the model vs the oracle
