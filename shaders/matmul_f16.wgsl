@@ -168,7 +168,8 @@ fn f16_step(acc: ptr<function, Block>, k: u32, tx: u32, ty: u32) {
 // the last step's rescale committed).
 // mode bit 0: add this cast's amax into the slot's (one atomicMax per workgroup); bit 1: only
 // that (the first step's calibration: no store).
-struct CastParams { n: u32, n4: u32, src_off: u32, dst_off4: u32, slot: u32, amax_at: u32, mode: u32, _p: u32 }
+// per: vec4 an invocation (1 to CAST_V: engine/kernels/matmul.py _cast_per)
+struct CastParams { n: u32, n4: u32, src_off: u32, dst_off4: u32, slot: u32, amax_at: u32, mode: u32, per: u32 }
 
 @group(0) @binding(0) var<storage, read> cast_src: array<f32>;
 @group(0) @binding(1) var<storage, read_write> cast_dst: array<vec4<f16>>;
@@ -177,21 +178,33 @@ struct CastParams { n: u32, n4: u32, src_off: u32, dst_off4: u32, slot: u32, ama
 
 var<workgroup> cast_max: array<u32, 256>;
 
+// vec4 an invocation: a workgroup casts CP.per * 256 vec4 (rows of 256, each read and written
+// contiguously), so that its amax's tree and atomic are shared by up to CAST_V vec4 an invocation
+const CAST_V: u32 = 8u;
+
 @compute @workgroup_size(256)
-fn cast_f16(@builtin(global_invocation_id) gid: vec3<u32>,
+fn cast_f16(@builtin(workgroup_id) wid: vec3<u32>,
             @builtin(local_invocation_index) lid: u32,
             @builtin(num_workgroups) nwg: vec3<u32>) {
-    let i = gid.x + gid.y * nwg.x * 256u;
+    let per = min(CP.per, CAST_V);
+    let i0 = (wid.x + wid.y * nwg.x) * (256u * per) + lid;
     // s = 2^e from its exponent bits: x * s is exact (short of f16's range, handled below)
     let s = bitcast<f32>(u32(bitcast<i32>(atomicLoad(&cast_tab[CP.slot])) + 127) << 23u);
     var m = 0u;
-    if (i < CP.n4) {
+    for (var t = 0u; t < per; t++) {
+        let i = i0 + t * 256u;
+        if (i >= CP.n4) { break; }
         var v = vec4<f32>(0.0);   // the last vec4 of a range that is not a multiple of 4: zeros
-        for (var j = 0u; j < 4u; j++) {
-            if (4u * i + j < CP.n) { v[j] = cast_src[CP.src_off + 4u * i + j]; }
+        let e = CP.src_off + 4u * i;
+        if (4u * i + 4u <= CP.n) {
+            v = vec4<f32>(cast_src[e], cast_src[e + 1u], cast_src[e + 2u], cast_src[e + 3u]);
+        } else {
+            for (var j = 0u; j < 4u; j++) {
+                if (4u * i + j < CP.n) { v[j] = cast_src[e + j]; }
+            }
         }
         let b = bitcast<vec4<u32>>(v) & vec4<u32>(0x7fffffffu);
-        m = max(max(b.x, b.y), max(b.z, b.w));
+        m = max(m, max(max(b.x, b.y), max(b.z, b.w)));
         if ((CP.mode & 2u) == 0u) {
             let w = v * s;
             // out-of-range (and NaN) values: explicitly +-inf (WGSL leaves such conversions undefined)

@@ -128,6 +128,35 @@ def test_unit_scales_are_bit_identical_to_the_unscaled_path(rt, f16_kernel):
 
 
 # ------------------------------------------------------------------ (c) the rule
+@pytest.mark.parametrize("n,peak", [(100_003, 72_000), (100_003, 100_002), (9, 8)])
+@pytest.mark.parametrize("per", [1, 3, 8])
+def test_a_cast_over_many_workgroups_rounds_each_element_once_and_records_the_amax(rt, monkeypatch, n, peak, per):
+    """cast_f16 over n elements (several workgroups of `per` vec4 an invocation, which the
+    wrapper picks by size: each of them forced here; n no multiple of 4), from an offset that
+    is no multiple of 4 in its buffer: every element is numpy's f16 of x * 2^e, the f16 tail
+    past n is zeros, and the slot records the bits of the largest |x|, wherever it lies."""
+    if not rt.has_f16:
+        pytest.skip(f"{rt.adapter_name} has no shader-f16")
+    monkeypatch.setattr(mm, "_cast_per", lambda n4: per)
+    rng = np.random.default_rng(n + peak)
+    x = rng.uniform(-3.0, 3.0, n + 5).astype(np.float32)
+    x[5 + peak] = np.float32(-1234.5)
+    src = rt.upload(x)
+    dst = rt.upload(np.full(n + 7, 7.0, np.float16))
+    scales = mm.F16Scales(rt, ["t"])
+    scales.calibrate = False
+    rt.write(scales.region(0), np.array([0, 3], np.int32))   # the slot's exponent: 3 (x 8)
+    rec = rt.recorder()
+    from memengine.engine.runtime.tensor import Tensor
+    mm.cast_f16(rec, dst, Tensor(src.buffer, (n,), "f32", src.offset + 4 * 5), n, scale=scales["t"])
+    rec.submit()
+    got = rt.read(dst)
+    np.testing.assert_array_equal(got[:n], (x[5:].astype(np.float64) * 8.0).astype(np.float16))
+    np.testing.assert_array_equal(got[n:-(-n // 4) * 4], 0)
+    st = scales.state()
+    assert st[1][1] == np.array(1234.5, np.float32).view(np.int32)
+
+
 def test_rescale_follows_the_rule_for_known_amaxes_and_keeps_its_history(rt):
     _need_f16(rt)
     amaxes = [1e6, 3.0, 65504.0 * 4, 1e-3, 0.0, 2.0 ** -20, 4096.0, 8191.0, 1e30, 1e-40]

@@ -544,6 +544,16 @@ def cast_f16(rec: Recorder, dst: Tensor, src: Tensor, n: int | None = None,
     return with_scale(dst, scale)
 
 
+_CAST_V = 8   # the most vec4 an invocation of cast_f16 casts (shaders/matmul_f16.wgsl: CAST_V)
+
+
+def _cast_per(n4: int) -> int:
+    """vec4 an invocation of a cast of n4 vec4: up to _CAST_V while the cast keeps at least
+    1024 workgroups of 256 (8 an SM of a 132-SM GPU), else fewer: a small cast (a B 1 step's)
+    needs its workgroups to fill the GPU more than it needs its amax's tree shared."""
+    return max(1, min(_CAST_V, n4 // (256 * 1024)))
+
+
 def _cast_pieces(rec, dst, src, n, table, slot, amax_at, mode) -> None:
     rt = rec.rt
     piece = max(4, (rt.max_binding - rt.storage_align) // 4 // 1024 * 1024)   # f32 elements
@@ -556,8 +566,9 @@ def _cast_pieces(rec, dst, src, n, table, slot, amax_at, mode) -> None:
             raise ValueError("cast_f16: the f16 view must start on a multiple of 4 elements")
         if d.offset + d.nbytes > d.buffer.size:
             raise ValueError("cast_f16: the rounded-up f16 range runs past its buffer")
-        u = rt.uniform(pack("8I", m, n4, es, ed // 4, slot, amax_at, mode, 0))
-        rec.dispatch("matmul_f16", "cast_f16", {0: s, 1: d, 2: u, 3: table}, cdiv(n4, 256))
+        per = _cast_per(n4)
+        u = rt.uniform(pack("8I", m, n4, es, ed // 4, slot, amax_at, mode, per))
+        rec.dispatch("matmul_f16", "cast_f16", {0: s, 1: d, 2: u, 3: table}, cdiv(n4, 256 * per))
 
 
 def linear_forward(rec: Recorder, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, *,
