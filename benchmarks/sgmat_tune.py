@@ -70,6 +70,13 @@ FORMS = [
     # shader's form since results/h100/sgmat_wg128/ (where it beat the 8-subgroup forms above
     # at every large product; with BK 64, or of 2 subgroups, 64 x 128 / 128 x 64, it lost)
     form("w2x2_fast", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1),
+    # the interior loop's staging: two staged tiles, one barrier a K tile (DB); each subgroup's
+    # share of the tiles loaded from storage as subgroup matrices and stored as such (COOP)
+    form("w2x2_db", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, DB=1),
+    form("w2x2_coop", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, COOP=1),
+    form("w2x2_coop_db", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, COOP=1, DB=1),
+    # w2x2_fast with parts of its interior loop left out (timing only: see DIAG in source)
+    *[form(f"diag_{d}", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, DIAG=d) for d in ("noload", "nostage", "nobar", "mma")],
 ]
 
 
@@ -85,7 +92,9 @@ def source(f: dict) -> str:
     # shared strides: [m][k] BK+PAD, [k][m] BM+PAD, [k][n] BN+PAD, [n][k] BK+PAD
     a_size = max(BM * (BK + PK), BK * (BM + PMN))
     b_size = max(BN * (BK + PK), BK * (BN + PMN))
-    wg_bytes = 2 * (a_size + b_size) + 4 * WM * WN * 256
+    DB, COOP = f.get("DB", 0), f.get("COOP", 0)
+    nbuf = 2 if DB else 1
+    wg_bytes = 2 * nbuf * (a_size + b_size) + 4 * WM * WN * 256
     if wg_bytes > 49152:
         raise ValueError(f"{f['name']}: {wg_bytes} bytes of workgroup memory")
     o = []
@@ -94,11 +103,15 @@ def source(f: dict) -> str:
     w("enable f16;\nenable subgroups;\nenable chromium_experimental_subgroup_matrix;")
     w("diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);")
     w(PRELUDE)
+    if COOP:   # the operands again as f16 scalars, for subgroupMatrixLoad from storage
+        w("@group(0) @binding(6) var<storage, read> A1: array<f16>;")
+        w("@group(0) @binding(7) var<storage, read> B1: array<f16>;")
     w(STORE_C)
     w("override TA: u32 = 0u;\noverride TB: u32 = 0u;")
     w(f"const BM: u32 = {BM}u;\nconst BN: u32 = {BN}u;\nconst BK: u32 = {BK}u;\nconst PADK: u32 = {PK}u;\nconst PADMN: u32 = {PMN}u;")
-    w(f"var<workgroup> As: array<f16, {a_size}>;")
-    w(f"var<workgroup> Bs: array<f16, {b_size}>;")
+    w(f"const A_SZ: u32 = {a_size}u;\nconst B_SZ: u32 = {b_size}u;\nconst KM: u32 = {BK // 16}u;")
+    w(f"var<workgroup> As: array<f16, {nbuf * a_size}>;")
+    w(f"var<workgroup> Bs: array<f16, {nbuf * b_size}>;")
     w(f"var<workgroup> Cs: array<f32, {WM * WN * 256}>;")
     w(f"""
 fn ga(k0: u32, k_hi: u32, row0: u32, e: u32) -> vec4<f16> {{
@@ -133,13 +146,13 @@ fn sb(v: vec4<f16>, e: u32) {{
     else {{ i = (e / (BN / 4u)) * (BN + PADMN) + (e % (BN / 4u)) * 4u; }}
     Bs[i] = v.x; Bs[i + 1u] = v.y; Bs[i + 2u] = v.z; Bs[i + 3u] = v.w;
 }}
-fn left(m0: u32, kk: u32) -> subgroup_matrix_left<f16, 16, 16> {{
-    if (TA != 0u) {{ return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, kk * (BM + PADMN) + m0, true, BM + PADMN); }}
-    return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, m0 * (BK + PADK) + kk, false, BK + PADK);
+fn left(m0: u32, kk: u32, o: u32) -> subgroup_matrix_left<f16, 16, 16> {{
+    if (TA != 0u) {{ return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, o + kk * (BM + PADMN) + m0, true, BM + PADMN); }}
+    return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&As, o + m0 * (BK + PADK) + kk, false, BK + PADK);
 }}
-fn right(n0: u32, kk: u32) -> subgroup_matrix_right<f16, 16, 16> {{
-    if (TB != 0u) {{ return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, n0 * (BK + PADK) + kk, true, BK + PADK); }}
-    return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, kk * (BN + PADMN) + n0, false, BN + PADMN);
+fn right(n0: u32, kk: u32, o: u32) -> subgroup_matrix_right<f16, 16, 16> {{
+    if (TB != 0u) {{ return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, o + n0 * (BK + PADK) + kk, true, BK + PADK); }}
+    return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bs, o + kk * (BN + PADMN) + n0, false, BN + PADMN);
 }}
 fn patch_out(m: subgroup_matrix_result<f32, 16, 16>, sg: u32, lane: u32, lanes: u32, c_base: u32, r0: u32, q0: u32) {{
     subgroupMatrixStore(&Cs, sg * 256u, m, false, 16u);
@@ -155,14 +168,38 @@ fn patch_out(m: subgroup_matrix_result<f32, 16, 16>, sg: u32, lane: u32, lanes: 
     w(",\n".join(f"    c{i}{j}: subgroup_matrix_result<f32, 16, 16>" for i, j in accs))
     w("}")
     # one 16-step of K: TM lefts, then each right against them
-    w("fn kstep(acc: ptr<function, Acc>, sm: u32, sn: u32, kk: u32) {")
+    w("fn kstep(acc: ptr<function, Acc>, sm: u32, sn: u32, kk: u32, ao: u32, bo: u32) {")
     for i in range(TM):
-        w(f"    let a{i} = left(sm + {16 * i}u, kk);")
+        w(f"    let a{i} = left(sm + {16 * i}u, kk, ao);")
     for j in range(TN):
-        w(f"    {'var b' if j == 0 else 'b'} = right(sn + {16 * j}u, kk);")
+        w(f"    {'var b' if j == 0 else 'b'} = right(sn + {16 * j}u, kk, bo);")
         for i in range(TM):
             w(f"    (*acc).c{i}{j} = subgroupMatrixMultiplyAccumulate(a{i}, b, (*acc).c{i}{j});")
     w("}")
+    if COOP:
+        # the j-th 16 x 16 matrix of a tile (row-major over the tile's 16-blocks: BK / 16 = KM
+        # of them along K) straight from storage as a subgroup matrix, and into the staged tile
+        w("""
+fn coop_a(k0: u32, row0: u32, j: u32) -> subgroup_matrix_left<f16, 16, 16> {
+    let mi = j / KM; let ki = j % KM;
+    if (TA != 0u) { return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&A1, F.a_off + (k0 + ki * 16u) * F.lda + row0 + mi * 16u, true, F.lda); }
+    return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&A1, F.a_off + (row0 + mi * 16u) * F.lda + k0 + ki * 16u, false, F.lda);
+}
+fn coop_sa(m: subgroup_matrix_left<f16, 16, 16>, j: u32, o: u32) {
+    let mi = j / KM; let ki = j % KM;
+    if (TA != 0u) { subgroupMatrixStore(&As, o + ki * 16u * (BM + PADMN) + mi * 16u, m, true, BM + PADMN); return; }
+    subgroupMatrixStore(&As, o + mi * 16u * (BK + PADK) + ki * 16u, m, false, BK + PADK);
+}
+fn coop_b(k0: u32, col0: u32, j: u32) -> subgroup_matrix_right<f16, 16, 16> {
+    let ni = j / KM; let ki = j % KM;
+    if (TB != 0u) { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&B1, F.b_off + (col0 + ni * 16u) * F.ldb + k0 + ki * 16u, true, F.ldb); }
+    return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&B1, F.b_off + (k0 + ki * 16u) * F.ldb + col0 + ni * 16u, false, F.ldb);
+}
+fn coop_sb(m: subgroup_matrix_right<f16, 16, 16>, j: u32, o: u32) {
+    let ni = j / KM; let ki = j % KM;
+    if (TB != 0u) { subgroupMatrixStore(&Bs, o + ni * 16u * (BK + PADK) + ki * 16u, m, true, BK + PADK); return; }
+    subgroupMatrixStore(&Bs, o + ki * 16u * (BN + PADMN) + ni * 16u, m, false, BN + PADMN);
+}""")
     w(f"""
 @compute @workgroup_size({T})
 fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: vec3<u32>,
@@ -207,19 +244,84 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
             for op, n, src in (("a", la, "A4"), ("b", lb, "B4")):
                 for t in range(n):
                     w(indent + fmt.format(op=op, t=t, src=src, arr="As" if op == "a" else "Bs"))
-        fast_lines("        ", "var f{op}{t} = {src}[g{op} + {t}u * g{op}t];")
-        w("        for (var k0 = k_lo; k0 < k_hi; k0 += BK) {")
-        fast_lines("            ", "let i{op}{t} = s{op}0 + {t}u * s{op}t; {arr}[i{op}{t}] = f{op}{t}.x; {arr}[i{op}{t} + 1u] = f{op}{t}.y; "
-                   "{arr}[i{op}{t} + 2u] = f{op}{t}.z; {arr}[i{op}{t} + 3u] = f{op}{t}.w;")
-        w("            workgroupBarrier();")
-        w("            if (k0 + BK < k_hi) {")
-        w("                ga += gak; gb += gbk;")
-        fast_lines("                ", "f{op}{t} = {src}[g{op} + {t}u * g{op}t];")
-        w("            }")
-        for st in range(BK // 16):
-            w(f"            kstep(&acc, sm, sn, {16 * st}u);")
-        w("            workgroupBarrier();")
-        w("        }")
+        nc = (BM // 16) * (BK // 16) // (WM * WN)   # matrices of each tile a subgroup stages (COOP)
+        assert nc * WM * WN == (BM // 16) * (BK // 16) and (BN // 16) * (BK // 16) == nc * WM * WN, f
+
+        def stage(indent, oa, ob):
+            if COOP:
+                for t in range(nc):
+                    w(indent + f"coop_sa(pa{t}, sg * {nc}u + {t}u, {oa}); coop_sb(pb{t}, sg * {nc}u + {t}u, {ob});")
+            else:
+                for op, n, arr, oo in (("a", la, "As", oa), ("b", lb, "Bs", ob)):
+                    for t in range(n):
+                        w(indent + f"let i{op}{t} = {oo} + s{op}0 + {t}u * s{op}t; {arr}[i{op}{t}] = f{op}{t}.x; "
+                          f"{arr}[i{op}{t} + 1u] = f{op}{t}.y; {arr}[i{op}{t} + 2u] = f{op}{t}.z; "
+                          f"{arr}[i{op}{t} + 3u] = f{op}{t}.w;")
+            return
+
+        def load(indent, k):
+            if COOP:
+                for t in range(nc):
+                    w(indent + f"pa{t} = coop_a({k}, row0, sg * {nc}u + {t}u); pb{t} = coop_b({k}, col0, sg * {nc}u + {t}u);")
+            else:
+                w(indent + "ga += gak; gb += gbk;")
+                fast_lines(indent, "f{op}{t} = {src}[g{op} + {t}u * g{op}t];")
+
+        if COOP:
+            for t in range(nc):
+                w(f"        var pa{t} = coop_a(k_lo, row0, sg * {nc}u + {t}u); var pb{t} = coop_b(k_lo, col0, sg * {nc}u + {t}u);")
+        else:
+            fast_lines("        ", "var f{op}{t} = {src}[g{op} + {t}u * g{op}t];")
+        if DB:   # two staged tiles: the next one stored while this one multiplies, one barrier a K tile
+            stage("        ", "0u", "0u")
+            w("        workgroupBarrier();")
+            w("        var cur = 0u;")
+            w("        for (var k0 = k_lo; k0 < k_hi; k0 += BK) {")
+            w("            let more = k0 + BK < k_hi;")
+            w("            if (more) {")
+            load("                ", "k0 + BK")
+            w("            }")
+            for st in range(BK // 16):
+                w(f"            kstep(&acc, sm, sn, {16 * st}u, cur * A_SZ, cur * B_SZ);")
+            w("            if (more) {")
+            stage("                ", "(1u - cur) * A_SZ", "(1u - cur) * B_SZ")
+            w("            }")
+            w("            workgroupBarrier();")
+            w("            cur = 1u - cur;")
+            w("        }")
+        else:
+            # DIAG (timing only, wrong results): which parts of the loop bound it. "noload": no
+            # global loads in the loop (the first tile's registers staged again and again);
+            # "nostage": nor stores (the first tile staged once); "nobar": nor barriers; "mma":
+            # the subgroup's matrices loaded once, only the products in the loop
+            diag = f.get("DIAG", "")
+            if diag in ("nostage", "nobar", "mma"):
+                stage("        ", "0u", "0u")
+                w("        workgroupBarrier();")
+            if diag == "mma":
+                for i in range(TM):
+                    w(f"        let la{i} = left(sm + {16 * i}u, 0u, 0u);")
+                for j in range(TN):
+                    w(f"        let rb{j} = right(sn + {16 * j}u, 0u, 0u);")
+            w("        for (var k0 = k_lo; k0 < k_hi; k0 += BK) {")
+            if diag in ("", "noload"):
+                stage("            ", "0u", "0u")
+            if diag in ("", "noload", "nostage"):
+                w("            workgroupBarrier();")
+            if diag == "":
+                w("            if (k0 + BK < k_hi) {")
+                load("                ", "k0 + BK")
+                w("            }")
+            for st in range(BK // 16):
+                if diag == "mma":
+                    for j in range(TN):
+                        for i in range(TM):
+                            w(f"            acc.c{i}{j} = subgroupMatrixMultiplyAccumulate(la{i}, rb{j}, acc.c{i}{j});")
+                else:
+                    w(f"            kstep(&acc, sm, sn, {16 * st}u, 0u, 0u);")
+            if diag in ("", "noload", "nostage"):
+                w("            workgroupBarrier();")
+            w("        }")
         w("    } else {")
     tile_lines("    ", "var v{op}{t} = g{op}(k_lo, k_hi, {rc}, {e});")
     w("    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {")
@@ -230,7 +332,7 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
     tile_lines("            ", "v{op}{t} = g{op}(k1, k_hi, {rc}, {e});")
     w("        }")
     for st in range(BK // 16):
-        w(f"        kstep(&acc, sm, sn, {16 * st}u);")
+        w(f"        kstep(&acc, sm, sn, {16 * st}u, 0u, 0u);")
     w("        workgroupBarrier();")
     w("    }")
     if f.get("FAST"):
@@ -305,6 +407,8 @@ def run(forms, shapes, reps, out_json, torch_ok=True):
             u = rt.uniform(pack("16I", M, N, K, (4 if ta else 0) | (8 if tb else 0), 0, M if ta else K, 0,
                                 K if tb else N, 0, N, 0, 0 if ns == 1 else ks, 0, 0, 0, 0))
             binds = {0: C, 1: A16, 2: B16, 3: bias, 4: u, 5: table}
+            if f.get("COOP"):
+                binds.update({6: A16, 7: B16})
             consts = {"TA": ta, "TB": tb}
             if name == "prod":   # its tile as the wrapper has it
                 BM, BN = mm.SGMAT_TILE
