@@ -178,28 +178,23 @@ fn patch_out(m: subgroup_matrix_result<f32, 16, 16>, sg: u32, lane: u32, lanes: 
     w("}")
     if COOP:
         # the j-th 16 x 16 matrix of a tile (row-major over the tile's 16-blocks: BK / 16 = KM
-        # of them along K) straight from storage as a subgroup matrix, and into the staged tile
-        w("""
-fn coop_a(k0: u32, row0: u32, j: u32) -> subgroup_matrix_left<f16, 16, 16> {
-    let mi = j / KM; let ki = j % KM;
-    if (TA != 0u) { return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&A1, F.a_off + (k0 + ki * 16u) * F.lda + row0 + mi * 16u, true, F.lda); }
-    return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&A1, F.a_off + (row0 + mi * 16u) * F.lda + k0 + ki * 16u, false, F.lda);
-}
-fn coop_sa(m: subgroup_matrix_left<f16, 16, 16>, j: u32, o: u32) {
-    let mi = j / KM; let ki = j % KM;
-    if (TA != 0u) { subgroupMatrixStore(&As, o + ki * 16u * (BM + PADMN) + mi * 16u, m, true, BM + PADMN); return; }
-    subgroupMatrixStore(&As, o + mi * 16u * (BK + PADK) + ki * 16u, m, false, BK + PADK);
-}
-fn coop_b(k0: u32, col0: u32, j: u32) -> subgroup_matrix_right<f16, 16, 16> {
-    let ni = j / KM; let ki = j % KM;
-    if (TB != 0u) { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&B1, F.b_off + (col0 + ni * 16u) * F.ldb + k0 + ki * 16u, true, F.ldb); }
-    return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&B1, F.b_off + (k0 + ki * 16u) * F.ldb + col0 + ni * 16u, false, F.ldb);
-}
-fn coop_sb(m: subgroup_matrix_right<f16, 16, 16>, j: u32, o: u32) {
-    let ni = j / KM; let ki = j % KM;
-    if (TB != 0u) { subgroupMatrixStore(&Bs, o + ni * 16u * (BK + PADK) + ki * 16u, m, true, BK + PADK); return; }
-    subgroupMatrixStore(&Bs, o + ki * 16u * (BN + PADMN) + ni * 16u, m, false, BN + PADMN);
-}""")
+        # of them along K) straight from storage as a subgroup matrix, and into the staged tile;
+        # K-contiguous in memory (A, B^T) it is row-major for A's left, column-major for B's right
+        for op, kind, arr, buf, kc, off, ld, MN in (("a", "left", "As", "A1", "TA == 0u", "a_off", "lda", "BM"),
+                                                   ("b", "right", "Bs", "B1", "TB != 0u", "b_off", "ldb", "BN")):
+            fk, fm = ("false", "true") if op == "a" else ("true", "false")
+            mt = f"subgroup_matrix_{kind}<f16, 16, 16>"
+            w(f"""
+fn coop_{op}(k0: u32, rc0: u32, j: u32) -> {mt} {{
+    let i = j / KM; let ki = j % KM;
+    if ({kc}) {{ return subgroupMatrixLoad<{mt}>(&{buf}, F.{off} + (rc0 + i * 16u) * F.{ld} + k0 + ki * 16u, {fk}, F.{ld}); }}
+    return subgroupMatrixLoad<{mt}>(&{buf}, F.{off} + (k0 + ki * 16u) * F.{ld} + rc0 + i * 16u, {fm}, F.{ld});
+}}
+fn coop_s{op}(m: {mt}, j: u32, o: u32) {{
+    let i = j / KM; let ki = j % KM;
+    if ({kc}) {{ subgroupMatrixStore(&{arr}, o + i * 16u * (BK + PADK) + ki * 16u, m, {fk}, BK + PADK); return; }}
+    subgroupMatrixStore(&{arr}, o + ki * 16u * ({MN} + PADMN) + i * 16u, m, {fm}, {MN} + PADMN);
+}}""")
     w(f"""
 @compute @workgroup_size({T})
 fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: vec3<u32>,
