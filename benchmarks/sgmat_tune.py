@@ -218,8 +218,9 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
         # tid % R of a tile row of R vec4, the t-th T / R rows further), no bounds checks
         w("    let interior = row0 + BM <= F.M && col0 + BN <= F.N && (k_hi - k_lo) % BK == 0u;")
         w("    if (interior) {")
-        for op, T_, off, ld, rc, TX, MN, PADo, arr in (("a", "TA", "a_off", "lda", "row0", "TA", "BM", "PADMN", "As"),
-                                                       ("b", "TB", "b_off", "ldb", "col0", "TB", "BN", "PADMN", "Bs")):
+        walks = () if COOP else (("a", "TA", "a_off", "lda", "row0", "TA", "BM", "PADMN", "As"),
+                                 ("b", "TB", "b_off", "ldb", "col0", "TB", "BN", "PADMN", "Bs"))
+        for op, T_, off, ld, rc, TX, MN, PADo, arr in walks:   # (COOP loads whole matrices instead)
             # K-contiguous rows ([m][k] for A, [n][k] for B) unless the operand's flag says
             # MN-contiguous ([k][m] for A^T, [k][n] for B)
             kc = f"{TX} == 0u" if op == "a" else f"{TX} != 0u"

@@ -346,7 +346,7 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32,
     var acc: SgAcc;   // zero-initialised
     if (preload) { sg_preload(&acc, f16_pow2(ea + eb), c_base, r0, q0); }
 
-    if (row0 + BM <= F.M && col0 + BN <= F.N && (k_hi - k_lo) % BK == 0u) {   // workgroup-uniform
+    if (whole && (k_hi - k_lo) % BK == 0u) {   // workgroup-uniform
         interior_tiles(&acc, tid, row0, col0, sm, sn, k_lo, k_hi);
     } else {
         // at most 8 vec4 of each tile an invocation (a side of 64 WG / 32 rows): past the tile
