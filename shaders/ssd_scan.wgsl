@@ -23,11 +23,16 @@
 //   5 dx            z=(b,c,h)  [Q x P]  K=Q+N    a = cb_ij exp(a_i-a_j) (i>=j), b = dy_i[p];
 //                                                then a = exp(last-a_j) B_j[n], b = dS[c+1][p,n]
 //                                                -> dx = dt_j acc + D dy, part = x_j[p] acc
-//   6 dCB           z=(b,c,h)  [Q x Q]  K=P      a = dy_i[p], b = x_j[p] -> dcb = exp(a_i-a_j) dt_j acc (j<=i)
-//   7 dC            z=(b,c,g)  [Q x N]  K=HG(Q+P) a = dcb_h[i,j], b = B_j[n];
+//   6 dCB           z=(b,c,g)  [Q x Q]  K=HG P   a = dy_i[h,p], b = x_j[h,p], a head at a time
+//                                                (k = (h, p)): dcb = sum_h exp(a_hi-a_hj) dt_hj acc_h (j<=i)
+//   7 dC            z=(b,c,g)  [Q x N]  K=Q+HG P a = dcb[i,j], b = B_j[n];
 //                                                then a = exp(a_hi) dy_i[h,p], b = S_h[c][p,n] -> dC
-//   8 dB            z=(b,c,g)  [Q x N]  K=HG(Q+P) a = dcb_h[i,j] (r = j), b = C_i[n];
+//   8 dB            z=(b,c,g)  [Q x N]  K=Q+HG P a = dcb[i,j] (r = j), b = C_i[n];
 //                                                then a = exp(last_h-a_hj) dt_hj x_j[h,p], b = dS_h[c+1][p,n] -> dB
+// dcb is the group's: its heads share B and C, so dC and dB take the heads' sum of the gradient
+// of C_i . B_j once (K = Q) rather than each head's (K = HG Q); mode 6 multiplies each head's
+// K = P separately and adds it scaled by that head's decay (the factor of (i, j) cannot be
+// split into a row's and a column's: exp(-a_hj) overflows f32).
 // The rest is small: ssd_cumsum (a), ssd_state_pass / ssd_dstate_pass (the chunks in order,
 // one invocation per (b, h, p, n)), ssd_dlast (<dS[c+1], S[c+1]>, the gradient of `last`)
 // and ssd_dt_chunk (ddt, and the chunks' terms of dA_log and dD).
@@ -74,8 +79,8 @@ fn head_item(u: SS, z: u32) -> Item {
 }
 
 fn item(u: SS, z: u32) -> Item {
-    // heads (modes 1 3 4 5 6) or groups (2 7 8, z = (b * NC + c) * G + g) within a chunk
-    if (!(MODE == 2u || MODE == 7u || MODE == 8u)) { return head_item(u, z); }
+    // heads (modes 1 3 4 5) or groups (2 6 7 8, z = (b * NC + c) * G + g; h its first head)
+    if (!(MODE == 2u || MODE == 6u || MODE == 7u || MODE == 8u)) { return head_item(u, z); }
     var it: Item;
     it.g = z % G;
     it.h = it.g * (H / G);
@@ -97,7 +102,6 @@ fn last(u: SS, it: Item, h: u32) -> f32 { return acs(u, it, h, Q - 1u); }
 fn st(u: SS, it: Item, c: u32, h: u32, p: u32, n: u32) -> u32 {
     return (((it.b * (u.NC + 1u) + c) * H + h) * P + p) * N + n;
 }
-fn qq(u: SS, it: Item, h: u32, i: u32, j: u32) -> u32 { return (chunk_head(u, it, h) * Q + i) * Q + j; }
 fn cbi(u: SS, it: Item, i: u32, j: u32) -> u32 { return (((it.b * u.NC + it.c) * G + it.g) * Q + i) * Q + j; }
 
 // ---------------------------------------------------------------- the product's shape
@@ -108,8 +112,8 @@ fn dims(u: SS) -> vec4<u32> {
         case 1u, 4u: { return vec4<u32>(P, N, Q, Q); }
         case 2u: { return vec4<u32>(Q, Q, N, N); }
         case 3u, 5u: { return vec4<u32>(Q, P, Q + N, Q); }
-        case 6u: { return vec4<u32>(Q, Q, P, P); }
-        default: { return vec4<u32>(Q, N, hg * (Q + P), hg * Q); }
+        case 6u: { return vec4<u32>(Q, Q, hg * P, hg * P); }
+        default: { return vec4<u32>(Q, N, Q + hg * P, Q); }
     }
 }
 
@@ -163,22 +167,22 @@ fn a_at(u: SS, it: Item, r: u32, k: u32, ph: u32, k2: u32) -> f32 {
             if (!valid(u, it, r)) { return 0.0; }
             return exp(last(u, it, h) - acs(u, it, h, r)) * bv(u, row(u, it, r), it.g, k - k2);
         }
-        case 6u: {      // r = i, k = p
+        case 6u: {      // r = i, k = (h, p)
             if (!valid(u, it, r)) { return 0.0; }
             return s_a2[u.o_a2 + row(u, it, r) * Di + h * P + k];
         }
-        case 7u: {      // r = i; k = (h, j), then (h, p)
+        case 7u: {      // r = i; k = j, then (h, p)
             if (ph == 0u) {
-                return s_a1[u.o_a1 + qq(u, it, it.h + k / Q, r, k % Q)];
+                return s_a1[u.o_a1 + cbi(u, it, r, k)];
             }
             let kk = k - k2;
             let hh = it.h + kk / P;
             if (!valid(u, it, r)) { return 0.0; }
             return exp(acs(u, it, hh, r)) * s_a2[u.o_a2 + row(u, it, r) * Di + hh * P + kk % P];
         }
-        default: {      // 8: r = j; k = (h, i), then (h, p)
+        default: {      // 8: r = j; k = i, then (h, p)
             if (ph == 0u) {
-                return s_a1[u.o_a1 + qq(u, it, it.h + k / Q, k % Q, r)];
+                return s_a1[u.o_a1 + cbi(u, it, k, r)];
             }
             let kk = k - k2;
             let hh = it.h + kk / P;
@@ -218,24 +222,22 @@ fn b_at(u: SS, it: Item, k: u32, s: u32, ph: u32, k2: u32) -> f32 {
             }
             return s_a3[u.o_a3 + st(u, it, it.c + 1u, h, s, k - k2)];
         }
-        case 6u: {      // k = p, s = j
+        case 6u: {      // k = (h, p), s = j
             if (!valid(u, it, s)) { return 0.0; }
             return xv(u, row(u, it, s), h, k);
         }
-        case 7u: {      // k = (h, j), then (h, p); s = n
+        case 7u: {      // k = j, then (h, p); s = n
             if (ph == 0u) {
-                let j = k % Q;
-                if (!valid(u, it, j)) { return 0.0; }
-                return bv(u, row(u, it, j), it.g, s);
+                if (!valid(u, it, k)) { return 0.0; }
+                return bv(u, row(u, it, k), it.g, s);
             }
             let kk = k - k2;
             return s_a3[u.o_a3 + st(u, it, it.c, it.h + kk / P, kk % P, s)];
         }
-        default: {      // 8: k = (h, i), then (h, p); s = n
+        default: {      // 8: k = i, then (h, p); s = n
             if (ph == 0u) {
-                let i = k % Q;
-                if (!valid(u, it, i)) { return 0.0; }
-                return cv(u, row(u, it, i), it.g, s);
+                if (!valid(u, it, k)) { return 0.0; }
+                return cv(u, row(u, it, k), it.g, s);
             }
             let kk = k - k2;
             return s_a3[u.o_a3 + st(u, it, it.c + 1u, it.h + kk / P, kk % P, s)];
@@ -261,13 +263,7 @@ fn store(u: SS, it: Item, r: u32, s: u32, acc: f32) {
             s_out[u.o_out + m * C + h * P + s] = dtv(u, m, h) * acc + s_small[H + h] * dy;
             s_out2[u.o_out2 + m * Di + h * P + s] = xv(u, m, h, s) * acc;
         }
-        case 6u: {
-            var v = 0.0;
-            if (s <= r && valid(u, it, s)) {
-                v = exp(acs(u, it, h, r) - acs(u, it, h, s)) * dtv(u, row(u, it, s), h) * acc;
-            }
-            s_out[u.o_out + qq(u, it, h, r, s)] = v;
-        }
+        case 6u: { s_out[u.o_out + cbi(u, it, r, s)] = acc; }
         case 7u: {
             if (!valid(u, it, r)) { return; }
             s_out[u.o_out + row(u, it, r) * C + Di + (G + it.g) * N + s] = acc;
@@ -300,63 +296,89 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let s0 = ((w % u.ntile) % ns) * T;
     let tr = lid / 16u;
     let ts = lid % 16u;
+    // K in nh runs of kd: mode 6 a head's P at a time (its sum scaled by the head's decay into
+    // tot), the others all of K at once
+    var nh = 1u;
+    var kd = d.z;
+    if (MODE == 6u) { nh = H / G; kd = P; }
+    var tot: array<vec4<f32>, 4>;
     var acc: array<vec4<f32>, 4>;
-    if (STAGED == 0u) {     // CPU adapters: operands straight from memory, no barriers
-        let ra = vec4<bool>(r0 + tr < d.x, r0 + tr + 16u < d.x, r0 + tr + 32u < d.x, r0 + tr + 48u < d.x);
-        let sb = vec4<bool>(s0 + ts < d.y, s0 + ts + 16u < d.y, s0 + ts + 32u < d.y, s0 + ts + 48u < d.y);
-        for (var k = 0u; k < d.z; k++) {
-            let ph = select(0u, 1u, k >= d.w);
-            var av = vec4<f32>(0.0);
-            var bq = vec4<f32>(0.0);
-            if (ra.x) { av.x = a_at(u, it, r0 + tr, k, ph, d.w); }
-            if (ra.y) { av.y = a_at(u, it, r0 + tr + 16u, k, ph, d.w); }
-            if (ra.z) { av.z = a_at(u, it, r0 + tr + 32u, k, ph, d.w); }
-            if (ra.w) { av.w = a_at(u, it, r0 + tr + 48u, k, ph, d.w); }
-            if (sb.x) { bq.x = b_at(u, it, k, s0 + ts, ph, d.w); }
-            if (sb.y) { bq.y = b_at(u, it, k, s0 + ts + 16u, ph, d.w); }
-            if (sb.z) { bq.z = b_at(u, it, k, s0 + ts + 32u, ph, d.w); }
-            if (sb.w) { bq.w = b_at(u, it, k, s0 + ts + 48u, ph, d.w); }
-            acc[0] += av.x * bq;
-            acc[1] += av.y * bq;
-            acc[2] += av.z * bq;
-            acc[3] += av.w * bq;
+    for (var hl = 0u; hl < nh; hl++) {
+        let kb = hl * kd;   // the run's first k
+        acc = array<vec4<f32>, 4>();   // (assigned: a declaration in a loop body is not
+                                       // zeroed each time by every compiler)
+        if (STAGED == 0u) {     // CPU adapters: operands straight from memory, no barriers
+            let ra = vec4<bool>(r0 + tr < d.x, r0 + tr + 16u < d.x, r0 + tr + 32u < d.x, r0 + tr + 48u < d.x);
+            let sb = vec4<bool>(s0 + ts < d.y, s0 + ts + 16u < d.y, s0 + ts + 32u < d.y, s0 + ts + 48u < d.y);
+            for (var k = kb; k < kb + kd; k++) {
+                let ph = select(0u, 1u, k >= d.w);
+                var av = vec4<f32>(0.0);
+                var bq = vec4<f32>(0.0);
+                if (ra.x) { av.x = a_at(u, it, r0 + tr, k, ph, d.w); }
+                if (ra.y) { av.y = a_at(u, it, r0 + tr + 16u, k, ph, d.w); }
+                if (ra.z) { av.z = a_at(u, it, r0 + tr + 32u, k, ph, d.w); }
+                if (ra.w) { av.w = a_at(u, it, r0 + tr + 48u, k, ph, d.w); }
+                if (sb.x) { bq.x = b_at(u, it, k, s0 + ts, ph, d.w); }
+                if (sb.y) { bq.y = b_at(u, it, k, s0 + ts + 16u, ph, d.w); }
+                if (sb.z) { bq.z = b_at(u, it, k, s0 + ts + 32u, ph, d.w); }
+                if (sb.w) { bq.w = b_at(u, it, k, s0 + ts + 48u, ph, d.w); }
+                acc[0] += av.x * bq;
+                acc[1] += av.y * bq;
+                acc[2] += av.z * bq;
+                acc[3] += av.w * bq;
+            }
         }
-    }
-    for (var k0 = 0u; k0 < d.z * STAGED; k0 += KT) {
-        let ph = select(0u, 1u, k0 >= d.w);
-        let akf = a_kfast(ph);
-        let bkf = b_kfast(ph);
-        for (var q = 0u; q < 4u; q++) {
-            let e = lid + q * 256u;
-            var kk = e / T;
-            var rr = e % T;
-            if (akf) { kk = e % KT; rr = e / KT; }
-            var v = 0.0;
-            if (r0 + rr < d.x && k0 + kk < d.z) { v = a_at(u, it, r0 + rr, k0 + kk, ph, d.w); }
-            tA[kk * TP + rr] = v;
-            var kb = e / T;
-            var sb = e % T;
-            if (bkf) { kb = e % KT; sb = e / KT; }
-            var vb = 0.0;
-            if (s0 + sb < d.y && k0 + kb < d.z) { vb = b_at(u, it, k0 + kb, s0 + sb, ph, d.w); }
-            tB[kb * TP + sb] = vb;
+        for (var k0 = kb; k0 < (kb + kd) * STAGED; k0 += KT) {
+            let ph = select(0u, 1u, k0 >= d.w);
+            let akf = a_kfast(ph);
+            let bkf = b_kfast(ph);
+            for (var q = 0u; q < 4u; q++) {
+                let e = lid + q * 256u;
+                var kk = e / T;
+                var rr = e % T;
+                if (akf) { kk = e % KT; rr = e / KT; }
+                var v = 0.0;
+                if (r0 + rr < d.x && k0 + kk < kb + kd) { v = a_at(u, it, r0 + rr, k0 + kk, ph, d.w); }
+                tA[kk * TP + rr] = v;
+                var kq = e / T;
+                var sq = e % T;
+                if (bkf) { kq = e % KT; sq = e / KT; }
+                var vb = 0.0;
+                if (s0 + sq < d.y && k0 + kq < kb + kd) { vb = b_at(u, it, k0 + kq, s0 + sq, ph, d.w); }
+                tB[kq * TP + sq] = vb;
+            }
+            workgroupBarrier();
+            for (var kk = 0u; kk < KT; kk++) {
+                let bq = vec4<f32>(tB[kk * TP + ts], tB[kk * TP + ts + 16u], tB[kk * TP + ts + 32u], tB[kk * TP + ts + 48u]);
+                acc[0] += tA[kk * TP + tr] * bq;
+                acc[1] += tA[kk * TP + tr + 16u] * bq;
+                acc[2] += tA[kk * TP + tr + 32u] * bq;
+                acc[3] += tA[kk * TP + tr + 48u] * bq;
+            }
+            workgroupBarrier();
         }
-        workgroupBarrier();
-        for (var kk = 0u; kk < KT; kk++) {
-            let bq = vec4<f32>(tB[kk * TP + ts], tB[kk * TP + ts + 16u], tB[kk * TP + ts + 32u], tB[kk * TP + ts + 48u]);
-            acc[0] += tA[kk * TP + tr] * bq;
-            acc[1] += tA[kk * TP + tr + 16u] * bq;
-            acc[2] += tA[kk * TP + tr + 32u] * bq;
-            acc[3] += tA[kk * TP + tr + 48u] * bq;
+        if (MODE != 6u) {
+            tot = acc;
+            break;
         }
-        workgroupBarrier();
+        // dcb += exp(a_hi - a_hj) dt_hj acc (j <= i; the exponent <= 0 there)
+        let hh = it.h + hl;
+        for (var a = 0u; a < 4u; a++) {
+            let r = r0 + tr + 16u * a;
+            for (var b = 0u; b < 4u; b++) {
+                let s = s0 + ts + 16u * b;
+                if (r < Q && s <= r && valid(u, it, s)) {
+                    tot[a][b] += exp(acs(u, it, hh, r) - acs(u, it, hh, s)) * dtv(u, row(u, it, s), hh) * acc[a][b];
+                }
+            }
+        }
     }
     for (var a = 0u; a < 4u; a++) {
         let r = r0 + tr + 16u * a;
         if (r >= d.x) { continue; }
         for (var b = 0u; b < 4u; b++) {
             let s = s0 + ts + 16u * b;
-            if (s < d.y) { store(u, it, r, s, acc[a][b]); }
+            if (s < d.y) { store(u, it, r, s, tot[a][b]); }
         }
     }
 }

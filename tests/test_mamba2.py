@@ -696,19 +696,25 @@ SSD_SHAPES = [(2, 40, 24, 64, 16, 1), (2, 37, 8, 4, 3, 4), (1, 1, 3, 6, 7, 1), (
 LANE_SSD = [s for s in SSD_SHAPES if s[3] % 8 == 0 and s[4] % 4 == 0 and (s[4] <= 16 or s[4] % 16 == 0)]
 
 
-@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "chunked"])
+@pytest.mark.parametrize("lanes", [True, False, "staged"], ids=["lanes", "chunked", "staged"])
 @pytest.mark.parametrize("B,L,H,P,N,G", SSD_SHAPES)
 def test_ssd_kernels_against_torch(rt, monkeypatch, B, L, H, P, N, G, lanes):
     """The scan forward (y, the final saved state) and backward (dx, dB, dC, ddt, dA_log, dD)
     against torch autograd, in the chunked form and (CPU adapters) the 8-lane kernels; the
     first shape runs more loop iterations per sequence than lavapipe lets one invocation run
-    (the chunked kernels go a chunk per dispatch)."""
+    (the chunked kernels go a chunk per dispatch). "staged": the chunked products as GPUs run
+    them (tiles through workgroup memory), on a CPU adapter too."""
     from memengine.engine.kernels import ssd
 
     monkeypatch.setattr(rt.kernels, "ssd_lanes", True)
     cpu = ssd.takes_lanes(rt, L, H, P, N, G)
-    if not lanes and not cpu:
+    if lanes is False and not cpu:
         pytest.skip("the chunked kernels run this shape in the other case")
+    if lanes == "staged":
+        if not ssd.is_cpu(rt):
+            pytest.skip("GPUs run the staged products in the chunked case")
+        monkeypatch.setattr(ssd, "is_cpu", lambda rt: False)
+        lanes = False
     monkeypatch.setattr(rt.kernels, "ssd_lanes", lanes)
     assert ssd.takes_lanes(rt, L, H, P, N, G) == (lanes and ssd.lane_shape(L, P, N) and ssd.cpu_lanes(rt))
 

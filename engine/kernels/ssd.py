@@ -114,7 +114,7 @@ def lane_passes(N: int) -> int:
 def sequence_scratch(nb: int, L: int, H: int, P: int, N: int, G: int, backward: bool = True,
                      lanes: bool = False) -> tuple:
     """Bytes of the scratch for nb sequences: (small, CB, and for the backward the state
-    gradients, the dx terms, dCB); the 8-lane kernels' (`lanes`): none forward, the backward's
+    gradients, the dx terms, the group's dCB); the 8-lane kernels' (`lanes`): none forward, the backward's
     dB/dC partials and its ddt, dA_log and dD terms."""
     NC = n_chunks(L)
     if lanes:
@@ -123,7 +123,7 @@ def sequence_scratch(nb: int, L: int, H: int, P: int, N: int, G: int, backward: 
     fwd = (4 * _small_len(nb, NC, H), 4 * nb * NC * G * Q * Q)
     if not backward:
         return fwd
-    return fwd + (4 * math.prod(state_shape(nb, L, H, P, N)), 4 * nb * L * H * P, 4 * nb * NC * H * Q * Q)
+    return fwd + (4 * math.prod(state_shape(nb, L, H, P, N)), 4 * nb * L * H * P, 4 * nb * NC * G * Q * Q)
 
 
 def _part_len(nb: int, L: int, Di: int, N: int) -> int:
@@ -246,7 +246,7 @@ class _Scan:
 
     def product(self, mode: int, out, a1=None, a2=None, a3=None, out2=None) -> None:
         H, P, N, G = self.H, self.P, self.N, self.G
-        Z = self.nb * self.NC * (G if mode in (CB, DC, DB) else H)
+        Z = self.nb * self.NC * (G if mode in (CB, DCB, DC, DB) else H)
         R, S = {CHUNK_STATE: (P, N), CB: (Q, Q), OUTPUT: (Q, P), DSTATE: (P, N), DX: (Q, P), DCB: (Q, Q),
                 DC: (Q, N), DB: (Q, N)}[mode]
         ntile = cdiv(R, T) * cdiv(S, T)
@@ -380,7 +380,7 @@ def ssd_backward(rec: Recorder, dxbc: Tensor, ddt: Tensor, dA_log: Tensor | None
         v["cb"] = rt.scratch("ssd_cb", (nb * NC * G * Q * Q,))
         v["dstates"] = rt.scratch("ssd_dstates", (nb * S,))
         v["part"] = rt.scratch("ssd_part", (nb * L * Di,))
-        v["dcb"] = rt.scratch("ssd_dcb", (nb * NC * H * Q * Q,))
+        v["dcb"] = rt.scratch("ssd_dcb", (nb * NC * G * Q * Q,))
         s = _Scan(rec, nb, L, H, P, N, G, v)
         s.constants(A_log, D)
         s.cumsum()
