@@ -75,6 +75,14 @@ FORMS = [
     form("w2x2_db", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, DB=1),
     form("w2x2_coop", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, COOP=1),
     form("w2x2_coop_db", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, COOP=1, DB=1),
+    # the interior loop's global loads, which bound it (results/h100/products_pf2/: without them
+    # it ran 2x): issued two K tiles ahead from a second register set (PF2); a K tile of 64
+    form("w2x2_pf2", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, PF2=1),
+    form("w2x2_bk64", WM=2, WN=2, TM=4, TN=4, BK=64, PAD=8, DIRECT=1, FAST=1),
+    form("w2x2_bk64_pf2", WM=2, WN=2, TM=4, TN=4, BK=64, PAD=8, DIRECT=1, FAST=1, PF2=1),
+    # the interior loop's loads of 16 bytes (vec4<u32>, 8 halves) instead of 8: half the load
+    # instructions and their addresses
+    form("w2x2_u4", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, U4=1),
     # w2x2_fast with parts of its interior loop left out (timing only: see DIAG in source)
     *[form(f"diag_{d}", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, DIAG=d) for d in ("noload", "nostage", "nobar", "mma")],
 ]
@@ -89,6 +97,11 @@ def source(f: dict) -> str:
     na, nb = BM * BK // 4, BK * BN // 4           # vec4 per tile
     assert na % T == 0 and nb % T == 0, f
     la, lb = na // T, nb // T
+    U4 = f.get("U4", 0)   # the interior loop's loads 16 bytes (8 halves) at a time
+    VW = 8 if U4 else 4
+    V = f"{VW}u"
+    if U4:
+        la, lb = la // 2, lb // 2
     # shared strides: [m][k] BK+PAD, [k][m] BM+PAD, [k][n] BN+PAD, [n][k] BK+PAD
     a_size = max(BM * (BK + PK), BK * (BM + PMN))
     b_size = max(BN * (BK + PK), BK * (BN + PMN))
@@ -106,6 +119,9 @@ def source(f: dict) -> str:
     if COOP:   # the operands again as f16 scalars, for subgroupMatrixLoad from storage
         w("@group(0) @binding(6) var<storage, read> A1: array<f16>;")
         w("@group(0) @binding(7) var<storage, read> B1: array<f16>;")
+    if U4:     # the operands again as 16-byte words (8 halves)
+        w("@group(0) @binding(6) var<storage, read> A8: array<vec4<u32>>;")
+        w("@group(0) @binding(7) var<storage, read> B8: array<vec4<u32>>;")
     w(STORE_C)
     w("override TA: u32 = 0u;\noverride TB: u32 = 0u;")
     w(f"const BM: u32 = {BM}u;\nconst BN: u32 = {BN}u;\nconst BK: u32 = {BK}u;\nconst PADK: u32 = {PK}u;\nconst PADMN: u32 = {PMN}u;")
@@ -216,7 +232,8 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
         # interior tiles (whole in M and N, K a multiple of BK): each invocation's vec4s of a
         # tile at offsets fixed outside the K loop (its first vec4's row tid / R and column
         # tid % R of a tile row of R vec4, the t-th T / R rows further), no bounds checks
-        w("    let interior = row0 + BM <= F.M && col0 + BN <= F.N && (k_hi - k_lo) % BK == 0u;")
+        kmul = "(2u * BK)" if f.get("PF2") else "BK"   # PF2: K tiles two at a time
+        w(f"    let interior = row0 + BM <= F.M && col0 + BN <= F.N && (k_hi - k_lo) % {kmul} == 0u;")
         w("    if (interior) {")
         walks = () if COOP else (("a", "TA", "a_off", "lda", "row0", "TA", "BM", "PADMN", "As"),
                                  ("b", "TB", "b_off", "ldb", "col0", "TB", "BN", "PADMN", "Bs"))
@@ -226,18 +243,18 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
             kc = f"{TX} == 0u" if op == "a" else f"{TX} != 0u"
             w(f"        var g{op} = 0u; var s{op}0 = 0u; var g{op}t = 0u; var s{op}t = 0u; var g{op}k = 0u;")
             w(f"        if ({kc}) {{")
-            w(f"            let r = tid / (BK / 4u); let c = tid % (BK / 4u);")
-            w(f"            g{op} = F.{off} / 4u + ({rc} + r) * (F.{ld} / 4u) + k_lo / 4u + c;")
-            w(f"            g{op}t = ({T}u / (BK / 4u)) * (F.{ld} / 4u); g{op}k = BK / 4u;")
-            w(f"            s{op}0 = r * (BK + PADK) + c * 4u; s{op}t = ({T}u / (BK / 4u)) * (BK + PADK);")
+            w(f"            let r = tid / (BK / {V}); let c = tid % (BK / {V});")
+            w(f"            g{op} = F.{off} / {V} + ({rc} + r) * (F.{ld} / {V}) + k_lo / {V} + c;")
+            w(f"            g{op}t = ({T}u / (BK / {V})) * (F.{ld} / {V}); g{op}k = BK / {V};")
+            w(f"            s{op}0 = r * (BK + PADK) + c * {V}; s{op}t = ({T}u / (BK / {V})) * (BK + PADK);")
             w("        } else {")
-            w(f"            let r = tid / ({MN} / 4u); let c = tid % ({MN} / 4u);")
-            w(f"            g{op} = F.{off} / 4u + (k_lo + r) * (F.{ld} / 4u) + {rc} / 4u + c;")
-            w(f"            g{op}t = ({T}u / ({MN} / 4u)) * (F.{ld} / 4u); g{op}k = BK * (F.{ld} / 4u);")
-            w(f"            s{op}0 = r * ({MN} + {PADo}) + c * 4u; s{op}t = ({T}u / ({MN} / 4u)) * ({MN} + {PADo});")
+            w(f"            let r = tid / ({MN} / {V}); let c = tid % ({MN} / {V});")
+            w(f"            g{op} = F.{off} / {V} + (k_lo + r) * (F.{ld} / {V}) + {rc} / {V} + c;")
+            w(f"            g{op}t = ({T}u / ({MN} / {V})) * (F.{ld} / {V}); g{op}k = BK * (F.{ld} / {V});")
+            w(f"            s{op}0 = r * ({MN} + {PADo}) + c * {V}; s{op}t = ({T}u / ({MN} / {V})) * ({MN} + {PADo});")
             w("        }")
         def fast_lines(indent, fmt):
-            for op, n, src in (("a", la, "A4"), ("b", lb, "B4")):
+            for op, n, src in (("a", la, "A8" if U4 else "A4"), ("b", lb, "B8" if U4 else "B4")):
                 for t in range(n):
                     w(indent + fmt.format(op=op, t=t, src=src, arr="As" if op == "a" else "Bs"))
         nc = (BM // 16) * (BK // 16) // (WM * WN)   # matrices of each tile a subgroup stages (COOP)
@@ -250,6 +267,12 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
             else:
                 for op, n, arr, oo in (("a", la, "As", oa), ("b", lb, "Bs", ob)):
                     for t in range(n):
+                        if U4:
+                            w(indent + f"let i{op}{t} = {oo} + s{op}0 + {t}u * s{op}t;")
+                            for q, c in enumerate("xyzw"):
+                                w(indent + f"let h{op}{t}{c} = bitcast<vec2<f16>>(f{op}{t}.{c}); "
+                                  f"{arr}[i{op}{t} + {2 * q}u] = h{op}{t}{c}.x; {arr}[i{op}{t} + {2 * q + 1}u] = h{op}{t}{c}.y;")
+                            continue
                         w(indent + f"let i{op}{t} = {oo} + s{op}0 + {t}u * s{op}t; {arr}[i{op}{t}] = f{op}{t}.x; "
                           f"{arr}[i{op}{t} + 1u] = f{op}{t}.y; {arr}[i{op}{t} + 2u] = f{op}{t}.z; "
                           f"{arr}[i{op}{t} + 3u] = f{op}{t}.w;")
@@ -268,7 +291,26 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
                 w(f"        var pa{t} = coop_a(k_lo, row0, sg * {nc}u + {t}u); var pb{t} = coop_b(k_lo, col0, sg * {nc}u + {t}u);")
         else:
             fast_lines("        ", "var f{op}{t} = {src}[g{op} + {t}u * g{op}t];")
-        if DB:   # two staged tiles: the next one stored while this one multiplies, one barrier a K tile
+        if f.get("PF2"):   # two register sets: a tile's loads issued two K tiles before it is staged
+            fast_lines("        ", "var h{op}{t} = {src}[g{op} + g{op}k + {t}u * g{op}t];")
+            w("        ga += gak; gb += gbk;")
+            w("        for (var k0 = k_lo; k0 < k_hi; k0 += 2u * BK) {")
+            for regs, ahead in (("f", "2u"), ("h", "3u")):
+                for op, n, arr in (("a", la, "As"), ("b", lb, "Bs")):
+                    for t in range(n):
+                        w(f"            let i{op}{t}{regs} = s{op}0 + {t}u * s{op}t; {arr}[i{op}{t}{regs}] = {regs}{op}{t}.x; "
+                          f"{arr}[i{op}{t}{regs} + 1u] = {regs}{op}{t}.y; {arr}[i{op}{t}{regs} + 2u] = {regs}{op}{t}.z; "
+                          f"{arr}[i{op}{t}{regs} + 3u] = {regs}{op}{t}.w;")
+                w("            workgroupBarrier();")
+                w(f"            if (k0 + {ahead} * BK < k_hi) {{")
+                w("                ga += gak; gb += gbk;")
+                fast_lines("                ", "%s{op}{t} = {src}[g{op} + {t}u * g{op}t];" % regs)
+                w("            }")
+                for st in range(BK // 16):
+                    w(f"            kstep(&acc, sm, sn, {16 * st}u, 0u, 0u);")
+                w("            workgroupBarrier();")
+            w("        }")
+        elif DB:   # two staged tiles: the next one stored while this one multiplies, one barrier a K tile
             stage("        ", "0u", "0u")
             w("        workgroupBarrier();")
             w("        var cur = 0u;")
@@ -403,7 +445,7 @@ def run(forms, shapes, reps, out_json, torch_ok=True):
             u = rt.uniform(pack("16I", M, N, K, (4 if ta else 0) | (8 if tb else 0), 0, M if ta else K, 0,
                                 K if tb else N, 0, N, 0, 0 if ns == 1 else ks, 0, 0, 0, 0))
             binds = {0: C, 1: A16, 2: B16, 3: bias, 4: u, 5: table}
-            if f.get("COOP"):
+            if f.get("COOP") or f.get("U4"):
                 binds.update({6: A16, 7: B16})
             consts = {"TA": ta, "TB": tb}
             if name == "prod":   # its tile as the wrapper has it
