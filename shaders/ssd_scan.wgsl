@@ -475,14 +475,16 @@ fn ssd_dlast(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     if (lid == 0u) { s_small[u.o_dl + z] = red[0]; }
 }
 
-// A workgroup per (b, c, h), one invocation per step i < Q (Q <= 256):
+// A workgroup per (b, c, h); step i < Q (Q <= 256) has SPS = 256 / Q invocations:
 //   r1_i = sum_p part[m, h*P + p] (= x_i . acc_i of the dx product), r2_i = sum_p dy (y - D x);
 //   da_i = r2_i - dt_i r1_i (+ dlast at i = Q - 1); ddt_i = r1_i + A sum_{k >= i} da_k (WRITE);
 //   the chunk's term of dA_log: A sum_i da_i sum_{k <= i} dt_k; of dD: sum_i sum_p dy x.
+// The sums over k run as scans over the workgroup (log2 Q steps), not one invocation's loop.
 // aux1 = part [M, Di], aux2 = dy [M, Di], aux3 = y [M, Di]; out = ddt [M, H]
 var<workgroup> wda: array<f32, 256>;
 var<workgroup> wr1: array<f32, 256>;
 var<workgroup> wdd: array<f32, 256>;
+var<workgroup> wdt: array<f32, 256>;
 
 @compute @workgroup_size(256)
 fn ssd_dt_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -493,14 +495,16 @@ fn ssd_dt_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let it = head_item(u, z);
     let h = it.h;
     let Dh = s_small[H + h];
-    let i = lid;
-    var da = 0.0;
+    let SPS = max(1u, 256u / Q);
+    let i = lid / SPS;
+    let j = lid % SPS;
+    // this invocation's share of step i's sums over p (p = j, j + SPS, ...)
     var r1 = 0.0;
+    var r2 = 0.0;
     var dd = 0.0;
     if (i < Q && valid(u, it, i)) {
         let m = row(u, it, i);
-        var r2 = 0.0;
-        for (var p = 0u; p < P; p++) {
+        for (var p = j; p < P; p += SPS) {
             let o = m * Di + h * P + p;
             let dy = s_a2[u.o_a2 + o];
             let x = xv(u, m, h, p);
@@ -508,30 +512,59 @@ fn ssd_dt_chunk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             r2 += dy * (s_a3[u.o_a3 + o] - Dh * x);
             dd += dy * x;
         }
-        da = r2 - dtv(u, m, h) * r1;
     }
-    if (i + 1u == Q) { da += s_small[u.o_dl + z]; }
-    wda[lid] = da;
     wr1[lid] = r1;
+    wda[lid] = r2;
     wdd[lid] = dd;
     workgroupBarrier();
+    // step i's sums (invocation i < Q), its da and dt
+    var dti = 0.0;
+    if (lid < Q) {
+        r1 = 0.0;
+        r2 = 0.0;
+        dd = 0.0;
+        for (var q = 0u; q < SPS; q++) {
+            r1 += wr1[lid * SPS + q];
+            r2 += wda[lid * SPS + q];
+            dd += wdd[lid * SPS + q];
+        }
+        if (valid(u, it, lid)) { dti = dtv(u, row(u, it, lid), h); }
+    }
+    var da = select(0.0, r2 - dti * r1, lid < Q);
+    if (lid + 1u == Q) { da += s_small[u.o_dl + z]; }
+    workgroupBarrier();
+    wr1[lid] = select(0.0, r1, lid < Q);
+    wda[lid] = da;                    // becomes sum_{k >= i} da_k
+    wdt[lid] = dti;                   // becomes sum_{k <= i} dt_k
+    wdd[lid] = select(0.0, dd, lid < Q);
+    workgroupBarrier();
+    for (var w = 1u; w < Q; w <<= 1u) {
+        var fd = 0.0;
+        var ft = 0.0;
+        if (lid < Q && lid + w < Q) { fd = wda[lid + w]; }
+        if (lid < Q && lid >= w) { ft = wdt[lid - w]; }
+        workgroupBarrier();
+        wda[lid] += fd;
+        wdt[lid] += ft;
+        workgroupBarrier();
+    }
+    let A = -exp(s_small[h]);
+    if (lid < Q && valid(u, it, lid)) {
+        s_out[u.o_out + row(u, it, lid) * H + h] = wr1[lid] + A * wda[lid];
+    }
+    // dA's terms da_i cum_i (da the step's own, in a register) and dD's, summed as a tree
+    workgroupBarrier();
+    wr1[lid] = da * wdt[lid];
+    workgroupBarrier();
+    for (var w = 128u; w > 0u; w >>= 1u) {
+        if (lid < w) {
+            wr1[lid] += wr1[lid + w];
+            wdd[lid] += wdd[lid + w];
+        }
+        workgroupBarrier();
+    }
     if (lid == 0u) {
-        let A = -exp(s_small[h]);
-        var rev = 0.0;
-        var cum = 0.0;
-        var dA = 0.0;
-        var dD = 0.0;
-        for (var k = 0u; k < Q; k++) {
-            if (valid(u, it, k)) { cum += dtv(u, row(u, it, k), h); }
-            dA += wda[k] * cum;
-            dD += wdd[k];
-        }
-        for (var kr = 0u; kr < Q; kr++) {
-            let k = Q - 1u - kr;
-            rev += wda[k];
-            if (valid(u, it, k)) { s_out[u.o_out + row(u, it, k) * H + h] = wr1[k] + A * rev; }
-        }
-        s_small[u.o_pa + z] = A * dA;
-        s_small[u.o_pd + z] = dD;
+        s_small[u.o_pa + z] = A * wr1[0];
+        s_small[u.o_pd + z] = wdd[0];
     }
 }
