@@ -42,7 +42,7 @@
 
 struct SS { B: u32, L: u32, NC: u32, Z: u32, ntile: u32,
             o_out: u32, o_x: u32, o_dt: u32, o_a1: u32, o_a2: u32, o_a3: u32, o_out2: u32,
-            o_acs: u32, o_dl: u32, o_pa: u32, o_pd: u32, pad0: u32, pad1: u32, pad2: u32 }
+            o_acs: u32, o_dl: u32, o_pa: u32, o_pd: u32, o_ei: u32, o_eo: u32, pad2: u32 }
 
 @group(0) @binding(0) var<storage, read_write> s_out: array<f32>;
 @group(0) @binding(1) var<storage, read> s_x: array<f32>;       // xbc [M, C]
@@ -98,6 +98,9 @@ fn dtv(u: SS, m: u32, h: u32) -> f32 { return s_dt[u.o_dt + m * H + h]; }
 fn chunk_head(u: SS, it: Item, h: u32) -> u32 { return (it.b * u.NC + it.c) * H + h; }
 fn acs(u: SS, it: Item, h: u32, i: u32) -> f32 { return s_small[u.o_acs + chunk_head(u, it, h) * Q + i]; }
 fn last(u: SS, it: Item, h: u32) -> f32 { return acs(u, it, h, Q - 1u); }
+// exp(a_i) and exp(last - a_i), once per step (ssd_cumsum)
+fn ein(u: SS, it: Item, h: u32, i: u32) -> f32 { return s_small[u.o_ei + chunk_head(u, it, h) * Q + i]; }
+fn eout(u: SS, it: Item, h: u32, i: u32) -> f32 { return s_small[u.o_eo + chunk_head(u, it, h) * Q + i]; }
 // states / dstates [nb, NC + 1, H, P, N]: entry c of head h, (p, n)
 fn st(u: SS, it: Item, c: u32, h: u32, p: u32, n: u32) -> u32 {
     return (((it.b * (u.NC + 1u) + c) * H + h) * P + p) * N + n;
@@ -140,7 +143,7 @@ fn a_at(u: SS, it: Item, r: u32, k: u32, ph: u32, k2: u32) -> f32 {
         case 1u: {      // r = p, k = j
             if (!valid(u, it, k)) { return 0.0; }
             let m = row(u, it, k);
-            return exp(last(u, it, h) - acs(u, it, h, k)) * dtv(u, m, h) * xv(u, m, h, r);
+            return eout(u, it, h, k) * dtv(u, m, h) * xv(u, m, h, r);
         }
         case 2u: {      // r = i, k = n
             if (!valid(u, it, r)) { return 0.0; }
@@ -153,11 +156,11 @@ fn a_at(u: SS, it: Item, r: u32, k: u32, ph: u32, k2: u32) -> f32 {
                        * dtv(u, row(u, it, k), h);
             }
             if (!valid(u, it, r)) { return 0.0; }
-            return exp(acs(u, it, h, r)) * cv(u, row(u, it, r), it.g, k - k2);
+            return ein(u, it, h, r) * cv(u, row(u, it, r), it.g, k - k2);
         }
         case 4u: {      // r = p, k = i
             if (!valid(u, it, k)) { return 0.0; }
-            return s_a2[u.o_a2 + row(u, it, k) * Di + h * P + r] * exp(acs(u, it, h, k));
+            return s_a2[u.o_a2 + row(u, it, k) * Di + h * P + r] * ein(u, it, h, k);
         }
         case 5u: {      // r = j; k = i, then n
             if (ph == 0u) {
@@ -165,7 +168,7 @@ fn a_at(u: SS, it: Item, r: u32, k: u32, ph: u32, k2: u32) -> f32 {
                 return s_a1[u.o_a1 + cbi(u, it, k, r)] * exp(acs(u, it, h, k) - acs(u, it, h, r));
             }
             if (!valid(u, it, r)) { return 0.0; }
-            return exp(last(u, it, h) - acs(u, it, h, r)) * bv(u, row(u, it, r), it.g, k - k2);
+            return eout(u, it, h, r) * bv(u, row(u, it, r), it.g, k - k2);
         }
         case 6u: {      // r = i, k = (h, p)
             if (!valid(u, it, r)) { return 0.0; }
@@ -178,7 +181,7 @@ fn a_at(u: SS, it: Item, r: u32, k: u32, ph: u32, k2: u32) -> f32 {
             let kk = k - k2;
             let hh = it.h + kk / P;
             if (!valid(u, it, r)) { return 0.0; }
-            return exp(acs(u, it, hh, r)) * s_a2[u.o_a2 + row(u, it, r) * Di + hh * P + kk % P];
+            return ein(u, it, hh, r) * s_a2[u.o_a2 + row(u, it, r) * Di + hh * P + kk % P];
         }
         default: {      // 8: r = j; k = i, then (h, p)
             if (ph == 0u) {
@@ -188,7 +191,7 @@ fn a_at(u: SS, it: Item, r: u32, k: u32, ph: u32, k2: u32) -> f32 {
             let hh = it.h + kk / P;
             if (!valid(u, it, r)) { return 0.0; }
             let m = row(u, it, r);
-            return exp(last(u, it, hh) - acs(u, it, hh, r)) * dtv(u, m, hh) * xv(u, m, hh, kk % P);
+            return eout(u, it, hh, r) * dtv(u, m, hh) * xv(u, m, hh, kk % P);
         }
     }
 }
@@ -384,7 +387,9 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 }
 
 // ---------------------------------------------------------------- the small kernels
-// a[b, c, h, i] = A_h * sum_{k <= i} dt (padding repeats the last); one invocation per (b, c, h)
+// a[b, c, h, i] = A_h * sum_{k <= i} dt (padding repeats the last), and exp(a_i), exp(last - a_i)
+// (the products' row and column factors, one exp per step instead of one per operand load);
+// one invocation per (b, c, h)
 @compute @workgroup_size(256)
 fn ssd_cumsum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
@@ -397,6 +402,12 @@ fn ssd_cumsum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     for (var i = 0u; i < Q; i++) {
         if (valid(u, it, i)) { s += dtv(u, row(u, it, i), it.h); }
         s_small[u.o_acs + z * Q + i] = A * s;
+    }
+    let lst = A * s;
+    for (var i = 0u; i < Q; i++) {
+        let a = s_small[u.o_acs + z * Q + i];
+        s_small[u.o_ei + z * Q + i] = exp(a);
+        s_small[u.o_eo + z * Q + i] = exp(lst - a);
     }
 }
 

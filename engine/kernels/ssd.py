@@ -57,8 +57,9 @@ def _u(B=0, L=0, H=0, P=0, N=0, G=0, NC=0, C=0, Di=0, W=0, nrows=0, offs=(), lo=
 
 
 def _small_len(nb: int, NC: int, H: int) -> int:
-    """A_log [H] | D [H] | the decay logs [nb, NC, H, Q] | dlast, dA_log and dD terms [nb, NC, H]."""
-    return 2 * H + nb * NC * H * (Q + 3)
+    """A_log [H] | D [H] | the decay logs [nb, NC, H, Q] | dlast, dA_log and dD terms [nb, NC, H]
+    | their exps and exp(last - a) [nb, NC, H, Q] each."""
+    return 2 * H + nb * NC * H * (3 * Q + 3)
 
 
 def sequence_windows(nb: int, L: int, H: int, P: int, N: int, G: int) -> tuple:
@@ -228,6 +229,8 @@ class _Scan:
         self.o_acs = 2 * H
         self.o_dl = self.o_acs + z * Q
         self.o_pa, self.o_pd = self.o_dl + z, self.o_dl + 2 * z
+        self.o_ei = self.o_pd + z
+        self.o_eo = self.o_ei + z * Q
 
     def constants(self, A_log, D) -> None:
         self.rec.copy(A_log, self.small.view((self.H,)))
@@ -236,7 +239,8 @@ class _Scan:
     def _uniform(self, Z, ntile, out=None, a1=None, a2=None, a3=None, out2=None) -> bytes:
         off = lambda k: self.b[k][1] if k is not None else 0
         return struct.pack("20I", self.nb, self.L, self.NC, Z, ntile, off(out), off("xbc"), off("dt"), off(a1),
-                           off(a2), off(a3), off(out2), self.o_acs, self.o_dl, self.o_pa, self.o_pd, 0, 0, 0, 0)
+                           off(a2), off(a3), off(out2), self.o_acs, self.o_dl, self.o_pa, self.o_pd, self.o_ei,
+                           self.o_eo, 0, 0)
 
     def _bind(self, out, a1, a2, a3, out2) -> dict:
         t = lambda k, alt: self.b[k][0] if k is not None else alt
