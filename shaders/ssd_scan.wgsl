@@ -285,6 +285,12 @@ const TP: u32 = 65u;     // a tile row in workgroup memory (padded against bank 
 var<workgroup> tA: array<f32, 1040>;   // [KT][TP]: tA[k * TP + r]
 var<workgroup> tB: array<f32, 1040>;   // [KT][TP]: tB[k * TP + s]
 
+// element e of a staged K step's tile: (k, r), k fastest where the operand has k contiguous
+fn tile_at(e: u32, kfast: bool) -> vec2<u32> {
+    if (kfast) { return vec2<u32>(e % KT, e / KT); }
+    return vec2<u32>(e / T, e % T);
+}
+
 @compute @workgroup_size(256)
 fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
@@ -337,18 +343,14 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
             let bkf = b_kfast(ph);
             for (var q = 0u; q < 4u; q++) {
                 let e = lid + q * 256u;
-                var kk = e / T;
-                var rr = e % T;
-                if (akf) { kk = e % KT; rr = e / KT; }
+                let pa = tile_at(e, akf);
                 var v = 0.0;
-                if (r0 + rr < d.x && k0 + kk < kb + kd) { v = a_at(u, it, r0 + rr, k0 + kk, ph, d.w); }
-                tA[kk * TP + rr] = v;
-                var kq = e / T;
-                var sq = e % T;
-                if (bkf) { kq = e % KT; sq = e / KT; }
+                if (r0 + pa.y < d.x && k0 + pa.x < kb + kd) { v = a_at(u, it, r0 + pa.y, k0 + pa.x, ph, d.w); }
+                tA[pa.x * TP + pa.y] = v;
+                let pb = tile_at(e, bkf);
                 var vb = 0.0;
-                if (s0 + sq < d.y && k0 + kq < kb + kd) { vb = b_at(u, it, k0 + kq, s0 + sq, ph, d.w); }
-                tB[kq * TP + sq] = vb;
+                if (s0 + pb.y < d.y && k0 + pb.x < kb + kd) { vb = b_at(u, it, k0 + pb.x, s0 + pb.y, ph, d.w); }
+                tB[pb.x * TP + pb.y] = vb;
             }
             workgroupBarrier();
             for (var kk = 0u; kk < KT; kk++) {
