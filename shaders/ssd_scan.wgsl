@@ -33,11 +33,12 @@
 // of C_i . B_j once (K = Q) rather than each head's (K = HG Q); mode 6 multiplies each head's
 // K = P separately and adds it scaled by that head's decay (the factor of (i, j) cannot be
 // split into a row's and a column's: exp(-a_hj) overflows f32).
-// The rest is small: ssd_cumsum (a), ssd_state_pass / ssd_dstate_pass (the chunks in order,
+// The rest is small: ssd_cumsum (a and its exps), ssd_state_pass / ssd_dstate_pass (the chunks in order,
 // one invocation per (b, h, p, n)), ssd_dlast (<dS[c+1], S[c+1]>, the gradient of `last`)
 // and ssd_dt_chunk (ddt, and the chunks' terms of dA_log and dD).
 //
-// `small` holds A_log [H] | D [H] | a [nb, NC, H, Q] | dlast, dA_log and dD terms [nb, NC, H].
+// `small` holds A_log [H] | D [H] | a [nb, NC, H, Q] | dlast, dA_log and dD terms [nb, NC, H] |
+// exp(a) and exp(last - a) [nb, NC, H, Q] each (the operands' row and column factors).
 // states and dstates are [nb, NC + 1, H, P, N] (dstates[c]: the gradient of S[c]; entry NC 0).
 
 struct SS { B: u32, L: u32, NC: u32, Z: u32, ntile: u32,
