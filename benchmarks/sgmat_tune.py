@@ -258,9 +258,10 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
                 for t in range(n):
                     w(indent + fmt.format(op=op, t=t, src=src, arr="As" if op == "a" else "Bs"))
         nc = (BM // 16) * (BK // 16) // (WM * WN)   # matrices of each tile a subgroup stages (COOP)
-        assert nc * WM * WN == (BM // 16) * (BK // 16) and (BN // 16) * (BK // 16) == nc * WM * WN, f
+        assert not COOP or nc * WM * WN == (BM // 16) * (BK // 16) == (BN // 16) * (BK // 16), f
 
-        def stage(indent, oa, ob):
+        def stage(indent, oa, ob, regs="f"):   # regs: the register set staged (f, or PF2's h)
+            x = "" if regs == "f" else regs        # (its index names apart from f's)
             if COOP:
                 for t in range(nc):
                     w(indent + f"coop_sa(pa{t}, sg * {nc}u + {t}u, {oa}); coop_sb(pb{t}, sg * {nc}u + {t}u, {ob});")
@@ -273,9 +274,10 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
                                 w(indent + f"let h{op}{t}{c} = bitcast<vec2<f16>>(f{op}{t}.{c}); "
                                   f"{arr}[i{op}{t} + {2 * q}u] = h{op}{t}{c}.x; {arr}[i{op}{t} + {2 * q + 1}u] = h{op}{t}{c}.y;")
                             continue
-                        w(indent + f"let i{op}{t} = {oo} + s{op}0 + {t}u * s{op}t; {arr}[i{op}{t}] = f{op}{t}.x; "
-                          f"{arr}[i{op}{t} + 1u] = f{op}{t}.y; {arr}[i{op}{t} + 2u] = f{op}{t}.z; "
-                          f"{arr}[i{op}{t} + 3u] = f{op}{t}.w;")
+                        i = f"i{op}{t}{x}"
+                        w(indent + f"let {i} = {oo} + s{op}0 + {t}u * s{op}t; {arr}[{i}] = {regs}{op}{t}.x; "
+                          f"{arr}[{i} + 1u] = {regs}{op}{t}.y; {arr}[{i} + 2u] = {regs}{op}{t}.z; "
+                          f"{arr}[{i} + 3u] = {regs}{op}{t}.w;")
             return
 
         def load(indent, k):
@@ -296,11 +298,7 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
             w("        ga += gak; gb += gbk;")
             w("        for (var k0 = k_lo; k0 < k_hi; k0 += 2u * BK) {")
             for regs, ahead in (("f", "2u"), ("h", "3u")):
-                for op, n, arr in (("a", la, "As"), ("b", lb, "Bs")):
-                    for t in range(n):
-                        w(f"            let i{op}{t}{regs} = s{op}0 + {t}u * s{op}t; {arr}[i{op}{t}{regs}] = {regs}{op}{t}.x; "
-                          f"{arr}[i{op}{t}{regs} + 1u] = {regs}{op}{t}.y; {arr}[i{op}{t}{regs} + 2u] = {regs}{op}{t}.z; "
-                          f"{arr}[i{op}{t}{regs} + 3u] = {regs}{op}{t}.w;")
+                stage("            ", "0u", "0u", regs)
                 w("            workgroupBarrier();")
                 w(f"            if (k0 + {ahead} * BK < k_hi) {{")
                 w("                ga += gak; gb += gbk;")

@@ -81,7 +81,7 @@ def test_matmul_f16_within_the_rounding_bound(rt, f16_kernel, M, N, K, ta, tb):
 # (K 4096 at 256 x 256: 4 tiles split over K) and with the operands' f16 scales undone
 # `acc`: into C (matmul_sgmat starts such tiles' results from C scaled by 2^(ea + eb) where
 # -32 <= ea + eb <= 64, else it adds C in its guarded epilogue: (40, 30) and (-20, -15)); K of
-# 1, 2, 3 and 5 K tiles of 32 (the interior loop takes them two at a time))
+# 1, 2, 3 and 5 K tiles of 32
 @pytest.mark.parametrize("M,N,K,ea,eb", [(256, 384, 96, 0, 0), (256, 256, 4096, 0, 0), (128, 256, 160, 9, -7),
                                          (256, 128, 64, 20, 25), (128, 256, 80, 3, 5), (128, 128, 80, 40, 30),
                                          (128, 256, 48, -20, -15), (128, 128, 32, 0, 0)])
