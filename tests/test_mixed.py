@@ -14,6 +14,7 @@ import itertools
 import numpy as np
 import pytest
 from memengine.engine.kernels import matmul as mm
+from sgmat_emulation import emulated
 
 U16 = 2.0 ** -11   # f16 unit roundoff
 U32 = 2.0 ** -24
@@ -24,14 +25,23 @@ def _need_f16(rt):
         pytest.skip("adapter without shader-f16")
 
 
-@pytest.fixture(params=["simt", "sgmat"])
+@pytest.fixture(params=["simt", "sgmat", "sgmat-emulated"])
 def f16_kernel(rt, request):
     """The kernel --precision mixed's products take: matmul_f16 (f32 arithmetic on f16
     operands, every adapter with shader-f16) or matmul_sgmat (subgroup matrices, where the
-    adapter has f16 ones: Dawn on NVIDIA); the other one switched off for the test."""
+    adapter has f16 ones: Dawn on NVIDIA); the other one switched off for the test.
+    sgmat-emulated: matmul_sgmat where the adapter has no subgroup matrices, its matrix
+    operations emulated (tests/sgmat_emulation.py: the kernel's indexing, staging and
+    epilogues, not the hardware's products)."""
     _need_f16(rt)
     if request.param == "sgmat" and not rt.has_subgroup_matrix:
         pytest.skip(f"{rt.describe()} has no f16 subgroup matrices")
+    if request.param == "sgmat-emulated":
+        if rt.has_subgroup_matrix:
+            pytest.skip(f"{rt.describe()} runs matmul_sgmat itself (the sgmat cases)")
+        with emulated(rt, keep=True):
+            yield "matmul_sgmat"
+        return
     saved = rt.kernels.sgmat
     rt.kernels.sgmat = request.param == "sgmat"
     yield "matmul_sgmat" if request.param == "sgmat" else "matmul_f16"
@@ -40,7 +50,7 @@ def f16_kernel(rt, request):
 
 # tensor cores add the f16 x f16 products (exact in f32) in f32 with truncation rather than
 # rounding: up to 2^-23 relative an addition, twice the f32 kernels' bound
-ACC_FACTOR = {"matmul_f16": 1.0, "matmul_sgmat": 2.0}
+ACC_FACTOR = {"matmul_f16": 1.0, "matmul_sgmat": 2.0}   # (the emulation rounds: within either)
 
 
 @pytest.mark.parametrize("M,N,K", [(132, 76, 68), (8, 128, 1536), (4, 4, 4), (200, 260, 100)])
