@@ -135,51 +135,49 @@ fn stage_b(v: vec4<f16>, e: u32) {
     Bs[i] = v.x; Bs[i + 1u] = v.y; Bs[i + 2u] = v.z; Bs[i + 3u] = v.w;
 }
 
-// Interior tiles (whole in M and N, their K range a multiple of BK) take a path without
-// bounds checks whose offsets are fixed outside the K loop: an invocation's t-th vec4 of an
-// operand's tile lies at g + t * gt in memory (g advancing by gk a K tile) and at s + t * st
-// in the staged tile. A tile row holds R vec4 (BK / 4 where K is contiguous in memory, else
-// the tile's M or N side / 4); WG / R rows apart, so the rows and columns of
-// load_a / stage_a (e = tid + WG t) are the same.
+// Interior tiles (whole in M and N, their K range a multiple of BK, the operands' offsets and
+// leading dimensions multiples of 8 halves) take a path without bounds checks whose offsets
+// are fixed outside the K loop and whose loads are 16 bytes (8 halves, A8 / B8: the operands
+// bound again as vec4<u32>): an invocation's t-th word of an operand's tile lies at g + t * gt
+// in memory (g advancing by gk a K tile) and at s + t * st in the staged tile. A tile row
+// holds R words (BK / 8 where K is contiguous in memory, else the tile's M or N side / 8);
+// WG / R rows apart. A tile is BM * BK / 8 = 4 WG words: 4 of each operand an invocation.
+@group(0) @binding(6) var<storage, read> A8: array<vec4<u32>>;
+@group(0) @binding(7) var<storage, read> B8: array<vec4<u32>>;
+
 struct Walk { g: u32, gt: u32, gk: u32, s: u32, st: u32 }
 
 // kc: K contiguous in memory ([m][k] of A, [n][k] of B^T); mn: the tile's M or N side;
 // rc0: its first row or column in C; off, ld: the operand's offset and leading dimension
 fn walk(kc: bool, mn: u32, off: u32, ld: u32, rc0: u32, k_lo: u32, tid: u32) -> Walk {
-    let ld4 = ld / 4u;
+    let ld8 = ld / 8u;
     if (kc) {
-        let r = tid / (BK / 4u);
-        let c = tid % (BK / 4u);
-        return Walk(off / 4u + (rc0 + r) * ld4 + k_lo / 4u + c, (WG / (BK / 4u)) * ld4, BK / 4u,
-                    r * (BK + PAD) + c * 4u, (WG / (BK / 4u)) * (BK + PAD));
+        let r = tid / (BK / 8u);
+        let c = tid % (BK / 8u);
+        return Walk(off / 8u + (rc0 + r) * ld8 + k_lo / 8u + c, (WG / (BK / 8u)) * ld8, BK / 8u,
+                    r * (BK + PAD) + c * 8u, (WG / (BK / 8u)) * (BK + PAD));
     }
-    let r = tid / (mn / 4u);
-    let c = tid % (mn / 4u);
-    return Walk(off / 4u + (k_lo + r) * ld4 + rc0 / 4u + c, (WG / (mn / 4u)) * ld4, BK * ld4,
-                r * (mn + PAD) + c * 4u, (WG / (mn / 4u)) * (mn + PAD));
+    let r = tid / (mn / 8u);
+    let c = tid % (mn / 8u);
+    return Walk(off / 8u + (k_lo + r) * ld8 + rc0 / 8u + c, (WG / (mn / 8u)) * ld8, BK * ld8,
+                r * (mn + PAD) + c * 8u, (WG / (mn / 8u)) * (mn + PAD));
 }
 
-// the t-th vec4 of an interior tile (nothing past the tile: t WG >= side BK / 4)
-fn fetch_a(w: Walk, t: u32) -> vec4<f16> {
-    if (t * WG >= BM * BK / 4u) { return vec4<f16>(0.0h); }
-    return A4[w.g + t * w.gt];
-}
-
-fn fetch_b(w: Walk, t: u32) -> vec4<f16> {
-    if (t * WG >= BN * BK / 4u) { return vec4<f16>(0.0h); }
-    return B4[w.g + t * w.gt];
-}
-
-fn put_a(v: vec4<f16>, w: Walk, t: u32) {
-    if (t * WG >= BM * BK / 4u) { return; }
+// the t-th word (8 halves) into a staged tile
+fn put_a(v: vec4<u32>, w: Walk, t: u32) {
     let i = w.s + t * w.st;
-    As[i] = v.x; As[i + 1u] = v.y; As[i + 2u] = v.z; As[i + 3u] = v.w;
+    let h0 = bitcast<vec2<f16>>(v.x); let h1 = bitcast<vec2<f16>>(v.y);
+    let h2 = bitcast<vec2<f16>>(v.z); let h3 = bitcast<vec2<f16>>(v.w);
+    As[i] = h0.x; As[i + 1u] = h0.y; As[i + 2u] = h1.x; As[i + 3u] = h1.y;
+    As[i + 4u] = h2.x; As[i + 5u] = h2.y; As[i + 6u] = h3.x; As[i + 7u] = h3.y;
 }
 
-fn put_b(v: vec4<f16>, w: Walk, t: u32) {
-    if (t * WG >= BN * BK / 4u) { return; }
+fn put_b(v: vec4<u32>, w: Walk, t: u32) {
     let i = w.s + t * w.st;
-    Bs[i] = v.x; Bs[i + 1u] = v.y; Bs[i + 2u] = v.z; Bs[i + 3u] = v.w;
+    let h0 = bitcast<vec2<f16>>(v.x); let h1 = bitcast<vec2<f16>>(v.y);
+    let h2 = bitcast<vec2<f16>>(v.z); let h3 = bitcast<vec2<f16>>(v.w);
+    Bs[i] = h0.x; Bs[i + 1u] = h0.y; Bs[i + 2u] = h1.x; Bs[i + 3u] = h1.y;
+    Bs[i + 4u] = h2.x; Bs[i + 5u] = h2.y; Bs[i + 6u] = h3.x; Bs[i + 7u] = h3.y;
 }
 
 // the left matrix of rows m0..m0+15 of the tile and K steps kk..kk+15
@@ -243,23 +241,17 @@ fn interior_tiles(acc: ptr<function, SgAcc>, tid: u32, row0: u32, col0: u32, sm:
                   k_lo: u32, k_hi: u32) {
     var wa = walk(TA == 0u, BM, F.a_off, F.lda, row0, k_lo, tid);
     var wb = walk(TB != 0u, BN, F.b_off, F.ldb, col0, k_lo, tid);
-    var va0 = fetch_a(wa, 0u); var va1 = fetch_a(wa, 1u); var va2 = fetch_a(wa, 2u); var va3 = fetch_a(wa, 3u);
-    var va4 = fetch_a(wa, 4u); var va5 = fetch_a(wa, 5u); var va6 = fetch_a(wa, 6u); var va7 = fetch_a(wa, 7u);
-    var vb0 = fetch_b(wb, 0u); var vb1 = fetch_b(wb, 1u); var vb2 = fetch_b(wb, 2u); var vb3 = fetch_b(wb, 3u);
-    var vb4 = fetch_b(wb, 4u); var vb5 = fetch_b(wb, 5u); var vb6 = fetch_b(wb, 6u); var vb7 = fetch_b(wb, 7u);
+    var va0 = A8[wa.g]; var va1 = A8[wa.g + wa.gt]; var va2 = A8[wa.g + 2u * wa.gt]; var va3 = A8[wa.g + 3u * wa.gt];
+    var vb0 = B8[wb.g]; var vb1 = B8[wb.g + wb.gt]; var vb2 = B8[wb.g + 2u * wb.gt]; var vb3 = B8[wb.g + 3u * wb.gt];
     for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
         put_a(va0, wa, 0u); put_a(va1, wa, 1u); put_a(va2, wa, 2u); put_a(va3, wa, 3u);
-        put_a(va4, wa, 4u); put_a(va5, wa, 5u); put_a(va6, wa, 6u); put_a(va7, wa, 7u);
         put_b(vb0, wb, 0u); put_b(vb1, wb, 1u); put_b(vb2, wb, 2u); put_b(vb3, wb, 3u);
-        put_b(vb4, wb, 4u); put_b(vb5, wb, 5u); put_b(vb6, wb, 6u); put_b(vb7, wb, 7u);
         workgroupBarrier();
         if (k0 + BK < k_hi) {
             wa.g += wa.gk;
             wb.g += wb.gk;
-            va0 = fetch_a(wa, 0u); va1 = fetch_a(wa, 1u); va2 = fetch_a(wa, 2u); va3 = fetch_a(wa, 3u);
-            va4 = fetch_a(wa, 4u); va5 = fetch_a(wa, 5u); va6 = fetch_a(wa, 6u); va7 = fetch_a(wa, 7u);
-            vb0 = fetch_b(wb, 0u); vb1 = fetch_b(wb, 1u); vb2 = fetch_b(wb, 2u); vb3 = fetch_b(wb, 3u);
-            vb4 = fetch_b(wb, 4u); vb5 = fetch_b(wb, 5u); vb6 = fetch_b(wb, 6u); vb7 = fetch_b(wb, 7u);
+            va0 = A8[wa.g]; va1 = A8[wa.g + wa.gt]; va2 = A8[wa.g + 2u * wa.gt]; va3 = A8[wa.g + 3u * wa.gt];
+            vb0 = B8[wb.g]; vb1 = B8[wb.g + wb.gt]; vb2 = B8[wb.g + 2u * wb.gt]; vb3 = B8[wb.g + 3u * wb.gt];
         }
         sg_step(acc, sm, sn, 0u);
         sg_step(acc, sm, sn, 16u);
@@ -346,7 +338,8 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32,
     var acc: SgAcc;   // zero-initialised
     if (preload) { sg_preload(&acc, f16_pow2(ea + eb), c_base, r0, q0); }
 
-    if (whole && (k_hi - k_lo) % BK == 0u) {   // workgroup-uniform
+    let words = ((F.a_off | F.lda | F.b_off | F.ldb) & 7u) == 0u;
+    if (whole && (k_hi - k_lo) % BK == 0u && words) {   // workgroup-uniform
         interior_tiles(&acc, tid, row0, col0, sm, sn, k_lo, k_hi);
     } else {
         // at most 8 vec4 of each tile an invocation (a side of 64 WG / 32 rows): past the tile
