@@ -68,7 +68,9 @@ class Recorder:
         if prof is not None:
             if prof.pending:
                 prof.flush()
-            i = prof.slot(f"{shader}.{entry}")
+            # a kernel of several modes (a MODE constant: ssd_product) timed per mode
+            mode = f"[{constants['MODE']}]" if constants and "MODE" in constants else ""
+            i = prof.slot(f"{shader}.{entry}{mode}")
             if i is not None:
                 self._end_pass()
                 p = self.encoder.begin_compute_pass(timestamp_writes={
