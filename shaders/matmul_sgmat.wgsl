@@ -16,8 +16,9 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // makes a BM x BN = 128 x 128 tile of C (engine/kernels/matmul.py `SGMAT_TILE`); a subgroup
 // makes a 64 x 64 part as 4 x 4 result matrices of 16 x 16, named accumulators (no private
 // arrays: see DEVELOPERS.md). K advances in tiles of BK = 32 staged through workgroup
-// memory with vec4 loads, zeros outside the matrices (so any M, N, K the layout allows),
-// the next tile's loads held in registers while the current one multiplies. Each tile
+// memory with vec4 loads (16-byte words in interior tiles), zeros outside the matrices (so
+// any M, N, K the layout allows), the next tile's loads held in registers while the current
+// one multiplies. Each tile
 // keeps its operand's layout in memory (K-contiguous or M/N-contiguous rows), and
 // subgroupMatrixLoad reads it row- or column-major accordingly; the rows are padded by 8
 // halves (16 bytes), so that the eight 16-byte rows a matrix load reads at once fall in
