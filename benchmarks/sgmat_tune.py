@@ -36,10 +36,12 @@ SHAPES = [
 ]
 
 
-# the matmul_sgmat interface, from the shader itself: its bindings (the uniform block, split-K
-# slice and f16 unscale come from shaders/matmul_params.wgsl, which every form requires)
+# the matmul_sgmat interface, from the shader itself: its bindings 0-5 (the uniform block, split-K
+# slice and f16 unscale come from shaders/matmul_params.wgsl, which every form requires; 6 and 7,
+# the operands again, each form declares as it reads them)
 SGMAT = (ROOT / "shaders/matmul_sgmat.wgsl").read_text()
-PRELUDE = "\n".join(ln for ln in SGMAT.splitlines() if ln.startswith("@group(0)"))
+PRELUDE = "\n".join(ln for ln in SGMAT.splitlines()
+                    if ln.startswith("@group(0)") and int(re.search(r"@binding\((\d+)\)", ln).group(1)) < 6)
 # matmul_sgmat.wgsl's guarded epilogue (store_c), taken from the shader itself
 STORE_C = re.search(r"// C\[r, c\.\.c\+3\] = acc unscaled.*?\n}\n", SGMAT, re.S).group(0)
 
@@ -68,7 +70,9 @@ FORMS = [
     # a smaller workgroup of the same 64 x 64 subgroup part, so that two share an SM (the
     # registers allow one of 8 subgroups) and one's barriers overlap the other's products: the
     # shader's form since results/h100/sgmat_wg128/ (where it beat the 8-subgroup forms above
-    # at every large product; with BK 64, or of 2 subgroups, 64 x 128 / 128 x 64, it lost)
+    # at every large product; with BK 64, or of 2 subgroups, 64 x 128 / 128 x 64, it lost); its
+    # interior loop with 8-byte loads, where the shader's loads 16 bytes since results/h100/u4_loads/
+    # (1.13-1.31x there)
     form("w2x2_fast", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1),
     # the interior loop's staging: two staged tiles, one barrier a K tile (DB); each subgroup's
     # share of the tiles loaded from storage as subgroup matrices and stored as such (COOP)
@@ -80,9 +84,6 @@ FORMS = [
     form("w2x2_pf2", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, PF2=1),
     form("w2x2_bk64", WM=2, WN=2, TM=4, TN=4, BK=64, PAD=8, DIRECT=1, FAST=1),
     form("w2x2_bk64_pf2", WM=2, WN=2, TM=4, TN=4, BK=64, PAD=8, DIRECT=1, FAST=1, PF2=1),
-    # the interior loop's loads of 16 bytes (vec4<u32>, 8 halves) instead of 8: half the load
-    # instructions and their addresses
-    form("w2x2_u4", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, U4=1),
     # w2x2_fast with parts of its interior loop left out (timing only: see DIAG in source)
     *[form(f"diag_{d}", WM=2, WN=2, TM=4, TN=4, PAD=8, DIRECT=1, FAST=1, DIAG=d) for d in ("noload", "nostage", "nobar", "mma")],
 ]
@@ -97,11 +98,7 @@ def source(f: dict) -> str:
     na, nb = BM * BK // 4, BK * BN // 4           # vec4 per tile
     assert na % T == 0 and nb % T == 0, f
     la, lb = na // T, nb // T
-    U4 = f.get("U4", 0)   # the interior loop's loads 16 bytes (8 halves) at a time
-    VW = 8 if U4 else 4
-    V = f"{VW}u"
-    if U4:
-        la, lb = la // 2, lb // 2
+    V = "4u"   # halves a load
     # shared strides: [m][k] BK+PAD, [k][m] BM+PAD, [k][n] BN+PAD, [n][k] BK+PAD
     a_size = max(BM * (BK + PK), BK * (BM + PMN))
     b_size = max(BN * (BK + PK), BK * (BN + PMN))
@@ -119,9 +116,6 @@ def source(f: dict) -> str:
     if COOP:   # the operands again as f16 scalars, for subgroupMatrixLoad from storage
         w("@group(0) @binding(6) var<storage, read> A1: array<f16>;")
         w("@group(0) @binding(7) var<storage, read> B1: array<f16>;")
-    if U4:     # the operands again as 16-byte words (8 halves)
-        w("@group(0) @binding(6) var<storage, read> A8: array<vec4<u32>>;")
-        w("@group(0) @binding(7) var<storage, read> B8: array<vec4<u32>>;")
     w(STORE_C)
     w("override TA: u32 = 0u;\noverride TB: u32 = 0u;")
     w(f"const BM: u32 = {BM}u;\nconst BN: u32 = {BN}u;\nconst BK: u32 = {BK}u;\nconst PADK: u32 = {PK}u;\nconst PADMN: u32 = {PMN}u;")
@@ -254,7 +248,7 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
             w(f"            s{op}0 = r * ({MN} + {PADo}) + c * {V}; s{op}t = ({T}u / ({MN} / {V})) * ({MN} + {PADo});")
             w("        }")
         def fast_lines(indent, fmt):
-            for op, n, src in (("a", la, "A8" if U4 else "A4"), ("b", lb, "B8" if U4 else "B4")):
+            for op, n, src in (("a", la, "A4"), ("b", lb, "B4")):
                 for t in range(n):
                     w(indent + fmt.format(op=op, t=t, src=src, arr="As" if op == "a" else "Bs"))
         nc = (BM // 16) * (BK // 16) // (WM * WN)   # matrices of each tile a subgroup stages (COOP)
@@ -268,12 +262,6 @@ fn matmul_sgmat(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id
             else:
                 for op, n, arr, oo in (("a", la, "As", oa), ("b", lb, "Bs", ob)):
                     for t in range(n):
-                        if U4:
-                            w(indent + f"let i{op}{t} = {oo} + s{op}0 + {t}u * s{op}t;")
-                            for q, c in enumerate("xyzw"):
-                                w(indent + f"let h{op}{t}{c} = bitcast<vec2<f16>>(f{op}{t}.{c}); "
-                                  f"{arr}[i{op}{t} + {2 * q}u] = h{op}{t}{c}.x; {arr}[i{op}{t} + {2 * q + 1}u] = h{op}{t}{c}.y;")
-                            continue
                         i = f"i{op}{t}{x}"
                         w(indent + f"let {i} = {oo} + s{op}0 + {t}u * s{op}t; {arr}[{i}] = {regs}{op}{t}.x; "
                           f"{arr}[{i} + 1u] = {regs}{op}{t}.y; {arr}[{i} + 2u] = {regs}{op}{t}.z; "
@@ -443,7 +431,7 @@ def run(forms, shapes, reps, out_json, torch_ok=True):
             u = rt.uniform(pack("16I", M, N, K, (4 if ta else 0) | (8 if tb else 0), 0, M if ta else K, 0,
                                 K if tb else N, 0, N, 0, 0 if ns == 1 else ks, 0, 0, 0, 0))
             binds = {0: C, 1: A16, 2: B16, 3: bias, 4: u, 5: table}
-            if f.get("COOP") or f.get("U4"):
+            if f.get("COOP") or name == "prod":
                 binds.update({6: A16, 7: B16})
             consts = {"TA": ta, "TB": tb}
             if name == "prod":   # its tile as the wrapper has it
