@@ -392,23 +392,37 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 // ---------------------------------------------------------------- the small kernels
 // a[b, c, h, i] = A_h * sum_{k <= i} dt (padding repeats the last), and exp(a_i), exp(last - a_i)
 // (the products' row and column factors, one exp per step instead of one per operand load);
-// one invocation per (b, c, h)
+// a workgroup takes 256 / Q chunk-heads (b, c, h), an invocation a step, the sum over k a scan
+// within each chunk-head's Q invocations (log2 Q steps; one invocation's loop over Q was
+// 3.9 ms of the mamba2-130m step on an H100, benchmarks/results/h100/u4_loads/)
 @compute @workgroup_size(256)
 fn ssd_cumsum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
     let u = US;
-    let z = lin(wid, nwg, lid);
-    if (z >= u.Z) { return; }
-    let it = head_item(u, z);
-    let A = -exp(s_small[it.h]);
-    var s = 0.0;
-    for (var i = 0u; i < Q; i++) {
-        if (valid(u, it, i)) { s += dtv(u, row(u, it, i), it.h); }
-        s_small[u.o_acs + z * Q + i] = A * s;
+    let z = (wid.x + wid.y * nwg.x) * (256u / Q) + lid / Q;
+    let i = lid % Q;
+    let live = z < u.Z && lid < (256u / Q) * Q;
+    var it: Item;
+    var A = 0.0;
+    var d = 0.0;
+    if (live) {
+        it = head_item(u, z);
+        A = -exp(s_small[it.h]);
+        if (valid(u, it, i)) { d = dtv(u, row(u, it, i), it.h); }
     }
-    let lst = A * s;
-    for (var i = 0u; i < Q; i++) {
-        let a = s_small[u.o_acs + z * Q + i];
+    wdt[lid] = d;
+    workgroupBarrier();
+    for (var w = 1u; w < Q; w <<= 1u) {
+        var f = 0.0;
+        if (i >= w) { f = wdt[lid - w]; }
+        workgroupBarrier();
+        wdt[lid] += f;
+        workgroupBarrier();
+    }
+    if (live) {
+        let a = A * wdt[lid];
+        let lst = A * wdt[lid - i + Q - 1u];
+        s_small[u.o_acs + z * Q + i] = a;
         s_small[u.o_ei + z * Q + i] = exp(a);
         s_small[u.o_eo + z * Q + i] = exp(lst - a);
     }

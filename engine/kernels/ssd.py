@@ -266,7 +266,7 @@ class _Scan:
 
     def cumsum(self) -> None:
         Z = self.nb * self.NC * self.H
-        self.small_kernel("ssd_cumsum", Z, cdiv(Z, WG), slots=(2,))
+        self.small_kernel("ssd_cumsum", Z, cdiv(Z, WG // Q), slots=(2,))   # 256 / Q chunk-heads a workgroup
 
     def state_pass(self, entry: str, out) -> None:
         Z = self.nb * self.H * self.P * self.N
