@@ -12,8 +12,9 @@
 //
 // The matrix work is one tiled kernel, `ssd_product`: out[r, s] = sum_k a(r, k) b(k, s) for
 // each item z of a batch (a chunk of a head or of a group), 64 x 64 outputs per workgroup of
-// 256 threads (4 x 4 each), K in steps of 16 staged through workgroup memory (on CPU
-// adapters, STAGED = 0, loaded straight: their barriers cost more than the loads they save).
+// 256 threads (4 x 4 each), K in steps of 16 staged through workgroup memory, an invocation's
+// 4 x 4 read as one vec4 of each operand a k (on CPU adapters, STAGED = 0, loaded straight:
+// their barriers cost more than the loads they save).
 // MODE (a pipeline constant) says what a, b and the store are:
 //   1 chunk state   z=(b,c,h)  [P x N]  K=Q      a = exp(last-a_j) dt_j x_j[p], b = B_j[n] -> states[b,c+1]
 //   2 CB            z=(b,c,g)  [Q x Q]  K=N      a = C_i[n], b = B_j[n]                   -> cb
@@ -282,9 +283,18 @@ fn store(u: SS, it: Item, r: u32, s: u32, acc: f32) {
 // ---------------------------------------------------------------- the tiled product
 const T: u32 = 64u;      // outputs per tile side
 const KT: u32 = 16u;     // K per step
-const TP: u32 = 65u;     // a tile row in workgroup memory (padded against bank conflicts)
-var<workgroup> tA: array<f32, 1040>;   // [KT][TP]: tA[k * TP + r]
-var<workgroup> tB: array<f32, 1040>;   // [KT][TP]: tB[k * TP + s]
+const TV: u32 = 17u;     // a tile row in workgroup memory: T / 4 vec4 and one of padding
+var<workgroup> tA: array<vec4<f32>, 272>;   // [KT][TV]: r at tA[k * TV + r / 4][r % 4]
+var<workgroup> tB: array<vec4<f32>, 272>;   // [KT][TV]: s likewise
+
+// the tile rows (r0 + orow(tr, a)) and columns (s0 + orow(ts, b)) of an invocation's 4 x 4
+// outputs, a, b < 4: on GPUs four adjacent ones (one vec4 of a staged row each), on CPU
+// adapters four 16 apart (adjacent invocations, which a CPU runs as SIMD lanes, on adjacent
+// elements)
+fn orow(t: u32, a: u32) -> u32 {
+    if (STAGED != 0u) { return 4u * t + a; }
+    return t + 16u * a;
+}
 
 // element e of a staged K step's tile: (k, r), k fastest where the operand has k contiguous
 fn tile_at(e: u32, kfast: bool) -> vec2<u32> {
@@ -318,20 +328,20 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         acc = array<vec4<f32>, 4>();   // (assigned: a declaration in a loop body is not
                                        // zeroed each time by every compiler)
         if (STAGED == 0u) {     // CPU adapters: operands straight from memory, no barriers
-            let ra = vec4<bool>(r0 + tr < d.x, r0 + tr + 16u < d.x, r0 + tr + 32u < d.x, r0 + tr + 48u < d.x);
-            let sb = vec4<bool>(s0 + ts < d.y, s0 + ts + 16u < d.y, s0 + ts + 32u < d.y, s0 + ts + 48u < d.y);
+            let ra = vec4<bool>(r0 + orow(tr, 0u) < d.x, r0 + orow(tr, 1u) < d.x, r0 + orow(tr, 2u) < d.x, r0 + orow(tr, 3u) < d.x);
+            let sb = vec4<bool>(s0 + orow(ts, 0u) < d.y, s0 + orow(ts, 1u) < d.y, s0 + orow(ts, 2u) < d.y, s0 + orow(ts, 3u) < d.y);
             for (var k = kb; k < kb + kd; k++) {
                 let ph = select(0u, 1u, k >= d.w);
                 var av = vec4<f32>(0.0);
                 var bq = vec4<f32>(0.0);
-                if (ra.x) { av.x = a_at(u, it, r0 + tr, k, ph, d.w); }
-                if (ra.y) { av.y = a_at(u, it, r0 + tr + 16u, k, ph, d.w); }
-                if (ra.z) { av.z = a_at(u, it, r0 + tr + 32u, k, ph, d.w); }
-                if (ra.w) { av.w = a_at(u, it, r0 + tr + 48u, k, ph, d.w); }
-                if (sb.x) { bq.x = b_at(u, it, k, s0 + ts, ph, d.w); }
-                if (sb.y) { bq.y = b_at(u, it, k, s0 + ts + 16u, ph, d.w); }
-                if (sb.z) { bq.z = b_at(u, it, k, s0 + ts + 32u, ph, d.w); }
-                if (sb.w) { bq.w = b_at(u, it, k, s0 + ts + 48u, ph, d.w); }
+                if (ra.x) { av.x = a_at(u, it, r0 + orow(tr, 0u), k, ph, d.w); }
+                if (ra.y) { av.y = a_at(u, it, r0 + orow(tr, 1u), k, ph, d.w); }
+                if (ra.z) { av.z = a_at(u, it, r0 + orow(tr, 2u), k, ph, d.w); }
+                if (ra.w) { av.w = a_at(u, it, r0 + orow(tr, 3u), k, ph, d.w); }
+                if (sb.x) { bq.x = b_at(u, it, k, s0 + orow(ts, 0u), ph, d.w); }
+                if (sb.y) { bq.y = b_at(u, it, k, s0 + orow(ts, 1u), ph, d.w); }
+                if (sb.z) { bq.z = b_at(u, it, k, s0 + orow(ts, 2u), ph, d.w); }
+                if (sb.w) { bq.w = b_at(u, it, k, s0 + orow(ts, 3u), ph, d.w); }
                 acc[0] += av.x * bq;
                 acc[1] += av.y * bq;
                 acc[2] += av.z * bq;
@@ -347,19 +357,20 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
                 let pa = tile_at(e, akf);
                 var v = 0.0;
                 if (r0 + pa.y < d.x && k0 + pa.x < kb + kd) { v = a_at(u, it, r0 + pa.y, k0 + pa.x, ph, d.w); }
-                tA[pa.x * TP + pa.y] = v;
+                tA[pa.x * TV + pa.y / 4u][pa.y % 4u] = v;
                 let pb = tile_at(e, bkf);
                 var vb = 0.0;
                 if (s0 + pb.y < d.y && k0 + pb.x < kb + kd) { vb = b_at(u, it, k0 + pb.x, s0 + pb.y, ph, d.w); }
-                tB[pb.x * TP + pb.y] = vb;
+                tB[pb.x * TV + pb.y / 4u][pb.y % 4u] = vb;
             }
             workgroupBarrier();
             for (var kk = 0u; kk < KT; kk++) {
-                let bq = vec4<f32>(tB[kk * TP + ts], tB[kk * TP + ts + 16u], tB[kk * TP + ts + 32u], tB[kk * TP + ts + 48u]);
-                acc[0] += tA[kk * TP + tr] * bq;
-                acc[1] += tA[kk * TP + tr + 16u] * bq;
-                acc[2] += tA[kk * TP + tr + 32u] * bq;
-                acc[3] += tA[kk * TP + tr + 48u] * bq;
+                let av = tA[kk * TV + tr];
+                let bq = tB[kk * TV + ts];
+                acc[0] += av.x * bq;
+                acc[1] += av.y * bq;
+                acc[2] += av.z * bq;
+                acc[3] += av.w * bq;
             }
             workgroupBarrier();
         }
@@ -370,9 +381,9 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         // dcb += exp(a_hi - a_hj) dt_hj acc (j <= i; the exponent <= 0 there)
         let hh = it.h + hl;
         for (var a = 0u; a < 4u; a++) {
-            let r = r0 + tr + 16u * a;
+            let r = r0 + orow(tr, a);
             for (var b = 0u; b < 4u; b++) {
-                let s = s0 + ts + 16u * b;
+                let s = s0 + orow(ts, b);
                 if (r < Q && s <= r && valid(u, it, s)) {
                     tot[a][b] += exp(acs(u, it, hh, r) - acs(u, it, hh, s)) * dtv(u, row(u, it, s), hh) * acc[a][b];
                 }
@@ -380,10 +391,10 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         }
     }
     for (var a = 0u; a < 4u; a++) {
-        let r = r0 + tr + 16u * a;
+        let r = r0 + orow(tr, a);
         if (r >= d.x) { continue; }
         for (var b = 0u; b < 4u; b++) {
-            let s = s0 + ts + 16u * b;
+            let s = s0 + orow(ts, b);
             if (s < d.y) { store(u, it, r, s, tot[a][b]); }
         }
     }
