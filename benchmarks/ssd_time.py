@@ -1,10 +1,12 @@
 """Time Mamba-2's chunked SSD scan alone (engine/kernels/ssd.py: ssd_forward + ssd_backward,
 the 8-lane kernels switched off) on this machine's adapter, for A/B runs of shaders/ssd_scan.wgsl:
 
-    python benchmarks/ssd_time.py B,L,H,P,N,G [reps]
+    python benchmarks/ssd_time.py B,L,H,P,N,G [reps] [--profile]
 
 The inputs are random (as tests/test_mamba2.py's); one untimed call first, then the median of
-`reps` calls, each recorded, submitted and waited for.
+`reps` calls, each recorded, submitted and waited for. --profile: then one more call with every
+dispatch timed (timestamp queries, where the adapter has them), its kernels' ms printed, the
+SSD's products by mode.
 """
 import sys
 import time
@@ -17,7 +19,8 @@ from memengine.engine.runtime import get_runtime
 
 def main():
     B, L, H, P, N, G = (int(x) for x in sys.argv[1].split(","))
-    reps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    args = [a for a in sys.argv[2:] if a != "--profile"]
+    reps = int(args[0]) if args else 3
     rt = get_runtime()
     rt.kernels.ssd_lanes = False
     Di = H * P
@@ -46,6 +49,10 @@ def main():
         ts.append(time.perf_counter() - t0)
     print(f"{rt.describe()}: B,L,H,P,N,G {sys.argv[1]}: SSD forward + backward "
           f"median {1000 * sorted(ts)[len(ts) // 2]:.1f} ms (min {1000 * min(ts):.1f}) of {reps}")
+    if "--profile" in sys.argv[2:] and rt.enable_profiling():
+        run()
+        for kernel, calls, ms in rt.profile_report():
+            print(f"  {kernel:40s} {calls:5d} calls {ms:9.3f} ms")
 
 
 if __name__ == "__main__":
