@@ -192,19 +192,13 @@ def emulate(src: str) -> str:
 
 
 @contextlib.contextmanager
-def emulated(rt, shader: str = "matmul_sgmat", keep: bool = False):
+def emulated(rt, shader: str = "matmul_sgmat"):
     """The runtime with `shader` compiled through emulate() and has_subgroup_matrix on, for
     the block. Only for an adapter without subgroup matrices (else the real kernel's caches
-    would mix with the emulation's). keep: the emulated pipelines stay cached after the
-    block, for the next one (they compile slowly on lavapipe; nothing else uses them there)."""
+    would mix with the emulation's). The emulated pipelines stay cached after the block, for
+    the next one: they compile slowly on lavapipe, and nothing else uses that shader there."""
     assert not rt.has_subgroup_matrix, "the adapter has subgroup matrices: run the kernel itself"
     saved = (rt.kernels.sgmat, rt.module_source)
-
-    def drop():
-        rt._modules.pop(shader, None)
-        for k in [k for k in rt._pipelines if k[0] == shader]:
-            del rt._pipelines[k]
-        rt._bind_groups.clear()
 
     def source(name, subgroups=None):
         code = saved[1](name, subgroups)
@@ -218,5 +212,3 @@ def emulated(rt, shader: str = "matmul_sgmat", keep: bool = False):
     finally:
         rt.has_subgroup_matrix, rt.kernels.sgmat = False, saved[0]
         del rt.module_source
-        if not keep:
-            drop()

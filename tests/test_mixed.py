@@ -39,7 +39,7 @@ def f16_kernel(rt, request):
     if request.param == "sgmat-emulated":
         if rt.has_subgroup_matrix:
             pytest.skip(f"{rt.describe()} runs matmul_sgmat itself (the sgmat cases)")
-        with emulated(rt, keep=True):
+        with emulated(rt):
             yield "matmul_sgmat"
         return
     saved = rt.kernels.sgmat

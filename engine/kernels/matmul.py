@@ -265,9 +265,10 @@ def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, a
             and C.nbytes >= SGMAT_MIN_C_BYTES):
         shader = "matmul_sgmat"   # the same product on subgroup matrices (tensor cores)
     entry = shader if shader != "matmul" else "matmul_fast"
-    if shader == "matmul_sgmat":   # the operands again as 16-byte words (its interior loads)
-        word = rt.scratch("matmul_sgmat_word", (4,))   # a binding of one word at least
-        tab = {**tab, 6: A if A.nbytes >= 16 else word, 7: B if B.nbytes >= 16 else word}
+    if shader == "matmul_sgmat":   # the operands again as 16-byte words (its interior loads;
+        # an operand under one word, which only the guarded path reads, binds a word of scratch)
+        word = lambda t: t if t.nbytes >= 16 else rt.scratch("matmul_sgmat_word", (4,))
+        tab = {**tab, 6: word(A), 7: word(B)}
     if shader == "matmul_f16":   # fixed tiles: 128x128, BK 16
         bm, bn, bk, consts = 128, 128, 16, None
     elif shader == "matmul_sgmat":   # its tile and the layouts as constants, BK 32
