@@ -12,9 +12,9 @@
 //
 // The matrix work is one tiled kernel, `ssd_product`: out[r, s] = sum_k a(r, k) b(k, s) for
 // each item z of a batch (a chunk of a head or of a group), 64 x 64 outputs per workgroup of
-// 256 threads (4 x 4 each), K in steps of 16 staged through workgroup memory, an invocation's
-// 4 x 4 read as one vec4 of each operand a k (on CPU adapters, STAGED = 0, loaded straight:
-// their barriers cost more than the loads they save).
+// 256 threads (4 x 4 each), K in steps of 16 or 32 (`wide()`, chosen per mode) staged through
+// workgroup memory, an invocation's 4 x 4 read as one vec4 of each operand a k (on CPU
+// adapters, STAGED = 0, loaded straight: their barriers cost more than the loads they save).
 // MODE (a pipeline constant) says what a, b and the store are:
 //   1 chunk state   z=(b,c,h)  [P x N]  K=Q      a = exp(last-a_j) dt_j x_j[p], b = B_j[n] -> states[b,c+1]
 //   2 CB            z=(b,c,g)  [Q x Q]  K=N      a = C_i[n], b = B_j[n]                   -> cb
@@ -282,10 +282,20 @@ fn store(u: SS, it: Item, r: u32, s: u32, acc: f32) {
 
 // ---------------------------------------------------------------- the tiled product
 const T: u32 = 64u;      // outputs per tile side
-const KT: u32 = 16u;     // K per step
+const KT: u32 = 32u;     // the most K a step stages
 const TV: u32 = 17u;     // a tile row in workgroup memory: T / 4 vec4 and one of padding
-var<workgroup> tA: array<vec4<f32>, 272>;   // [KT][TV]: r at tA[k * TV + r / 4][r % 4]
-var<workgroup> tB: array<vec4<f32>, 272>;   // [KT][TV]: s likewise
+var<workgroup> tA: array<vec4<f32>, KT * TV>;   // [KT][TV]: r at tA[k * TV + r / 4][r % 4]
+var<workgroup> tB: array<vec4<f32>, KT * TV>;   // [KT][TV]: s likewise
+
+// How a mode stages its K steps, as measured per mode (benchmarks/results/h100/ssd_staging/):
+// wide (2 CB, 6 dCB, 7 dC, 8 dB; 0.40 ms less a layer at the mamba2-130m shape) K in steps of
+// 32, an invocation's operands four adjacent elements a vec4 (`fetch`), the next step's loaded
+// into registers while this one's are multiplied; the others (1, 3, 4, 5: the wide form tied at
+// 1 and 4 and lost 0.17-0.18 ms at 3 and 5) K in steps of 16, each element computed and stored
+// as it is staged.
+const WIDE_MODES: u32 = 0x1C4u;   // bit m: mode m is wide
+fn wide() -> bool { return ((WIDE_MODES >> MODE) & 1u) != 0u; }
+fn kt() -> u32 { return select(16u, KT, wide()); }
 
 // the tile rows (r0 + orow(tr, a)) and columns (s0 + orow(ts, b)) of an invocation's 4 x 4
 // outputs, a, b < 4: on GPUs four adjacent ones (one vec4 of a staged row each), on CPU
@@ -298,8 +308,51 @@ fn orow(t: u32, a: u32) -> u32 {
 
 // element e of a staged K step's tile: (k, r), k fastest where the operand has k contiguous
 fn tile_at(e: u32, kfast: bool) -> vec2<u32> {
-    if (kfast) { return vec2<u32>(e % KT, e / KT); }
+    if (kfast) { return vec2<u32>(e % kt(), e / kt()); }
     return vec2<u32>(e / T, e % T);
+}
+
+// an operand's element, zero past the tile's rows (columns) and past kend
+fn a_el(u: SS, it: Item, d: vec4<u32>, r: u32, k: u32, kend: u32) -> f32 {
+    if (r >= d.x || k >= kend) { return 0.0; }
+    return a_at(u, it, r, k, select(0u, 1u, k >= d.w), d.w);
+}
+fn b_el(u: SS, it: Item, d: vec4<u32>, k: u32, s: u32, kend: u32) -> f32 {
+    if (s >= d.y || k >= kend) { return 0.0; }
+    return b_at(u, it, k, s, select(0u, 1u, k >= d.w), d.w);
+}
+
+// an invocation's elements of each operand's K step k0, four adjacent ones (along k where the
+// operand has k contiguous, else along r or s) a vec4: KT / 16 of them (wide modes).  The four share their
+// address arithmetic and factors (the compiler's to see once they are side by side).
+fn fetch(u: SS, it: Item, d: vec4<u32>, r0: u32, s0: u32, k0: u32, kend: u32, lid: u32,
+         va: ptr<function, array<vec4<f32>, 2>>, vb: ptr<function, array<vec4<f32>, 2>>) {
+    let ph = select(0u, 1u, k0 >= d.w);
+    let akf = a_kfast(ph);
+    let bkf = b_kfast(ph);
+    for (var q = 0u; q < KT / 16u; q++) {
+        let e = 4u * (lid + q * 256u);
+        let pa = tile_at(e, akf);
+        let r = r0 + pa.y;
+        let k = k0 + pa.x;
+        if (akf) {
+            (*va)[q] = vec4<f32>(a_el(u, it, d, r, k, kend), a_el(u, it, d, r, k + 1u, kend),
+                                 a_el(u, it, d, r, k + 2u, kend), a_el(u, it, d, r, k + 3u, kend));
+        } else {
+            (*va)[q] = vec4<f32>(a_el(u, it, d, r, k, kend), a_el(u, it, d, r + 1u, k, kend),
+                                 a_el(u, it, d, r + 2u, k, kend), a_el(u, it, d, r + 3u, k, kend));
+        }
+        let pb = tile_at(e, bkf);
+        let s = s0 + pb.y;
+        let kb = k0 + pb.x;
+        if (bkf) {
+            (*vb)[q] = vec4<f32>(b_el(u, it, d, kb, s, kend), b_el(u, it, d, kb + 1u, s, kend),
+                                 b_el(u, it, d, kb + 2u, s, kend), b_el(u, it, d, kb + 3u, s, kend));
+        } else {
+            (*vb)[q] = vec4<f32>(b_el(u, it, d, kb, s, kend), b_el(u, it, d, kb, s + 1u, kend),
+                                 b_el(u, it, d, kb, s + 2u, kend), b_el(u, it, d, kb, s + 3u, kend));
+        }
+    }
 }
 
 @compute @workgroup_size(256)
@@ -348,23 +401,43 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
                 acc[3] += av.w * bq;
             }
         }
-        for (var k0 = kb; k0 < (kb + kd) * STAGED; k0 += KT) {
+        // GPUs: K steps staged through workgroup memory
+        let kend = kb + kd;
+        var va: array<vec4<f32>, 2>;
+        var vb: array<vec4<f32>, 2>;
+        if (STAGED != 0u && wide()) { fetch(u, it, d, r0, s0, kb, kend, lid, &va, &vb); }
+        for (var k0 = kb; k0 < kend * STAGED; k0 += kt()) {
             let ph = select(0u, 1u, k0 >= d.w);
             let akf = a_kfast(ph);
             let bkf = b_kfast(ph);
-            for (var q = 0u; q < 4u; q++) {
-                let e = lid + q * 256u;
-                let pa = tile_at(e, akf);
-                var v = 0.0;
-                if (r0 + pa.y < d.x && k0 + pa.x < kb + kd) { v = a_at(u, it, r0 + pa.y, k0 + pa.x, ph, d.w); }
-                tA[pa.x * TV + pa.y / 4u][pa.y % 4u] = v;
-                let pb = tile_at(e, bkf);
-                var vb = 0.0;
-                if (s0 + pb.y < d.y && k0 + pb.x < kb + kd) { vb = b_at(u, it, k0 + pb.x, s0 + pb.y, ph, d.w); }
-                tB[pb.x * TV + pb.y / 4u][pb.y % 4u] = vb;
+            if (wide()) {       // the step's operands, fetched before: stored
+                for (var q = 0u; q < KT / 16u; q++) {
+                    let e = 4u * (lid + q * 256u);
+                    let pa = tile_at(e, akf);
+                    if (akf) {      // four k of one r
+                        for (var l = 0u; l < 4u; l++) { tA[(pa.x + l) * TV + pa.y / 4u][pa.y % 4u] = va[q][l]; }
+                    } else {        // four r of one k: one vec4 of the tile's row
+                        tA[pa.x * TV + pa.y / 4u] = va[q];
+                    }
+                    let pb = tile_at(e, bkf);
+                    if (bkf) {
+                        for (var l = 0u; l < 4u; l++) { tB[(pb.x + l) * TV + pb.y / 4u][pb.y % 4u] = vb[q][l]; }
+                    } else {
+                        tB[pb.x * TV + pb.y / 4u] = vb[q];
+                    }
+                }
+            } else {            // each element computed and stored
+                for (var q = 0u; q < 4u; q++) {
+                    let e = lid + q * 256u;
+                    let pa = tile_at(e, akf);
+                    tA[pa.x * TV + pa.y / 4u][pa.y % 4u] = a_el(u, it, d, r0 + pa.y, k0 + pa.x, kend);
+                    let pb = tile_at(e, bkf);
+                    tB[pb.x * TV + pb.y / 4u][pb.y % 4u] = b_el(u, it, d, k0 + pb.x, s0 + pb.y, kend);
+                }
             }
             workgroupBarrier();
-            for (var kk = 0u; kk < KT; kk++) {
+            if (wide() && k0 + kt() < kend) { fetch(u, it, d, r0, s0, k0 + kt(), kend, lid, &va, &vb); }
+            for (var kk = 0u; kk < kt(); kk++) {
                 let av = tA[kk * TV + tr];
                 let bq = tB[kk * TV + ts];
                 acc[0] += av.x * bq;
