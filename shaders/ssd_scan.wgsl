@@ -323,8 +323,8 @@ fn b_el(u: SS, it: Item, d: vec4<u32>, k: u32, s: u32, kend: u32) -> f32 {
 }
 
 // an invocation's elements of each operand's K step k0, four adjacent ones (along k where the
-// operand has k contiguous, else along r or s) a vec4: KT / 16 of them (wide modes).  The four share their
-// address arithmetic and factors (the compiler's to see once they are side by side).
+// operand has k contiguous, else along r or s) a vec4: KT / 16 of them (wide modes). The four
+// share their address arithmetic and factors (the compiler's to see once they are side by side).
 fn fetch(u: SS, it: Item, d: vec4<u32>, r0: u32, s0: u32, k0: u32, kend: u32, lid: u32,
          va: ptr<function, array<vec4<f32>, 2>>, vb: ptr<function, array<vec4<f32>, 2>>) {
     let ph = select(0u, 1u, k0 >= d.w);
@@ -426,13 +426,17 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
                         tB[pb.x * TV + pb.y / 4u] = vb[q];
                     }
                 }
-            } else {            // each element computed and stored
+            } else {            // each element computed and stored (the step's phase)
                 for (var q = 0u; q < 4u; q++) {
                     let e = lid + q * 256u;
                     let pa = tile_at(e, akf);
-                    tA[pa.x * TV + pa.y / 4u][pa.y % 4u] = a_el(u, it, d, r0 + pa.y, k0 + pa.x, kend);
+                    var v = 0.0;
+                    if (r0 + pa.y < d.x && k0 + pa.x < kend) { v = a_at(u, it, r0 + pa.y, k0 + pa.x, ph, d.w); }
+                    tA[pa.x * TV + pa.y / 4u][pa.y % 4u] = v;
                     let pb = tile_at(e, bkf);
-                    tB[pb.x * TV + pb.y / 4u][pb.y % 4u] = b_el(u, it, d, k0 + pb.x, s0 + pb.y, kend);
+                    var w = 0.0;
+                    if (s0 + pb.y < d.y && k0 + pb.x < kend) { w = b_at(u, it, k0 + pb.x, s0 + pb.y, ph, d.w); }
+                    tB[pb.x * TV + pb.y / 4u][pb.y % 4u] = w;
                 }
             }
             workgroupBarrier();
