@@ -282,10 +282,7 @@ fn store(u: SS, it: Item, r: u32, s: u32, acc: f32) {
 
 // ---------------------------------------------------------------- the tiled product
 const T: u32 = 64u;      // outputs per tile side
-const KT: u32 = 32u;     // the most K a step stages
 const TV: u32 = 17u;     // a tile row in workgroup memory: T / 4 vec4 and one of padding
-var<workgroup> tA: array<vec4<f32>, KT * TV>;   // [KT][TV]: r at tA[k * TV + r / 4][r % 4]
-var<workgroup> tB: array<vec4<f32>, KT * TV>;   // [KT][TV]: s likewise
 
 // How a mode stages its K steps, as measured per mode (benchmarks/results/h100/ssd_staging/):
 // wide (2 CB, 6 dCB, 7 dC, 8 dB; 0.40 ms less a layer at the mamba2-130m shape) K in steps of
@@ -293,9 +290,15 @@ var<workgroup> tB: array<vec4<f32>, KT * TV>;   // [KT][TV]: s likewise
 // into registers while this one's are multiplied; the others (1, 3, 4, 5: the wide form tied at
 // 1 and 4 and lost 0.17-0.18 ms at 3 and 5) K in steps of 16, each element computed and stored
 // as it is staged.
+// Both are pipeline constants (not functions of MODE in the body): each mode's pipeline then
+// holds only its form, and its workgroup arrays only its K rows (with 32 rows and both forms
+// in the body, modes 1, 3, 4 and 5 took 1.9x their time on the H100).
 const WIDE_MODES: u32 = 0x1C4u;   // bit m: mode m is wide
-fn wide() -> bool { return ((WIDE_MODES >> MODE) & 1u) != 0u; }
-fn kt() -> u32 { return select(16u, KT, wide()); }
+override KT: u32 = select(16u, 32u, ((WIDE_MODES >> MODE) & 1u) != 0u);   // K a step stages
+override KTV: u32 = KT * TV;
+var<workgroup> tA: array<vec4<f32>, KTV>;   // [KT][TV]: r at tA[k * TV + r / 4][r % 4]
+var<workgroup> tB: array<vec4<f32>, KTV>;   // [KT][TV]: s likewise
+fn wide() -> bool { return KT == 32u; }
 
 // the tile rows (r0 + orow(tr, a)) and columns (s0 + orow(ts, b)) of an invocation's 4 x 4
 // outputs, a, b < 4: on GPUs four adjacent ones (one vec4 of a staged row each), on CPU
@@ -308,7 +311,7 @@ fn orow(t: u32, a: u32) -> u32 {
 
 // element e of a staged K step's tile: (k, r), k fastest where the operand has k contiguous
 fn tile_at(e: u32, kfast: bool) -> vec2<u32> {
-    if (kfast) { return vec2<u32>(e % kt(), e / kt()); }
+    if (kfast) { return vec2<u32>(e % KT, e / KT); }
     return vec2<u32>(e / T, e % T);
 }
 
@@ -323,7 +326,7 @@ fn b_el(u: SS, it: Item, d: vec4<u32>, k: u32, s: u32, kend: u32) -> f32 {
 }
 
 // an invocation's elements of each operand's K step k0, four adjacent ones (along k where the
-// operand has k contiguous, else along r or s) a vec4: KT / 16 of them (wide modes). The four
+// operand has k contiguous, else along r or s) a vec4: KT / 16 of them (wide modes: 2). The four
 // share their address arithmetic and factors (the compiler's to see once they are side by side).
 fn fetch(u: SS, it: Item, d: vec4<u32>, r0: u32, s0: u32, k0: u32, kend: u32, lid: u32,
          va: ptr<function, array<vec4<f32>, 2>>, vb: ptr<function, array<vec4<f32>, 2>>) {
@@ -406,7 +409,7 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         var va: array<vec4<f32>, 2>;
         var vb: array<vec4<f32>, 2>;
         if (STAGED != 0u && wide()) { fetch(u, it, d, r0, s0, kb, kend, lid, &va, &vb); }
-        for (var k0 = kb; k0 < kend * STAGED; k0 += kt()) {
+        for (var k0 = kb; k0 < kend * STAGED; k0 += KT) {
             let ph = select(0u, 1u, k0 >= d.w);
             let akf = a_kfast(ph);
             let bkf = b_kfast(ph);
@@ -440,8 +443,8 @@ fn ssd_product(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
                 }
             }
             workgroupBarrier();
-            if (wide() && k0 + kt() < kend) { fetch(u, it, d, r0, s0, k0 + kt(), kend, lid, &va, &vb); }
-            for (var kk = 0u; kk < kt(); kk++) {
+            if (wide() && k0 + KT < kend) { fetch(u, it, d, r0, s0, k0 + KT, kend, lid, &va, &vb); }
+            for (var kk = 0u; kk < KT; kk++) {
                 let av = tA[kk * TV + tr];
                 let bq = tB[kk * TV + ts];
                 acc[0] += av.x * bq;
