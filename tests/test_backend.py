@@ -232,6 +232,26 @@ def test_the_backend_is_shown_and_recorded(tiny_ckpt_ro, sample_text, tmp_path, 
     assert re.search(rf"backend\s+{rt.backend_name}", r.stdout), r.stdout
 
 
+def test_dawn_tells_the_gpus_memory_and_the_plan_takes_it(tint, naga, monkeypatch):
+    """WebGPU gives no memory size; Dawn's memory heaps do. On lavapipe the device-local heap
+    is the machine's memory (/proc/meminfo's MemTotal), on a GPU its own; wgpu-native tells
+    none. The plan of a GPU adapter under Dawn checks its total against that size (a CPU
+    adapter keeps MemAvailable, the closer figure)."""
+    from memengine.engine.app import plan
+
+    assert naga.device_memory is None
+    mem = tint.device_memory
+    assert isinstance(mem, int) and mem > 0
+    if tint.adapter_type.lower() == "cpu":
+        total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+        assert 0.5 * total <= mem <= 1.01 * total, (mem, total)
+    monkeypatch.delenv(plan.ENV_MAX_MEMORY, raising=False)
+    monkeypatch.setattr(tint, "adapter_type", "DiscreteGPU")
+    lim = plan.Limits.of(tint)
+    assert lim.memory == mem and "Dawn" in lim.memory_source
+    assert plan.Limits.of(naga).memory is None or naga.adapter_type.lower() == "cpu"
+
+
 def test_devices_lists_what_both_backends_see():
     r = run("devices", "--json")
     assert r.exit_code == 0, r.stderr

@@ -4,6 +4,7 @@ name a flag only when that flag makes the run fit, and the commands refuse befor
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,7 +116,28 @@ def test_budget_comes_from_env_or_host_memory(rt, monkeypatch):
     monkeypatch.delenv(plan.ENV_MAX_MEMORY)
     mem, src = plan.memory_budget("cpu")
     assert mem and mem > 2**20 and "MemAvailable" in src
+    assert plan.memory_budget("cpu", 10**15)[1] == src   # a CPU adapter: host memory still
     assert plan.memory_budget("discretegpu")[0] is None
+    # a GPU whose backend tells its memory (Dawn's heaps): that is the budget, unless forced
+    mem, src = plan.memory_budget("discretegpu", 80 * 10**9)
+    assert mem == 80 * 10**9 and "Dawn" in src
+    monkeypatch.setenv(plan.ENV_MAX_MEMORY, "3G")
+    assert plan.memory_budget("discretegpu", 80 * 10**9) == (3 * 2**30, plan.ENV_MAX_MEMORY)
+
+
+def test_the_plan_refuses_what_a_gpus_known_memory_cannot_hold(monkeypatch):
+    """On an 80 GB GPU whose size the backend tells, a run whose plan is larger is refused
+    in one line naming both figures (mamba-codestral-7b's full training needs 149 GiB)."""
+    from memengine.engine import models
+
+    monkeypatch.delenv(plan.ENV_MAX_MEMORY, raising=False)
+    path = Path(__file__).resolve().parents[1] / "configs" / "mamba-codestral-7b.json"
+    cfg = models.config_from_dict(json.loads(path.read_text()), "codestral")
+    lim = plan.Limits(max_buffer=2**40, max_binding=2**31 - 4, memory=80 * 10**9,
+                      memory_source=plan.memory_budget("discretegpu", 80 * 10**9)[1])
+    p = plan.estimate(cfg, 1, 2048, "train", lim)
+    assert p.problems and "but 74.5 GiB is available (the GPU's memory" in p.problems[0][0], p.problems
+    assert not plan.estimate(cfg, 1, 2048, "lora", lim).problems
 
 
 def test_info_prints_the_plan(rt, tiny_ckpt_ro):

@@ -13,8 +13,9 @@ The plan checks, for a batch of B windows of L tokens:
 3. the total fits the memory budget when there is one: `MEMENGINE_MAX_MEMORY_BYTES` when
    set; else, for a CPU adapter (lavapipe, llvmpipe: its buffers are host memory), the
    host memory available (`hostmem.available_bytes`: MemAvailable, else the physical
-   size); for a GPU no budget is known, so only 1 and 2 are
-   checked and the total is reported.
+   size); for a GPU under Dawn its memory size (the largest device-local memory heap Dawn
+   reports); for a GPU under wgpu-native no budget is known, so only 1 and 2 are checked and
+   the total is reported.
 
 A refusal is one line naming the figure and the flag that would help: the largest
 --batch-size or --seq-len that passes all three checks, and no flag at all when the
@@ -65,7 +66,7 @@ class Limits:
 
     @classmethod
     def of(cls, rt) -> "Limits":
-        memory, source = memory_budget(getattr(rt, "adapter_type", ""))
+        memory, source = memory_budget(getattr(rt, "adapter_type", ""), getattr(rt, "device_memory", None))
         return cls(rt.max_buffer, rt.max_binding, rt.storage_align, rt.adapter_max_binding, memory, source,
                    cpu_lanes(rt), rt.kernels)
 
@@ -74,8 +75,10 @@ class Limits:
                 "memory_bytes": self.memory, "memory_source": self.memory_source}
 
 
-def memory_budget(adapter_type: str) -> tuple[int | None, str]:
-    """(bytes, where the figure comes from) a run may use, or (None, why unknown)."""
+def memory_budget(adapter_type: str, device_memory: int | None = None) -> tuple[int | None, str]:
+    """(bytes, where the figure comes from) a run may use, or (None, why unknown).
+    `device_memory`: the GPU's memory size where the backend tells it (`Runtime.device_memory`,
+    Dawn's memory heaps)."""
     forced = env_bytes(ENV_MAX_MEMORY)
     if forced is not None:
         return forced, ENV_MAX_MEMORY
@@ -83,7 +86,10 @@ def memory_budget(adapter_type: str) -> tuple[int | None, str]:
         avail, source = hostmem.available_bytes()
         if avail is not None:
             return avail, f"host memory, {source}"
-    return None, "unknown (a GPU reports no memory size; set MEMENGINE_MAX_MEMORY_BYTES to check one)"
+    if device_memory:
+        return int(device_memory), "the GPU's memory (its largest device-local heap, as Dawn reports it)"
+    return None, ("unknown (this GPU's backend reports no memory size: --backend dawn does; "
+                  "set MEMENGINE_MAX_MEMORY_BYTES to check one)")
 
 
 def _buf(nbytes: int) -> int:

@@ -120,6 +120,11 @@ class Backend:
         """The adapter's limits, by WebGPU's kebab-case names ('max-buffer-size' ...)."""
         return adapter.limits
 
+    def device_memory(self, adapter) -> int | None:
+        """Bytes of the adapter's largest device-local memory heap, where the implementation
+        says (WebGPU itself gives no memory size); None elsewhere."""
+        return None
+
     def choose_adapter(self, request: str = "auto", verbose: bool = False):
         """Pick an adapter: 'auto' (best), 'gpu' (real GPU only), 'cpu' (software), or a
         case-insensitive substring of the adapter's name; 'auto:K' (a rank of a multi-rank

@@ -15,7 +15,9 @@ What differs from wgpu-native, all of it here:
   65.536 us otherwise, which made every kernel of a profile a multiple of that);
 - Tint wants `enable subgroups;` in front of a module that uses subgroup operations;
 - `subgroup_matrix_configs(adapter)`: the adapter's subgroup-matrix shapes (Dawn's
-  `chromium-experimental-subgroup-matrix`), which `--backend auto` asks for.
+  `chromium-experimental-subgroup-matrix`), which `--backend auto` asks for;
+- `device_memory(adapter)`: the GPU's memory size from Dawn's memory heaps (the memory
+  plan's budget on a GPU; wgpu-native gives none).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from memengine.engine.backend import (SHADER_F16, SUBGROUP_MATRIX, SUBGROUPS, TI
 from wgpudawn.backends.dawn import extras
 
 SUBGROUP_MATRIX_FEATURE = "chromium-experimental-subgroup-matrix"
+MEMORY_HEAPS_FEATURE = "adapter-properties-memory-heaps"
 INSTANCE_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
 # the device toggle of a module without Tint's run-time checks (see create_module)
 TRUSTED_TOGGLE = "disable_robustness"
@@ -84,6 +87,18 @@ class Dawn(Backend):
             return list(extras.get_adapter_properties(adapter).get("subgroup_matrix_configs", []))
         except Exception:
             return []
+
+    def device_memory(self, adapter) -> int | None:
+        """The largest device-local heap of Dawn's `adapter-properties-memory-heaps` (an
+        H100's 80 GB; lavapipe's: host memory), None without the feature."""
+        if MEMORY_HEAPS_FEATURE not in adapter.features:
+            return None
+        try:
+            heaps = extras.get_adapter_properties(adapter).get("memory_heaps", [])
+        except Exception:
+            return None
+        sizes = [int(h.get("size", 0)) for h in heaps if "device-local" in h.get("properties", ())]
+        return max(sizes) if sizes and max(sizes) > 0 else None
 
     def has_f16_subgroup_matrices(self, adapter) -> bool:
         """f16 x f16 -> f32 subgroup matrices of 16x16x16 in subgroups of 32 where the adapter

@@ -87,6 +87,7 @@ class Runtime:
         self.adapter_name = str(info.get("device", "unknown"))
         self.backend_type = str(info.get("backend_type", "unknown"))
         self.adapter_type = str(info.get("adapter_type", "unknown"))
+        self.device_memory = b.device_memory(self.adapter)   # bytes, where the backend says (Dawn)
         alim = b.adapter_limits(self.adapter)
         adapter_features = b.adapter_features(self.adapter)
         want = {}
