@@ -1,8 +1,10 @@
 """Causal GQA attention, forward + backward, at the hybrids' real head shapes and L 4096:
-memengine's kernels (engine/kernels/attention.py, f32) against torch's
-scaled_dot_product_attention (flash, bf16) on the same device, and first a check of our
-results against an fp32 torch reference (max abs error of o, dq, dk, dv at a small L that is
-no multiple of the kernels' blocks, B 2).  Run on the device machine after `source
+memengine's kernels (engine/kernels/attention.py: the f32 ones and, where the adapter has f16
+subgroup matrices, those --precision mixed takes, shaders/attention_sgmat.wgsl, their times
+including the casts of q, k, v and dO to f16) against torch's scaled_dot_product_attention
+(flash, bf16) on the same device, and first a check of our results against an fp32 torch
+reference (max abs error of o, dq, dk, dv at a small L that is no multiple of the kernels'
+blocks, B 2).  Run on the device machine after `source
 benchmarks/device_setup.sh`; writes one JSON line per shape (and to $OUT).  Without CUDA
 the reference runs on torch's CPU and the SDPA timing is skipped (ATTENTION_L=256 checks
 the script on a software adapter); without torch only our timings are printed."""
@@ -49,21 +51,51 @@ def _bwd(rt, t, B_, L_, Hq, Hkv, D, s):
     rec.submit()
 
 
+def _f16(rt, t, B_, L_, Hq, Hkv, D):
+    """The f16 copies (with their padding rows) and a scale table for the subgroup-matrix kernels."""
+    from memengine.engine.kernels.matmul import F16Scales
+    M, P = B_ * L_, attention.SG_PAD_ROWS
+    t.update(q16=rt.zeros((M + P, Hq * D), "f16"), k16=rt.zeros((M + P, Hkv * D), "f16"),
+             v16=rt.zeros((M + P, Hkv * D), "f16"), do16=rt.zeros((M + P, Hq * D), "f16"))
+    return F16Scales(rt, ["q", "k", "v", "do"])
+
+
+def _fwd16(rt, t, B_, L_, Hq, Hkv, D, s, sc):
+    from memengine.engine.kernels.matmul import cast_f16
+    rec = rt.recorder()
+    q16, k16, v16 = (cast_f16(rec, t[n + "16"], t[n], scale=sc[n]) for n in ("q", "k", "v"))
+    attention.attention_forward_f16(rec, t["o"], t["lse"], q16, k16, v16, B=B_, L=L_, Hq=Hq, Hkv=Hkv, D=D, scale=s)
+    rec.submit()
+
+
+def _bwd16(rt, t, B_, L_, Hq, Hkv, D, s, sc):
+    from memengine.engine.kernels.matmul import cast_f16
+    rec = rt.recorder()
+    do16 = cast_f16(rec, t["do16"], t["do"], scale=sc["do"])
+    attention.attention_backward_f16(rec, t["dq"], t["dk"], t["dv"], t["delta"], t["do"], t["o"], t["lse"], t["q16"],
+                                     t["k16"], t["v16"], do16, B=B_, L=L_, Hq=Hq, Hkv=Hkv, D=D, scale=s)
+    rec.submit()
+
+
 def _free(rt, t):
     for x in t.values():
         rt.free(x)
 
 
-def ours(rt, Hq, Hkv, D, s):
+def ours(rt, Hq, Hkv, D, s, f16=False):
     _, t = _buffers(rt, B, L, Hq, Hkv, D)
     out = {}
-    for name, f in (("forward", _fwd), ("backward", _bwd)):
-        f(rt, t, B, L, Hq, Hkv, D, s)
+    fns = (("forward", _fwd), ("backward", _bwd))
+    extra = ()
+    if f16:
+        fns, extra = (("forward", _fwd16), ("backward", _bwd16)), (_f16(rt, t, B, L, Hq, Hkv, D),)
+    for name, f in fns:
+        f(rt, t, B, L, Hq, Hkv, D, s, *extra)
         rt.sync()
         ts = []
         for _ in range(REPS):
             t0 = time.perf_counter()
-            f(rt, t, B, L, Hq, Hkv, D, s)
+            f(rt, t, B, L, Hq, Hkv, D, s, *extra)
             rt.sync()
             ts.append((time.perf_counter() - t0) * 1e3)
         out[name] = float(np.median(ts))
@@ -71,11 +103,16 @@ def ours(rt, Hq, Hkv, D, s):
     return out
 
 
-def check(rt, torch, dev, Hq, Hkv, D, s):
+def check(rt, torch, dev, Hq, Hkv, D, s, f16=False):
     """Max abs errors of ours against torch's SDPA in fp32 (math kernel) on `dev`."""
     host, t = _buffers(rt, CHECK_B, CHECK_L, Hq, Hkv, D, seed=1)
-    _fwd(rt, t, CHECK_B, CHECK_L, Hq, Hkv, D, s)
-    _bwd(rt, t, CHECK_B, CHECK_L, Hq, Hkv, D, s)
+    if f16:
+        sc = _f16(rt, t, CHECK_B, CHECK_L, Hq, Hkv, D)
+        _fwd16(rt, t, CHECK_B, CHECK_L, Hq, Hkv, D, s, sc)
+        _bwd16(rt, t, CHECK_B, CHECK_L, Hq, Hkv, D, s, sc)
+    else:
+        _fwd(rt, t, CHECK_B, CHECK_L, Hq, Hkv, D, s)
+        _bwd(rt, t, CHECK_B, CHECK_L, Hq, Hkv, D, s)
     got = {n: rt.read(t[n]) for n in ("o", "dq", "dk", "dv")}
     _free(rt, t)
 
@@ -134,6 +171,12 @@ def main():
                                 **check(rt, torch, dev, Hq, Hkv, D, s))
         else:
             row["check"] = f"skipped: no torch ({dev})"
+        f16 = attention.takes_subgroup_matrices(rt, D)
+        if f16:   # the mixed kernels first (the f32 ones take longer: the script's time limit)
+            if torch is not None:
+                row["check_f16"] = check(rt, torch, dev, Hq, Hkv, D, s, f16=True)
+            row["memengine_f16_ms"] = ours(rt, Hq, Hkv, D, s, f16=True)
+            print(json.dumps({k: row[k] for k in row if "f16" in k or k == "shape"}), flush=True)
         row["memengine_ms"] = m = ours(rt, Hq, Hkv, D, s)
         if dev == "cuda":
             try:
@@ -146,6 +189,9 @@ def main():
         if "forward+backward" in t:
             row["ratio_fwd_bwd"] = (m["forward"] + m["backward"]) / t["forward+backward"]
             row["sdpa_over_ours"] = 1.0 / row["ratio_fwd_bwd"]
+            if f16:
+                m16 = row["memengine_f16_ms"]
+                row["sdpa_over_ours_f16"] = t["forward+backward"] / (m16["forward"] + m16["backward"])
         print(json.dumps(row), flush=True)
         lines.append(row)
     if os.environ.get("OUT"):

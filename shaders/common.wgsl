@@ -19,3 +19,9 @@ fn softplus(x: f32) -> f32 {
 fn lin(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.x + wid.y * nwg.x) * 256u + lid;
 }
+
+// 2^e for e in [-126, 127], from its exponent bits (exact): the f16 operands' per-tensor
+// scales (engine/kernels/matmul.py F16Scales)
+fn f16_pow2(e: i32) -> f32 {
+    return bitcast<f32>(u32(e + 127) << 23u);
+}

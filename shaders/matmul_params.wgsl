@@ -17,11 +17,6 @@ struct FastParams {
 // result, so neither overflows before it).  The f32 kernels leave it (1, 1): x * 1 = x.
 var<private> UNSCALE: vec2<f32> = vec2<f32>(1.0, 1.0);
 
-// 2^e for e in [-126, 127], from its exponent bits (exact)
-fn f16_pow2(e: i32) -> f32 {
-    return bitcast<f32>(u32(e + 127) << 23u);
-}
-
 // the factors that undo scales 2^ea, 2^eb (each in [-115, 60]: F16Scales)
 fn f16_unscale(ea: i32, eb: i32) -> vec2<f32> {
     if (ea + eb >= -127) { return vec2<f32>(f16_pow2(-(ea + eb)), 1.0); }

@@ -169,20 +169,26 @@ def emulate(src: str) -> str:
     extra = [HELPERS]
     extra += [_access(arr, kind) for kind, arr in sorted(loads)]
     extra += [_access(arr, "store", _elem_type(s, arr)) for arr in sorted(stores)]
-    # the subgroup builtins: the emulation's subgroup and lane
-    names = {}
-    for b in ("subgroup_id", "subgroup_invocation_id", "subgroup_size"):
-        m = re.search(r"@builtin\(%s\)\s*(\w+)\s*:\s*u32\s*,?\s*" % b, s)
-        if m:
-            names[b] = m.group(1)
-            s = s[:m.start()] + s[m.end():]
-    s = re.sub(r",\s*\)", ")", s)   # a trailing comma left by a removed parameter
-    tid = re.search(r"@builtin\(local_invocation_index\)\s*(\w+)\s*:\s*u32", s).group(1)
-    lets = {"subgroup_id": f"{tid} / {SUBGROUP}u", "subgroup_invocation_id": "EMU_LANE", "subgroup_size": f"{SUBGROUP}u"}
-    body = f"\n    EMU_LANE = {tid} % {SUBGROUP}u;"
-    body += "".join(f"\n    let {name} = {lets[b]};" for b, name in names.items())
-    m = re.search(r"@builtin\(local_invocation_index\)[^{]*\{", s)
-    s = s[:m.end()] + body + s[m.end():]
+    # the subgroup builtins of every entry point: the emulation's subgroup and lane
+    def entry(m):
+        head = m.group(0)
+        if "local_invocation_index" not in head:
+            return head
+        names = {}
+        for b in ("subgroup_id", "subgroup_invocation_id", "subgroup_size"):
+            mb = re.search(r"@builtin\(%s\)\s*(\w+)\s*:\s*u32\s*,?\s*" % b, head)
+            if mb:
+                names[b] = mb.group(1)
+                head = head[:mb.start()] + head[mb.end():]
+        head = re.sub(r",\s*\)", ")", head)   # a trailing comma left by a removed parameter
+        tid = re.search(r"@builtin\(local_invocation_index\)\s*(\w+)\s*:\s*u32", head).group(1)
+        lets = {"subgroup_id": f"{tid} / {SUBGROUP}u", "subgroup_invocation_id": "EMU_LANE",
+                "subgroup_size": f"{SUBGROUP}u"}
+        body = f"\n    EMU_LANE = {tid} % {SUBGROUP}u;"
+        body += "".join(f"\n    let {name} = {lets[b]};" for b, name in names.items())
+        return head + body
+
+    s = re.sub(r"\bfn\s+\w+\s*\([^{]*\{", entry, s)
     # after the directives (which must lead the module)
     lines = s.split("\n")
     head = 0
@@ -192,17 +198,19 @@ def emulate(src: str) -> str:
 
 
 @contextlib.contextmanager
-def emulated(rt, shader: str = "matmul_sgmat"):
-    """The runtime with `shader` compiled through emulate() and has_subgroup_matrix on, for
+def emulated(rt, shader="matmul_sgmat"):
+    """The runtime with `shader` (a name or several) compiled through emulate() and
+    has_subgroup_matrix on, for
     the block. Only for an adapter without subgroup matrices (else the real kernel's caches
     would mix with the emulation's). The emulated pipelines stay cached after the block, for
     the next one: they compile slowly on lavapipe, and nothing else uses that shader there."""
     assert not rt.has_subgroup_matrix, "the adapter has subgroup matrices: run the kernel itself"
     saved = (rt.kernels.sgmat, rt.module_source)
+    shaders = (shader,) if isinstance(shader, str) else tuple(shader)
 
     def source(name, subgroups=None):
         code = saved[1](name, subgroups)
-        return emulate(code) if name == shader else code
+        return emulate(code) if name in shaders else code
 
     rt.module_source = source
     rt.has_subgroup_matrix = True

@@ -78,6 +78,68 @@ def test_attention_forward_backward_against_torch(rt, monkeypatch, B, L, Hq, Hkv
         assert e < 1e-4, name
 
 
+SG_CASES = [   # B, L, Hq, Hkv, D, v's and dO's magnitudes (their f16 copies' scales take them)
+    (1, 37, 4, 2, 32, 1.0, 1e-4),
+    (2, 45, 3, 3, 16, 3e4, 1e-6),     # GQA 1, two sequences, a partial block each
+    (2, 150, 6, 2, 64, 1e-3, 10.0),  # GQA 3, several blocks of 64 rows and of 32 keys
+]
+
+
+@pytest.mark.parametrize("B,L,Hq,Hkv,D,vmag,gmag", SG_CASES)
+def test_attention_on_subgroup_matrices_against_torch(rt, B, L, Hq, Hkv, D, vmag, gmag):
+    """shaders/attention_sgmat.wgsl (--precision mixed on adapters with f16 subgroup matrices)
+    against torch autograd in float64: o, lse, dq, dk, dv within 8 f16 roundings (q, k, v and
+    dO cast with their own scale slots, p and ds rounded to f16 in the kernels), at magnitudes
+    of v and dO far outside f16's range unscaled.  Where the adapter has no subgroup matrices
+    the kernels run emulated (tests/sgmat_emulation.py)."""
+    import contextlib
+
+    from sgmat_emulation import emulated
+
+    from memengine.engine.kernels.matmul import F16Scales, cast_f16
+
+    if not rt.has_f16:
+        pytest.skip("the adapter lacks shader-f16")
+    M, P = B * L, attention.SG_PAD_ROWS
+    g = torch.Generator().manual_seed(B * 1000 + L)
+    q = torch.randn(M, Hq * D, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(M, Hkv * D, dtype=torch.float64, generator=g, requires_grad=True)
+    v = (torch.randn(M, Hkv * D, dtype=torch.float64, generator=g) * vmag).requires_grad_()
+    do = torch.randn(M, Hq * D, dtype=torch.float64, generator=g) * gmag
+    scale, r = 0.7 / D ** 0.5, 1.7
+    o_ref, lse_ref = torch_attention(q, k, v, B, L, Hq, Hkv, D, scale)
+    (o_ref * do).sum().backward()
+    f32 = lambda t: t.detach().numpy().astype(np.float32)
+    ctx = contextlib.nullcontext() if rt.has_subgroup_matrix else emulated(rt, attention.SG_SHADER)
+    with ctx:
+        assert attention.takes_subgroup_matrices(rt, D)
+        sc = F16Scales(rt, ["q", "k", "v", "do"])
+        tq, tk, tv, tdo = (rt.upload(f32(x)) for x in (q, k, v, do))
+        q16, do16 = rt.zeros((M + P, Hq * D), "f16"), rt.zeros((M + P, Hq * D), "f16")
+        k16, v16 = rt.zeros((M + P, Hkv * D), "f16"), rt.zeros((M + P, Hkv * D), "f16")
+        rt.write(q16, np.full((M + P) * Hq * D, np.nan, np.float16))   # the padding is the kernel's to clear
+        to, tl = rt.empty((M, Hq * D)), rt.empty((M, Hq))
+        rec = rt.recorder()
+        for dst, src, n in ((q16, tq, "q"), (k16, tk, "k"), (v16, tv, "v")):
+            cast_f16(rec, dst, src, scale=sc[n])
+        attention.attention_forward_f16(rec, to, tl, q16, k16, v16, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, scale=scale)
+        rec.submit()
+        o, lse = rt.read(to).reshape(M, Hq * D), rt.read(tl).reshape(M, Hq)
+        tos = rt.upload((o * r).astype(np.float32))
+        dq, dk, dv, delta = rt.empty((M, Hq * D)), rt.empty((M, Hkv * D)), rt.empty((M, Hkv * D)), rt.empty((M, Hq))
+        rec = rt.recorder()
+        cast_f16(rec, do16, tdo, scale=sc["do"])
+        attention.attention_backward_f16(rec, dq, dk, dv, delta, tdo, tos, tl, q16, k16, v16, do16, B=B, L=L,
+                                         Hq=Hq, Hkv=Hkv, D=D, scale=scale, o_scale=r)
+        rec.submit()
+    bound = 8 * 2.0 ** -11
+    for name, ours, ref in (("o", o, o_ref), ("lse", lse, lse_ref), ("dq", rt.read(dq), q.grad),
+                            ("dk", rt.read(dk), k.grad), ("dv", rt.read(dv), v.grad)):
+        e = rel(np.asarray(ours).reshape(ref.shape), ref.detach().numpy())
+        print(f"  {name} max rel err {e:.2e} (bound {bound:.2e})")
+        assert 1e-6 < e < bound, name
+
+
 def test_attention_refuses_head_dims_it_does_not_run():
     for D, hq, hkv in ((6, 2, 1), (260, 2, 2), (8, 4, 3)):
         with pytest.raises(MemengineError) as e:

@@ -270,6 +270,67 @@ def test_mixed_precision_within_bound_of_transformers(rt, name, kw, B, L):
     assert e_logits > 1e-5
 
 
+# head_dim 32: the attention takes its subgroup-matrix kernels under --precision mixed
+SG_ATTENTION_CASE = ("mixed-granite-attention-sgmat", dict(
+    GRANITE_BASE, vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    layer_types=["attention", "mamba"], position_embedding_type="rope",
+    rope_parameters={"rope_type": "default", "rope_theta": 300.0}, shared_intermediate_size=32,
+    residual_multiplier=0.5, attention_multiplier=0.2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+    mamba_d_state=8, mamba_expand=1, tie_word_embeddings=True), 2, 70)
+
+
+def test_mixed_attention_on_subgroup_matrices_within_bound(rt):
+    """--precision mixed on an adapter with f16 subgroup matrices: the attention's forward and
+    backward run shaders/attention_sgmat.wgsl (f16 copies of q, k, v and dO with their own
+    scale slots; p and ds rounded to f16), the fp32 attention kernels not at all; logits, loss
+    and every gradient within the mixed bound of transformers' float64, the attention layer
+    counted as 4 more f16 roundings on a path.  Where the adapter has no subgroup matrices
+    (lavapipe) both matmul_sgmat and attention_sgmat run emulated (tests/sgmat_emulation.py);
+    L 70 is more than one block of 64 rows and no multiple of 32."""
+    if not rt.has_f16:
+        pytest.skip("the adapter lacks shader-f16")
+    from memengine.engine.runtime import Recorder
+    from sgmat_emulation import emulated
+
+    name, kw, B, L = SG_ATTENTION_CASE
+    m, cfg, ids, targets, logits_ref, loss_ref, grads_ref = _oracle(kw, B, L)
+    S = 1024.0
+    ctx = contextlib.nullcontext() if rt.has_subgroup_matrix else emulated(rt, ("matmul_sgmat", "attention_sgmat"))
+    seen = []
+    orig = Recorder.dispatch
+
+    def count(self, sh, en, *a, **k):
+        seen.append(en)
+        return orig(self, sh, en, *a, **k)
+
+    with ctx:
+        ours = LanguageModel(rt, cfg, tensors_of(m))
+        ours.set_precision("mixed")
+        ours.loss_scale = rt.upload(np.array([S], np.float32))
+        Recorder.dispatch = count
+        try:
+            ours.loss_and_grads(ids, targets)
+        finally:
+            Recorder.dispatch = orig
+        assert seen.count("attention_sg_forward") == 1 and seen.count("attention_sg_dq") == 1, seen
+        assert seen.count("attention_sg_dkv") == 1 and "attention_forward" not in seen, seen
+        logits = ours.logits(ids)
+        loss = ours.loss_and_grads(ids, targets)
+        grads = {n: g / S for n, g in ours.grad_dict().items()}
+    u16 = 2.0 ** -11
+    depth = 4 * cfg.num_hidden_layers + 1 + 4 * len(cfg.attention_layers)
+    bound_fwd, bound_grad = depth * 2 * u16, 2 * depth * 2 * u16
+    e_logits = rel(logits, logits_ref.detach().numpy())
+    e_loss = abs(loss - loss_ref.item()) / abs(loss_ref.item())
+    errs = {n: rel(grads[n], g) for n, g in grads_ref.items()}
+    print(f"\n[{name}] mixed: logits rel err {e_logits:.2e}, loss {e_loss:.2e} (bound {bound_fwd:.2e}); "
+          f"largest gradient rel err {max(errs.values()):.2e} (bound {bound_grad:.2e})")
+    assert e_logits < bound_fwd and e_loss < bound_fwd
+    for n, e in errs.items():
+        assert e < bound_grad * (4 if n.endswith(("A_log", ".D", "dt_bias")) else 1), (n, e)
+    assert e_logits > 1e-5
+
+
 def test_the_oracle_can_fail(rt):
     """The same weights with one multiplier read wrongly, or one attention layer's kv heads
     paired with the wrong query heads, miss transformers: the comparisons above have teeth."""

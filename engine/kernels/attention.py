@@ -18,6 +18,7 @@ running max and sum; the gradients) stays in the output buffers.
 
 from __future__ import annotations
 
+import math
 import struct
 
 from memengine.engine.errors import MemengineError
@@ -115,6 +116,93 @@ def attention_backward(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, delta:
         u = rt.uniform(_u(B, L, Hq, Hkv, D, s0, s1, s1 == L, M, (oq, ok, ov, odk, om, odv, odo, oe), scale))
         rec.dispatch("attention", "attention_backward_dkv",
                      {0: bq, 1: bk, 2: bv, 3: bdo, 4: bm, 5: be, 6: bdk, 7: bdv, 8: u}, B * Hkv * cdiv(s1, 64), c)
+
+
+# ---------------------------------------------------------------- tensor cores (--precision mixed)
+SG_SHADER = "attention_sgmat"
+SG_PAD_ROWS = 64        # rows of zeros past the f16 copies' last row (attention_sgmat.wgsl loads
+                        # a block's matrices without bounds)
+SG_CEXP = 18            # ds's f16 scale 2^(edo + ev - cexp), cexp = ceil(log2 D) + SG_CEXP
+
+
+def sg_head_dim(D: int) -> bool:
+    """Head dims the subgroup-matrix kernels take: multiples of 16 up to 128 (their registers)."""
+    return D % 16 == 0 and 16 <= D <= 128
+
+
+def takes_subgroup_matrices(rt, D: int) -> bool:
+    """Whether --precision mixed runs this head dim's attention on subgroup matrices
+    (shaders/attention_sgmat.wgsl): adapters that have them, as the products do."""
+    return bool(getattr(rt, "has_subgroup_matrix", False) and rt.kernels.sgmat and sg_head_dim(D))
+
+
+def _sg_table(rt, *ts):
+    """(scale table, slots) of f16 operands: their F16Scales slots (one table), or the unit
+    scale's slot 0 for those without."""
+    from memengine.engine.kernels.matmul import scale_of, unit_scales
+    scales = [scale_of(t) for t in ts]
+    tables = {id(s.table): s.table for s in scales if s is not None}
+    assert len(tables) <= 1, "the f16 operands' scales come from different tables"
+    if not tables:
+        return unit_scales(rt), (0,) * len(ts)
+    table = next(iter(tables.values()))
+    return table.table, tuple(0 if s is None else s.slot for s in scales)
+
+
+def _sg_clear_pad(rec, t: Tensor, M: int, cols: int) -> None:
+    assert t.numel >= (M + SG_PAD_ROWS) * cols, "an f16 copy without its rows of padding"
+    rec.clear(t.view((SG_PAD_ROWS * cols,), M * cols))
+
+
+def _usg(B, L, Hq, Hkv, D, offs, slots, scale) -> bytes:
+    o = list(offs) + [0] * (8 - len(offs))
+    cexp = math.ceil(math.log2(D)) + SG_CEXP
+    return struct.pack("<20IiIfI", B, L, Hq, Hq // Hkv, Hq * D, Hkv * D, cdiv(L, 64), cdiv(L, 64), *o, *slots,
+                       cexp, Hkv, float(scale), 0)
+
+
+def attention_forward_f16(rec: Recorder, o: Tensor, lse: Tensor, q16: Tensor, k16: Tensor, v16: Tensor, *,
+                          B: int, L: int, Hq: int, Hkv: int, D: int, scale: float) -> None:
+    """attention_forward on subgroup matrices: o [M, Hq*D] and lse [M, Hq] (WRITE) from the
+    f16 copies q16 [M + SG_PAD_ROWS, Hq*D], k16 and v16 [M + SG_PAD_ROWS, Hkv*D] (cast_f16 with
+    their scale slots; their padding rows are cleared here)."""
+    M = B * L
+    if M == 0:
+        return
+    rt = rec.rt
+    for t, c in ((q16, Hq * D), (k16, Hkv * D), (v16, Hkv * D)):
+        _sg_clear_pad(rec, t, M, c)
+    table, (sq, sk, sv) = _sg_table(rt, q16, k16, v16)
+    (bq, oq), (bk, ok), (bv, ov), (bo, oo), (bl, ol) = (bound(rt, t) for t in (q16, k16, v16, o, lse))
+    u = rt.uniform(_usg(B, L, Hq, Hkv, D, (oq, ok, ov, 0, oo, ol, 0, 0), (sq, sk, sv, 0), scale))
+    rec.dispatch(SG_SHADER, "attention_sg_forward", {0: bq, 1: bk, 2: bv, 3: bq, 4: bo, 5: bl, 8: table, 9: u},
+                 B * Hq * cdiv(L, 64), {"D16": D // 16})
+
+
+def attention_backward_f16(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, delta: Tensor, do: Tensor, o: Tensor,
+                           lse: Tensor, q16: Tensor, k16: Tensor, v16: Tensor, do16: Tensor, *, B: int, L: int,
+                           Hq: int, Hkv: int, D: int, scale: float, o_scale: float = 1.0) -> None:
+    """attention_backward on subgroup matrices: dq, dk, dv (WRITE) from the forward's f16
+    copies, do16 (the f16 copy of do, its padding cleared here) and, for delta, do and o in
+    f32 (as attention_backward takes them)."""
+    M = B * L
+    if M == 0:
+        return
+    rt = rec.rt
+    (bdo, odo), (bo, oo), (be, oe) = (bound(rt, t) for t in (do, o, delta))
+    u = rt.uniform(_u(B, L, Hq, Hkv, D, 0, 0, 0, M, (0, 0, 0, oo, 0, 0, odo, oe), scale, 1.0 / o_scale))
+    rec.dispatch("attention", "attention_delta", {0: bdo, 1: bo, 2: be, 3: u}, cdiv(M * Hq, WG))
+    _sg_clear_pad(rec, do16, M, Hq * D)
+    table, slots = _sg_table(rt, q16, k16, v16, do16)
+    (bq, oq), (bk, ok), (bv, ov), (bg, og) = (bound(rt, t) for t in (q16, k16, v16, do16))
+    (bl, ol), (bdq, odq), (bdk, odk), (bdv, odv) = (bound(rt, t) for t in (lse, dq, dk, dv))
+    c = {"D16": D // 16}
+    binds = {0: bq, 1: bk, 2: bv, 3: bg, 6: bl, 7: be, 8: table}
+    dummy = rt.scratch("attention_sg.dummy", (4,))
+    u = rt.uniform(_usg(B, L, Hq, Hkv, D, (oq, ok, ov, og, odq, 0, ol, oe), slots, scale))
+    rec.dispatch(SG_SHADER, "attention_sg_dq", {**binds, 4: bdq, 5: dummy, 9: u}, B * Hq * cdiv(L, 64), c)
+    u = rt.uniform(_usg(B, L, Hq, Hkv, D, (oq, ok, ov, og, odk, odv, ol, oe), slots, scale))
+    rec.dispatch(SG_SHADER, "attention_sg_dkv", {**binds, 4: bdk, 5: bdv, 9: u}, B * Hkv * cdiv(L, 64), c)
 
 
 # ---------------------------------------------------------------- decoding (batch 1)

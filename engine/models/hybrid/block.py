@@ -81,6 +81,14 @@ class HybridBlock(Block):
             t.update({"un16": ((M, E), "f16", True), "un216": ((M, E), "f16", True), "act16": ((M, I), "f16", True)})
             if self.cfg.attention_layers:
                 t["att16"] = ((M, Hq * D), "f16", att)
+            if self.cfg.attention_layers and attn.sg_head_dim(D):
+                # the attention's own operands where it runs on subgroup matrices (their rows of
+                # zeros after M: attention.SG_PAD_ROWS); datt16 only for its scale slot's sake per layer
+                Mp = M + attn.SG_PAD_ROWS
+                t.update({"q16": ((Mp, Hq * D), "f16", att), "k16": ((Mp, Hkv * D), "f16", att),
+                          "v16": ((Mp, Hkv * D), "f16", att)})
+                if grad:
+                    t["datt16"] = ((Mp, Hq * D), "f16", att)
         return t
 
     def d16_elems(self, M: int) -> int:
@@ -147,8 +155,13 @@ class HybridBlock(Block):
             rope_forward(rec, q, table, rows=M, L=L, heads=Hq, D=D, R=R, ld=Hq * D)
             rope_forward(rec, k, table, rows=M, L=L, heads=Hkv, D=D, R=R, ld=Hkv * D)
         att = ws.att[i]
-        attn.attention_forward(rec, att, ws.lse[i], q, k, v, ws.lsum, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D,
-                               scale=c.attention_scale)
+        if half.mixed and attn.takes_subgroup_matrices(rec.rt, D):
+            q16, k16, v16 = (half.act(rec, ws, n, i, x) for n, x in (("q16", q), ("k16", k), ("v16", v)))
+            attn.attention_forward_f16(rec, att, ws.lse[i], q16, k16, v16, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D,
+                                       scale=c.attention_scale)
+        else:
+            attn.attention_forward(rec, att, ws.lse[i], q, k, v, ws.lsum, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D,
+                                   scale=c.attention_scale)
         if self.r != 1.0:
             scale_(rec, att, self.r)
         bias, rbias = scaled_bias(lp.o_bias, self.r)
@@ -206,9 +219,15 @@ class HybridBlock(Block):
             lora.backward(rec, ws, i, "o_proj", ws.dh, ws.att[i], ws.datt)
         if self.r != 1.0:
             scale_(rec, ws.datt, self.r)
-        attn.attention_backward(rec, ws.dq, ws.dk, ws.dv, ws.delta, ws.datt, ws.att[i], ws.lse[i], ws.q[i],
-                                ws.k[i], ws.v[i], B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, scale=c.attention_scale,
-                                o_scale=self.r)
+        if half.mixed and attn.takes_subgroup_matrices(rec.rt, D):
+            do16 = half.act(rec, ws, "datt16", i, ws.datt)
+            attn.attention_backward_f16(rec, ws.dq, ws.dk, ws.dv, ws.delta, ws.datt, ws.att[i], ws.lse[i],
+                                        ws.q16[i], ws.k16[i], ws.v16[i], do16, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D,
+                                        scale=c.attention_scale, o_scale=self.r)
+        else:
+            attn.attention_backward(rec, ws.dq, ws.dk, ws.dv, ws.delta, ws.datt, ws.att[i], ws.lse[i], ws.q[i],
+                                    ws.k[i], ws.v[i], B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, scale=c.attention_scale,
+                                    o_scale=self.r)
         if c.rope:
             table, R = ws.rope, c.rotary_dims
             rope_backward(rec, ws.dq, table, rows=M, L=L, heads=Hq, D=D, R=R, ld=Hq * D)
