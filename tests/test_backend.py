@@ -38,10 +38,11 @@ def _preludes() -> set:
 KERNELS = sorted(p.stem for p in SHADERS.glob("*.wgsl") if p.stem not in _preludes())
 # the subgroup probe calls subgroup built-ins itself: kernels/lanes.py runs it only where the
 # device has subgroups (naga would take it without them, Tint rightly refuses)
-SUBGROUPS_ONLY = {"lanes", "matmul_sgmat"}
-# the tensor-core product: only a device with f16 subgroup matrices compiles it (Dawn on a GPU
-# that has them; kernels/matmul.py takes it only there)
-SUBGROUP_MATRIX_ONLY = {"matmul_sgmat"}
+SUBGROUPS_ONLY = {"lanes", "matmul_sgmat", "attention_sgmat"}
+# the tensor-core kernels: only a device with f16 subgroup matrices compiles them (Dawn on a GPU
+# that has them; kernels/matmul.py and kernels/attention.py take them only there; on lavapipe
+# the tests run them through tests/sgmat_emulation.py)
+SUBGROUP_MATRIX_ONLY = {"matmul_sgmat", "attention_sgmat"}
 
 
 def _runtime(name: str):
