@@ -53,6 +53,24 @@ fn attention_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     ddelta[u.oe + st] = u.factor * (acc.x + acc.y + acc.z + acc.w);
 }
 
+// out[o_out + i] = sum_{r < REP} part[o_part + r * n + i], i < n: the per-head shares of dk and dv
+// that attention_sgmat.wgsl's attention_sg_dkv writes where it splits the heads (split = 1)
+struct SP { n: u32, REP: u32, o_part: u32, o_out: u32 }
+@group(0) @binding(0) var<storage, read> sp_part: array<f32>;
+@group(0) @binding(1) var<storage, read_write> sp_out: array<f32>;
+@group(0) @binding(2) var<uniform> SPU: SP;
+
+@compute @workgroup_size(256)
+fn attention_sum_parts(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                       @builtin(local_invocation_index) lid: u32) {
+    let u = SPU;
+    let i = lin(wid, nwg, lid);
+    if (i >= u.n) { return; }
+    var acc = 0.0;
+    for (var r = 0u; r < u.REP; r++) { acc += sp_part[u.o_part + r * u.n + i]; }
+    sp_out[u.o_out + i] = acc;
+}
+
 @group(0) @binding(0) var<storage, read> bq: array<f32>;
 @group(0) @binding(1) var<storage, read> bk: array<f32>;
 @group(0) @binding(2) var<storage, read> bv: array<f32>;

@@ -32,7 +32,7 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 
 struct SA { B: u32, L: u32, Hq: u32, REP: u32, ldq: u32, ldk: u32, nqb: u32, nkb: u32,
             oq: u32, ok: u32, ov: u32, odo: u32, o1: u32, o2: u32, os1: u32, os2: u32,
-            sq: u32, sk: u32, sv: u32, sdo: u32, cexp: i32, Hkv: u32, scale: f32, p0: u32 }
+            sq: u32, sk: u32, sv: u32, sdo: u32, cexp: i32, Hkv: u32, scale: f32, split: u32 }
 
 @group(0) @binding(0) var<storage, read> q16: array<f16>;
 @group(0) @binding(1) var<storage, read> k16: array<f16>;
@@ -315,16 +315,29 @@ fn attention_sg_dq(@builtin(local_invocation_index) tid: u32, @builtin(workgroup
 }
 
 // dk (out1) and dv (out2), [M, ldk], of 64 keys of one (b, kv head g), summed over its REP
-// query heads and every query row at or after each key
+// query heads and every query row at or after each key.  split = 1: a workgroup per query head
+// (B * Hq * nkb of them, REP times as many), each writing its head's share to part r = h % REP
+// of out1 and out2 ([REP, M, ldk] each), which attention.wgsl's attention_sum_parts adds up
 @compute @workgroup_size(128)
 fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: vec3<u32>,
                     @builtin(num_workgroups) nwg: vec3<u32>, @builtin(subgroup_id) sg: u32) {
     let u = U;
     let w = wid.x + wid.y * nwg.x;
-    if (w >= u.B * u.Hkv * u.nkb) { return; }
+    let heads = select(u.Hkv, u.Hq, u.split != 0u);
+    if (w >= u.B * heads * u.nkb) { return; }
     let kb = w % u.nkb;                 // the first keys (the most query rows) first
-    let g = (w / u.nkb) % u.Hkv;
-    let b = w / (u.nkb * u.Hkv);
+    let hw = (w / u.nkb) % heads;
+    let b = w / (u.nkb * heads);
+    var g = hw;
+    var r0 = 0u;
+    var r1 = u.REP;
+    var part = 0u;                      // the part's offset in out1 and out2
+    if (u.split != 0u) {
+        g = hw / u.REP;
+        r0 = hw % u.REP;
+        r1 = r0 + 1u;
+        part = r0 * u.B * u.L * u.ldk;
+    }
     let k0 = kb * 64u;
     let base = b * u.L;
     let D = 16u * D16;
@@ -342,7 +355,7 @@ fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgrou
     let dlf = f16_pow2(edo) * f16_pow2(ev);
     var dk: RM;
     var dv: RM;
-    for (var r = 0u; r < u.REP; r++) {
+    for (var r = r0; r < r1; r++) {
         let h = g * u.REP + r;
         for (var i0 = k0; i0 < u.L; i0 += KB) {
             let qo = u.oq + (base + i0) * u.ldq + h * D;
@@ -373,7 +386,7 @@ fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgrou
             accum(&dk, 1u, sg, QW, qo, u.ldq);
         }
     }
-    store_rows(&dv, f16_pow2(-edo), 1u, sg, tid, base, k0, u.L, u.o2 + g * D, u.ldk);
+    store_rows(&dv, f16_pow2(-edo), 1u, sg, tid, base, k0, u.L, u.o2 + part + g * D, u.ldk);
     let f = u.scale * f16_pow2(-edo) * f16_pow2(-ev) * f16_pow2(u.cexp) * f16_pow2(-eq);
-    store_rows(&dk, f, 0u, sg, tid, base, k0, u.L, u.o1 + g * D, u.ldk);
+    store_rows(&dk, f, 0u, sg, tid, base, k0, u.L, u.o1 + part + g * D, u.ldk);
 }
