@@ -47,6 +47,8 @@ struct SA { B: u32, L: u32, Hq: u32, REP: u32, ldq: u32, ldk: u32, nqb: u32, nkb
 
 override D16: u32 = 4u;        // head_dim / 16 (1 .. 8)
 const KB: u32 = 32u;           // keys (query rows) a block of the walk
+const SS: u32 = KB + 4u;       // a row of the f32 patches (16 bytes of padding: a row's two halves,
+                               // which adjacent invocations read, fall in different banks)
 const HP: u32 = KB + 8u;       // a row of the f16 patches (16 bytes of padding)
 const NEG: f32 = -3.0e38;
 const QW: u32 = 0u;            // the operands, for left_of / right_of
@@ -54,8 +56,8 @@ const KW: u32 = 1u;
 const VW: u32 = 2u;
 const DOW: u32 = 3u;
 
-var<workgroup> Ss: array<f32, 2048>;   // [64][KB] scores (transposed in dk/dv); the stores' patches
-var<workgroup> Ds: array<f32, 2048>;   // [64][KB] dO . v (the backward)
+var<workgroup> Ss: array<f32, 2304>;   // [64][SS] scores (transposed in dk/dv); the stores' patches
+var<workgroup> Ds: array<f32, 2304>;   // [64][SS] dO . v (the backward)
 var<workgroup> Ps: array<f16, 2560>;   // [64][HP] p
 var<workgroup> Gs: array<f16, 2560>;   // [64][HP] ds (scaled)
 var<workgroup> Rs: array<f32, 256>;    // row statistics
@@ -120,11 +122,11 @@ fn dots(a: ptr<function, LM>, w: u32, off: u32, ld: u32) -> subgroup_matrix_resu
 // a block's two 16 x 16 score matrices of the subgroup (rows sg*16..) into workgroup memory
 fn put_scores(dst: u32, sg: u32, s0: subgroup_matrix_result<f32, 16, 16>, s1: subgroup_matrix_result<f32, 16, 16>) {
     if (dst == 0u) {
-        subgroupMatrixStore(&Ss, sg * 16u * KB, s0, false, KB);
-        subgroupMatrixStore(&Ss, sg * 16u * KB + 16u, s1, false, KB);
+        subgroupMatrixStore(&Ss, sg * 16u * SS, s0, false, SS);
+        subgroupMatrixStore(&Ss, sg * 16u * SS + 16u, s1, false, SS);
     } else {
-        subgroupMatrixStore(&Ds, sg * 16u * KB, s0, false, KB);
-        subgroupMatrixStore(&Ds, sg * 16u * KB + 16u, s1, false, KB);
+        subgroupMatrixStore(&Ds, sg * 16u * SS, s0, false, SS);
+        subgroupMatrixStore(&Ds, sg * 16u * SS + 16u, s1, false, SS);
     }
 }
 
@@ -212,14 +214,14 @@ fn attention_sg_forward(@builtin(local_invocation_index) tid: u32, @builtin(work
         var mx = NEG;
         for (var c = 0u; c < 16u; c++) {
             let j = k0 + c0 + c;
-            if (j <= t && t < u.L) { mx = max(mx, Ss[rr * KB + c0 + c] * sc); }
+            if (j <= t && t < u.L) { mx = max(mx, Ss[rr * SS + c0 + c] * sc); }
         }
         if (mx > NEG) {
             let mn = max(m, mx);
             var ps = 0.0;
             for (var c = 0u; c < 16u; c++) {
                 let j = k0 + c0 + c;
-                if (j <= t && t < u.L) { ps += exp(Ss[rr * KB + c0 + c] * sc - mn); }
+                if (j <= t && t < u.L) { ps += exp(Ss[rr * SS + c0 + c] * sc - mn); }
             }
             l = l * exp(m - mn) + ps;
             m = mn;
@@ -246,7 +248,7 @@ fn attention_sg_forward(@builtin(local_invocation_index) tid: u32, @builtin(work
         for (var c = 0u; c < 16u; c++) {
             let j = k0 + c0 + c;
             var p = 0.0;
-            if (j <= t && t < u.L) { p = exp(Ss[rr * KB + c0 + c] * sc - lse); }
+            if (j <= t && t < u.L) { p = exp(Ss[rr * SS + c0 + c] * sc - lse); }
             Ps[rr * HP + c0 + c] = f16(p);
         }
         workgroupBarrier();
@@ -302,7 +304,7 @@ fn attention_sg_dq(@builtin(local_invocation_index) tid: u32, @builtin(workgroup
         workgroupBarrier();
         for (var c = 0u; c < 16u; c++) {
             let j = k0 + c0 + c;
-            let e = rr * KB + c0 + c;
+            let e = rr * SS + c0 + c;
             var p = 0.0;
             if (j <= t && t < u.L) { p = exp(Ss[e] * sc - lse); }
             Gs[rr * HP + c0 + c] = ds16(p, Ds[e], dl);
@@ -375,7 +377,7 @@ fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgrou
             workgroupBarrier();
             for (var c = 0u; c < 16u; c++) {
                 let t = i0 + c0 + c;
-                let e = rr * KB + c0 + c;
+                let e = rr * SS + c0 + c;
                 var p = 0.0;
                 if (j <= t && t < u.L) { p = exp(Ss[e] * sc - Rs[c0 + c]); }
                 Ps[rr * HP + c0 + c] = f16(p);
