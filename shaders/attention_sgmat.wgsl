@@ -46,6 +46,7 @@ struct SA { B: u32, L: u32, Hq: u32, REP: u32, ldq: u32, ldk: u32, nqb: u32, nkb
 @group(0) @binding(9) var<uniform> U: SA;
 
 override D16: u32 = 4u;        // head_dim / 16 (1 .. 8)
+override D: u32 = 16u * D16;   // head_dim
 const KB: u32 = 32u;           // keys (query rows) a block of the walk
 const SS: u32 = KB + 4u;       // a row of the f32 patches (16 bytes of padding: a row's two halves,
                                // which adjacent invocations read, fall in different banks)
@@ -183,6 +184,27 @@ fn store_rows(acc: ptr<function, RM>, f: f32, dst: u32, sg: u32, tid: u32, base:
 
 fn exps(slot: u32) -> i32 { return f16_exps[slot]; }
 
+// the factors of the operands' scales (2^eq ...): sc the scores' (scale 2^-(eq + ek)), dl
+// delta's into dP's units 2^(edo + ev), and those that undo the products' scales: o 2^-ev,
+// dq scale 2^-(edo + ev - cexp + ek), dk likewise with eq, dv 2^-edo
+struct Fx { sc: f32, dl: f32, o: f32, dq: f32, dk: f32, dv: f32 }
+
+fn factors(u: SA) -> Fx {
+    let eq = exps(u.sq);
+    let ek = exps(u.sk);
+    let ev = exps(u.sv);
+    let edo = exps(u.sdo);
+    let ds = u.scale * f16_pow2(-edo) * f16_pow2(-ev) * f16_pow2(u.cexp);
+    return Fx(u.scale * f16_pow2(-eq) * f16_pow2(-ek), f16_pow2(edo) * f16_pow2(ev), f16_pow2(-ev),
+              ds * f16_pow2(-ek), ds * f16_pow2(-eq), f16_pow2(-edo));
+}
+
+// workgroup w's block of 64 query rows (the longest first): (t0, h, b, g)
+fn query_block(u: SA, w: u32) -> vec4<u32> {
+    let h = (w / u.nqb) % u.Hq;
+    return vec4<u32>((u.nqb - 1u - w % u.nqb) * 64u, h, w / (u.nqb * u.Hq), h / u.REP);
+}
+
 // ---------------------------------------------------------------- forward
 // o (out1, [M, ldq]) and lse (out2, [M, Hq]) of 64 query rows of one (b, h)
 @compute @workgroup_size(128)
@@ -191,14 +213,12 @@ fn attention_sg_forward(@builtin(local_invocation_index) tid: u32, @builtin(work
     let u = U;
     let w = wid.x + wid.y * nwg.x;
     if (w >= u.B * u.Hq * u.nqb) { return; }
-    let qb = u.nqb - 1u - w % u.nqb;   // the longest rows first
-    let h = (w / u.nqb) % u.Hq;
-    let b = w / (u.nqb * u.Hq);
-    let g = h / u.REP;
-    let t0 = qb * 64u;
-    let base = b * u.L;
-    let D = 16u * D16;
-    let sc = u.scale * f16_pow2(-exps(u.sq)) * f16_pow2(-exps(u.sk));
+    let qb = query_block(u, w);
+    let t0 = qb.x;
+    let h = qb.y;
+    let g = qb.w;
+    let base = qb.z * u.L;
+    let fx = factors(u);
     var a = rows_left(QW, u.oq + (base + t0 + sg * 16u) * u.ldq + h * D, u.ldq);
     let rr = tid / 2u;          // this invocation's row of the block and its 16 columns
     let c0 = (tid % 2u) * 16u;
@@ -214,14 +234,14 @@ fn attention_sg_forward(@builtin(local_invocation_index) tid: u32, @builtin(work
         var mx = NEG;
         for (var c = 0u; c < 16u; c++) {
             let j = k0 + c0 + c;
-            if (j <= t && t < u.L) { mx = max(mx, Ss[rr * SS + c0 + c] * sc); }
+            if (j <= t && t < u.L) { mx = max(mx, Ss[rr * SS + c0 + c] * fx.sc); }
         }
         if (mx > NEG) {
             let mn = max(m, mx);
             var ps = 0.0;
             for (var c = 0u; c < 16u; c++) {
                 let j = k0 + c0 + c;
-                if (j <= t && t < u.L) { ps += exp(Ss[rr * SS + c0 + c] * sc - mn); }
+                if (j <= t && t < u.L) { ps += exp(Ss[rr * SS + c0 + c] * fx.sc - mn); }
             }
             l = l * exp(m - mn) + ps;
             m = mn;
@@ -248,13 +268,13 @@ fn attention_sg_forward(@builtin(local_invocation_index) tid: u32, @builtin(work
         for (var c = 0u; c < 16u; c++) {
             let j = k0 + c0 + c;
             var p = 0.0;
-            if (j <= t && t < u.L) { p = exp(Ss[rr * SS + c0 + c] * sc - lse); }
+            if (j <= t && t < u.L) { p = exp(Ss[rr * SS + c0 + c] * fx.sc - lse); }
             Ps[rr * HP + c0 + c] = f16(p);
         }
         workgroupBarrier();
         accum(&o, 0u, sg, VW, u.ov + (base + k0) * u.ldk + g * D, u.ldk);
     }
-    store_rows(&o, f16_pow2(-exps(u.sv)), 0u, sg, tid, base, t0, u.L, u.o1 + h * D, u.ldq);
+    store_rows(&o, fx.o, 0u, sg, tid, base, t0, u.L, u.o1 + h * D, u.ldq);
 }
 
 // ---------------------------------------------------------------- backward
@@ -270,18 +290,12 @@ fn attention_sg_dq(@builtin(local_invocation_index) tid: u32, @builtin(workgroup
     let u = U;
     let w = wid.x + wid.y * nwg.x;
     if (w >= u.B * u.Hq * u.nqb) { return; }
-    let qb = u.nqb - 1u - w % u.nqb;
-    let h = (w / u.nqb) % u.Hq;
-    let b = w / (u.nqb * u.Hq);
-    let g = h / u.REP;
-    let t0 = qb * 64u;
-    let base = b * u.L;
-    let D = 16u * D16;
-    let eq = exps(u.sq);
-    let ek = exps(u.sk);
-    let ev = exps(u.sv);
-    let edo = exps(u.sdo);
-    let sc = u.scale * f16_pow2(-eq) * f16_pow2(-ek);
+    let qb = query_block(u, w);
+    let t0 = qb.x;
+    let h = qb.y;
+    let g = qb.w;
+    let base = qb.z * u.L;
+    let fx = factors(u);
     let rows = (base + t0 + sg * 16u) * u.ldq + h * D;
     var a = rows_left(QW, u.oq + rows, u.ldq);
     var gd = rows_left(DOW, u.odo + rows, u.ldq);
@@ -292,7 +306,7 @@ fn attention_sg_dq(@builtin(local_invocation_index) tid: u32, @builtin(workgroup
     var dl = 0.0;
     if (t < u.L) {
         lse = st1[u.os1 + (base + t) * u.Hq + h];
-        dl = st2[u.os2 + (base + t) * u.Hq + h] * f16_pow2(edo) * f16_pow2(ev);
+        dl = st2[u.os2 + (base + t) * u.Hq + h] * fx.dl;
     }
     let kend = min(u.L, t0 + 64u);
     var dq: RM;
@@ -306,14 +320,13 @@ fn attention_sg_dq(@builtin(local_invocation_index) tid: u32, @builtin(workgroup
             let j = k0 + c0 + c;
             let e = rr * SS + c0 + c;
             var p = 0.0;
-            if (j <= t && t < u.L) { p = exp(Ss[e] * sc - lse); }
+            if (j <= t && t < u.L) { p = exp(Ss[e] * fx.sc - lse); }
             Gs[rr * HP + c0 + c] = ds16(p, Ds[e], dl);
         }
         workgroupBarrier();
         accum(&dq, 1u, sg, KW, ko, u.ldk);
     }
-    let f = u.scale * f16_pow2(-edo) * f16_pow2(-ev) * f16_pow2(u.cexp) * f16_pow2(-ek);
-    store_rows(&dq, f, 0u, sg, tid, base, t0, u.L, u.o1 + h * D, u.ldq);
+    store_rows(&dq, fx.dq, 0u, sg, tid, base, t0, u.L, u.o1 + h * D, u.ldq);
 }
 
 // dk (out1) and dv (out2), [M, ldk], of 64 keys of one (b, kv head g), summed over its REP
@@ -342,19 +355,14 @@ fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgrou
     }
     let k0 = kb * 64u;
     let base = b * u.L;
-    let D = 16u * D16;
-    let eq = exps(u.sq);
-    let ek = exps(u.sk);
-    let ev = exps(u.sv);
-    let edo = exps(u.sdo);
-    let sc = u.scale * f16_pow2(-eq) * f16_pow2(-ek);
+    let fx = factors(u);
     let keys = (base + k0 + sg * 16u) * u.ldk + g * D;
     var ak = rows_left(KW, u.ok + keys, u.ldk);
     var av = rows_left(VW, u.ov + keys, u.ldk);
     let rr = tid / 2u;          // this invocation's key of the block and its 16 query columns
     let c0 = (tid % 2u) * 16u;
     let j = k0 + rr;
-    let dlf = f16_pow2(edo) * f16_pow2(ev);
+    let dlf = fx.dl;
     var dk: RM;
     var dv: RM;
     for (var r = r0; r < r1; r++) {
@@ -379,7 +387,7 @@ fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgrou
                 let t = i0 + c0 + c;
                 let e = rr * SS + c0 + c;
                 var p = 0.0;
-                if (j <= t && t < u.L) { p = exp(Ss[e] * sc - Rs[c0 + c]); }
+                if (j <= t && t < u.L) { p = exp(Ss[e] * fx.sc - Rs[c0 + c]); }
                 Ps[rr * HP + c0 + c] = f16(p);
                 Gs[rr * HP + c0 + c] = ds16(p, Ds[e], Rs[KB + c0 + c]);
             }
@@ -388,7 +396,6 @@ fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgrou
             accum(&dk, 1u, sg, QW, qo, u.ldq);
         }
     }
-    store_rows(&dv, f16_pow2(-edo), 1u, sg, tid, base, k0, u.L, u.o2 + part + g * D, u.ldk);
-    let f = u.scale * f16_pow2(-edo) * f16_pow2(-ev) * f16_pow2(u.cexp) * f16_pow2(-eq);
-    store_rows(&dk, f, 0u, sg, tid, base, k0, u.L, u.o1 + part + g * D, u.ldk);
+    store_rows(&dv, fx.dv, 1u, sg, tid, base, k0, u.L, u.o2 + part + g * D, u.ldk);
+    store_rows(&dk, fx.dk, 0u, sg, tid, base, k0, u.L, u.o1 + part + g * D, u.ldk);
 }

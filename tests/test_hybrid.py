@@ -226,13 +226,29 @@ def test_mixed_precision_within_bound_of_transformers(rt, name, kw, B, L):
     if not rt.has_f16:
         pytest.skip("the adapter lacks shader-f16")
     from memengine.engine.kernels import matmul as mm
-    from memengine.engine.runtime import Recorder
 
     m, cfg, ids, targets, logits_ref, loss_ref, grads_ref = _oracle(kw, B, L)
-    S = 1024.0
+    ours, seen = _mixed_model(rt, cfg, m, ids, targets)
+    # the products of a step: per Mamba layer in_proj, out_proj; per attention layer q, k, v, o;
+    # per layer the MLP's (Granite one input product, Bamba gate and up); the head; each three times
+    att = len(cfg.attention_layers)
+    mlp_in = 1 if kw["model_type"] == "granitemoehybrid" else 2
+    per_step = 2 * (cfg.num_hidden_layers - att) + 4 * att + (mlp_in + 1) * cfg.num_hidden_layers + 1
+    assert sum(seen.count(e) for e in mm.F16_ENTRIES) == 3 * per_step, seen
+    _within_mixed_bound(name, ours, ids, targets, logits_ref, loss_ref, grads_ref, 4 * cfg.num_hidden_layers + 1)
+
+
+MIXED_S = 1024.0   # the loss scale of the mixed tests
+
+
+def _mixed_model(rt, cfg, m, ids, targets):
+    """The model of transformers' `m` in --precision mixed, and the entry points one
+    loss_and_grads of it dispatches."""
+    from memengine.engine.runtime import Recorder
+
     ours = LanguageModel(rt, cfg, tensors_of(m))
     ours.set_precision("mixed")
-    ours.loss_scale = rt.upload(np.array([S], np.float32))
+    ours.loss_scale = rt.upload(np.array([MIXED_S], np.float32))
     seen = []
     orig = Recorder.dispatch
 
@@ -245,17 +261,17 @@ def test_mixed_precision_within_bound_of_transformers(rt, name, kw, B, L):
         ours.loss_and_grads(ids, targets)
     finally:
         Recorder.dispatch = orig
-    # the products of a step: per Mamba layer in_proj, out_proj; per attention layer q, k, v, o;
-    # per layer the MLP's (Granite one input product, Bamba gate and up); the head; each three times
-    att = len(cfg.attention_layers)
-    mlp_in = 1 if kw["model_type"] == "granitemoehybrid" else 2
-    per_step = 2 * (cfg.num_hidden_layers - att) + 4 * att + (mlp_in + 1) * cfg.num_hidden_layers + 1
-    assert sum(seen.count(e) for e in mm.F16_ENTRIES) == 3 * per_step, seen
+    return ours, seen
+
+
+def _within_mixed_bound(name, ours, ids, targets, logits_ref, loss_ref, grads_ref, depth: int) -> None:
+    """Logits, loss and every gradient within depth x 2u (twice that for a gradient; 4x for
+    the per-head sums A_log, D, dt_bias; k_proj.bias against the largest gradient, its own
+    being near zero) of transformers' float64, and above what fp32 gives."""
     logits = ours.logits(ids)
     loss = ours.loss_and_grads(ids, targets)
-    grads = {n: g / S for n, g in ours.grad_dict().items()}
+    grads = {n: g / MIXED_S for n, g in ours.grad_dict().items()}
     u16 = 2.0 ** -11
-    depth = 4 * cfg.num_hidden_layers + 1
     bound_fwd, bound_grad = depth * 2 * u16, 2 * depth * 2 * u16
     e_logits = rel(logits, logits_ref.detach().numpy())
     e_loss = abs(loss - loss_ref.item()) / abs(loss_ref.item())
@@ -289,46 +305,17 @@ def test_mixed_attention_on_subgroup_matrices_within_bound(rt):
     L 70 is more than one block of 64 rows and no multiple of 32."""
     if not rt.has_f16:
         pytest.skip("the adapter lacks shader-f16")
-    from memengine.engine.runtime import Recorder
     from sgmat_emulation import emulated
 
     name, kw, B, L = SG_ATTENTION_CASE
     m, cfg, ids, targets, logits_ref, loss_ref, grads_ref = _oracle(kw, B, L)
-    S = 1024.0
     ctx = contextlib.nullcontext() if rt.has_subgroup_matrix else emulated(rt, ("matmul_sgmat", "attention_sgmat"))
-    seen = []
-    orig = Recorder.dispatch
-
-    def count(self, sh, en, *a, **k):
-        seen.append(en)
-        return orig(self, sh, en, *a, **k)
-
     with ctx:
-        ours = LanguageModel(rt, cfg, tensors_of(m))
-        ours.set_precision("mixed")
-        ours.loss_scale = rt.upload(np.array([S], np.float32))
-        Recorder.dispatch = count
-        try:
-            ours.loss_and_grads(ids, targets)
-        finally:
-            Recorder.dispatch = orig
+        ours, seen = _mixed_model(rt, cfg, m, ids, targets)
         assert seen.count("attention_sg_forward") == 1 and seen.count("attention_sg_dq") == 1, seen
         assert seen.count("attention_sg_dkv") == 1 and "attention_forward" not in seen, seen
-        logits = ours.logits(ids)
-        loss = ours.loss_and_grads(ids, targets)
-        grads = {n: g / S for n, g in ours.grad_dict().items()}
-    u16 = 2.0 ** -11
-    depth = 4 * cfg.num_hidden_layers + 1 + 4 * len(cfg.attention_layers)
-    bound_fwd, bound_grad = depth * 2 * u16, 2 * depth * 2 * u16
-    e_logits = rel(logits, logits_ref.detach().numpy())
-    e_loss = abs(loss - loss_ref.item()) / abs(loss_ref.item())
-    errs = {n: rel(grads[n], g) for n, g in grads_ref.items()}
-    print(f"\n[{name}] mixed: logits rel err {e_logits:.2e}, loss {e_loss:.2e} (bound {bound_fwd:.2e}); "
-          f"largest gradient rel err {max(errs.values()):.2e} (bound {bound_grad:.2e})")
-    assert e_logits < bound_fwd and e_loss < bound_fwd
-    for n, e in errs.items():
-        assert e < bound_grad * (4 if n.endswith(("A_log", ".D", "dt_bias")) else 1), (n, e)
-    assert e_logits > 1e-5
+        _within_mixed_bound(name, ours, ids, targets, logits_ref, loss_ref, grads_ref,
+                            4 * cfg.num_hidden_layers + 1 + 4 * len(cfg.attention_layers))
 
 
 def test_the_oracle_can_fail(rt):
