@@ -52,7 +52,7 @@ const SS: u32 = KB + 4u;       // a row of the f32 patches (16 bytes of padding:
                                // which adjacent invocations read, fall in different banks)
 const HP: u32 = KB + 8u;       // a row of the f16 patches (16 bytes of padding)
 const NEG: f32 = -3.0e38;
-const QW: u32 = 0u;            // the operands, for left_of / right_of
+const QW: u32 = 0u;            // the operands, for left_of / right_t / right_n
 const KW: u32 = 1u;
 const VW: u32 = 2u;
 const DOW: u32 = 3u;
@@ -81,14 +81,23 @@ fn left_of(w: u32, off: u32, ld: u32) -> subgroup_matrix_left<f16, 16, 16> {
     }
 }
 
-// 16 x 16 of operand w as a right matrix: cm, its rows' elements are the matrix's columns
-// (k^T and the like), else its rows are the matrix's rows
-fn right_of(w: u32, off: u32, cm: bool, ld: u32) -> subgroup_matrix_right<f16, 16, 16> {
+// 16 x 16 of operand w as a right matrix: its rows' elements are the matrix's columns (k^T and
+// the like; right_t) or its rows are the matrix's rows (right_n); col_major must be a constant
+fn right_t(w: u32, off: u32, ld: u32) -> subgroup_matrix_right<f16, 16, 16> {
     switch w {
-        case 0u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&q16, off, cm, ld); }
-        case 1u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&k16, off, cm, ld); }
-        case 2u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&v16, off, cm, ld); }
-        default: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&do16, off, cm, ld); }
+        case 0u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&q16, off, true, ld); }
+        case 1u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&k16, off, true, ld); }
+        case 2u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&v16, off, true, ld); }
+        default: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&do16, off, true, ld); }
+    }
+}
+
+fn right_n(w: u32, off: u32, ld: u32) -> subgroup_matrix_right<f16, 16, 16> {
+    switch w {
+        case 0u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&q16, off, false, ld); }
+        case 1u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&k16, off, false, ld); }
+        case 2u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&v16, off, false, ld); }
+        default: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&do16, off, false, ld); }
     }
 }
 
@@ -109,14 +118,14 @@ fn rows_left(w: u32, off: u32, ld: u32) -> LM {
 // a (16 rows) . (16 rows of operand w from off)^T, summed over D: one 16 x 16 result
 fn dots(a: ptr<function, LM>, w: u32, off: u32, ld: u32) -> subgroup_matrix_result<f32, 16, 16> {
     var r: subgroup_matrix_result<f32, 16, 16>;
-    r = subgroupMatrixMultiplyAccumulate((*a).m0, right_of(w, off, true, ld), r);
-    if (D16 > 1u) { r = subgroupMatrixMultiplyAccumulate((*a).m1, right_of(w, off + 16u, true, ld), r); }
-    if (D16 > 2u) { r = subgroupMatrixMultiplyAccumulate((*a).m2, right_of(w, off + 32u, true, ld), r); }
-    if (D16 > 3u) { r = subgroupMatrixMultiplyAccumulate((*a).m3, right_of(w, off + 48u, true, ld), r); }
-    if (D16 > 4u) { r = subgroupMatrixMultiplyAccumulate((*a).m4, right_of(w, off + 64u, true, ld), r); }
-    if (D16 > 5u) { r = subgroupMatrixMultiplyAccumulate((*a).m5, right_of(w, off + 80u, true, ld), r); }
-    if (D16 > 6u) { r = subgroupMatrixMultiplyAccumulate((*a).m6, right_of(w, off + 96u, true, ld), r); }
-    if (D16 > 7u) { r = subgroupMatrixMultiplyAccumulate((*a).m7, right_of(w, off + 112u, true, ld), r); }
+    r = subgroupMatrixMultiplyAccumulate((*a).m0, right_t(w, off, ld), r);
+    if (D16 > 1u) { r = subgroupMatrixMultiplyAccumulate((*a).m1, right_t(w, off + 16u, ld), r); }
+    if (D16 > 2u) { r = subgroupMatrixMultiplyAccumulate((*a).m2, right_t(w, off + 32u, ld), r); }
+    if (D16 > 3u) { r = subgroupMatrixMultiplyAccumulate((*a).m3, right_t(w, off + 48u, ld), r); }
+    if (D16 > 4u) { r = subgroupMatrixMultiplyAccumulate((*a).m4, right_t(w, off + 64u, ld), r); }
+    if (D16 > 5u) { r = subgroupMatrixMultiplyAccumulate((*a).m5, right_t(w, off + 80u, ld), r); }
+    if (D16 > 6u) { r = subgroupMatrixMultiplyAccumulate((*a).m6, right_t(w, off + 96u, ld), r); }
+    if (D16 > 7u) { r = subgroupMatrixMultiplyAccumulate((*a).m7, right_t(w, off + 112u, ld), r); }
     return r;
 }
 
@@ -142,14 +151,14 @@ fn accum(acc: ptr<function, RM>, src: u32, sg: u32, w: u32, off: u32, ld: u32) {
     for (var c = 0u; c < KB / 16u; c++) {
         let p = patch_left(src, sg * 16u * HP + c * 16u);
         let o = off + c * 16u * ld;
-        (*acc).r0 = subgroupMatrixMultiplyAccumulate(p, right_of(w, o, false, ld), (*acc).r0);
-        if (D16 > 1u) { (*acc).r1 = subgroupMatrixMultiplyAccumulate(p, right_of(w, o + 16u, false, ld), (*acc).r1); }
-        if (D16 > 2u) { (*acc).r2 = subgroupMatrixMultiplyAccumulate(p, right_of(w, o + 32u, false, ld), (*acc).r2); }
-        if (D16 > 3u) { (*acc).r3 = subgroupMatrixMultiplyAccumulate(p, right_of(w, o + 48u, false, ld), (*acc).r3); }
-        if (D16 > 4u) { (*acc).r4 = subgroupMatrixMultiplyAccumulate(p, right_of(w, o + 64u, false, ld), (*acc).r4); }
-        if (D16 > 5u) { (*acc).r5 = subgroupMatrixMultiplyAccumulate(p, right_of(w, o + 80u, false, ld), (*acc).r5); }
-        if (D16 > 6u) { (*acc).r6 = subgroupMatrixMultiplyAccumulate(p, right_of(w, o + 96u, false, ld), (*acc).r6); }
-        if (D16 > 7u) { (*acc).r7 = subgroupMatrixMultiplyAccumulate(p, right_of(w, o + 112u, false, ld), (*acc).r7); }
+        (*acc).r0 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o, ld), (*acc).r0);
+        if (D16 > 1u) { (*acc).r1 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 16u, ld), (*acc).r1); }
+        if (D16 > 2u) { (*acc).r2 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 32u, ld), (*acc).r2); }
+        if (D16 > 3u) { (*acc).r3 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 48u, ld), (*acc).r3); }
+        if (D16 > 4u) { (*acc).r4 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 64u, ld), (*acc).r4); }
+        if (D16 > 5u) { (*acc).r5 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 80u, ld), (*acc).r5); }
+        if (D16 > 6u) { (*acc).r6 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 96u, ld), (*acc).r6); }
+        if (D16 > 7u) { (*acc).r7 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 112u, ld), (*acc).r7); }
     }
 }
 
