@@ -176,10 +176,6 @@ def main():
             if torch is not None:
                 row["check_f16"] = check(rt, torch, dev, Hq, Hkv, D, s, f16=True)
             row["memengine_f16_ms"] = ours(rt, Hq, Hkv, D, s, f16=True)
-            if Hq != Hkv:   # dk, dv with a workgroup per kv head (walking its query heads) instead
-                attention.SG_DKV_SPLIT = False
-                row["memengine_f16_ms"]["backward_kv_heads"] = ours(rt, Hq, Hkv, D, s, f16=True)["backward"]
-                attention.SG_DKV_SPLIT = True
             print(json.dumps({k: row[k] for k in row if "f16" in k or k == "shape"}), flush=True)
         row["memengine_ms"] = m = ours(rt, Hq, Hkv, D, s)
         if dev == "cuda":

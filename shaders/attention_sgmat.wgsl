@@ -32,7 +32,7 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 
 struct SA { B: u32, L: u32, Hq: u32, REP: u32, ldq: u32, ldk: u32, nqb: u32, nkb: u32,
             oq: u32, ok: u32, ov: u32, odo: u32, o1: u32, o2: u32, os1: u32, os2: u32,
-            sq: u32, sk: u32, sv: u32, sdo: u32, cexp: i32, Hkv: u32, scale: f32, split: u32 }
+            sq: u32, sk: u32, sv: u32, sdo: u32, cexp: i32, Hkv: u32, scale: f32, p0: u32 }
 
 @group(0) @binding(0) var<storage, read> q16: array<f16>;
 @group(0) @binding(1) var<storage, read> k16: array<f16>;
@@ -338,30 +338,23 @@ fn attention_sg_dq(@builtin(local_invocation_index) tid: u32, @builtin(workgroup
     store_rows(&dq, fx.dq, 0u, sg, tid, base, t0, u.L, u.o1 + h * D, u.ldq);
 }
 
-// dk (out1) and dv (out2), [M, ldk], of 64 keys of one (b, kv head g), summed over its REP
-// query heads and every query row at or after each key.  split = 1: a workgroup per query head
-// (B * Hq * nkb of them, REP times as many), each writing its head's share to part r = h % REP
-// of out1 and out2 ([REP, M, ldk] each), which attention.wgsl's attention_sum_parts adds up
+// dk (out1) and dv (out2) of 64 keys of one (b, query head h): its share of its kv head g's
+// gradients (the sum over every query row at or after each key), written to part r = h % REP
+// of out1 and out2 ([REP, M, ldk] each; with REP 1 dk and dv themselves), which attention.wgsl's
+// attention_sum_parts adds up.  A workgroup per kv head walking its REP query heads in turn
+// (REP times fewer workgroups) ran 1.07-1.12x this one's time on the H100
+// (benchmarks/results/h100/attention_sgmat/)
 @compute @workgroup_size(128)
 fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: vec3<u32>,
                     @builtin(num_workgroups) nwg: vec3<u32>, @builtin(subgroup_id) sg: u32) {
     let u = U;
     let w = wid.x + wid.y * nwg.x;
-    let heads = select(u.Hkv, u.Hq, u.split != 0u);
-    if (w >= u.B * heads * u.nkb) { return; }
+    if (w >= u.B * u.Hq * u.nkb) { return; }
     let kb = w % u.nkb;                 // the first keys (the most query rows) first
-    let hw = (w / u.nkb) % heads;
-    let b = w / (u.nkb * heads);
-    var g = hw;
-    var r0 = 0u;
-    var r1 = u.REP;
-    var part = 0u;                      // the part's offset in out1 and out2
-    if (u.split != 0u) {
-        g = hw / u.REP;
-        r0 = hw % u.REP;
-        r1 = r0 + 1u;
-        part = r0 * u.B * u.L * u.ldk;
-    }
+    let h = (w / u.nkb) % u.Hq;
+    let b = w / (u.nkb * u.Hq);
+    let g = h / u.REP;
+    let part = (h % u.REP) * u.B * u.L * u.ldk;   // the part's offset in out1 and out2
     let k0 = kb * 64u;
     let base = b * u.L;
     let fx = factors(u);
@@ -374,36 +367,33 @@ fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgrou
     let dlf = fx.dl;
     var dk: RM;
     var dv: RM;
-    for (var r = r0; r < r1; r++) {
-        let h = g * u.REP + r;
-        for (var i0 = k0; i0 < u.L; i0 += KB) {
-            let qo = u.oq + (base + i0) * u.ldq + h * D;
-            let go = u.odo + (base + i0) * u.ldq + h * D;
-            put_scores(0u, sg, dots(&ak, QW, qo, u.ldq), dots(&ak, QW, qo + 16u * u.ldq, u.ldq));
-            put_scores(1u, sg, dots(&av, DOW, go, u.ldq), dots(&av, DOW, go + 16u * u.ldq, u.ldq));
-            if (tid < KB) {
-                var x = 0.0;
-                var y = 0.0;
-                if (i0 + tid < u.L) {
-                    x = st1[u.os1 + (base + i0 + tid) * u.Hq + h];
-                    y = st2[u.os2 + (base + i0 + tid) * u.Hq + h] * dlf;
-                }
-                Rs[tid] = x;
-                Rs[KB + tid] = y;
+    for (var i0 = k0; i0 < u.L; i0 += KB) {
+        let qo = u.oq + (base + i0) * u.ldq + h * D;
+        let go = u.odo + (base + i0) * u.ldq + h * D;
+        put_scores(0u, sg, dots(&ak, QW, qo, u.ldq), dots(&ak, QW, qo + 16u * u.ldq, u.ldq));
+        put_scores(1u, sg, dots(&av, DOW, go, u.ldq), dots(&av, DOW, go + 16u * u.ldq, u.ldq));
+        if (tid < KB) {
+            var x = 0.0;
+            var y = 0.0;
+            if (i0 + tid < u.L) {
+                x = st1[u.os1 + (base + i0 + tid) * u.Hq + h];
+                y = st2[u.os2 + (base + i0 + tid) * u.Hq + h] * dlf;
             }
-            workgroupBarrier();
-            for (var c = 0u; c < 16u; c++) {
-                let t = i0 + c0 + c;
-                let e = rr * SS + c0 + c;
-                var p = 0.0;
-                if (j <= t && t < u.L) { p = exp(Ss[e] * fx.sc - Rs[c0 + c]); }
-                Ps[rr * HP + c0 + c] = f16(p);
-                Gs[rr * HP + c0 + c] = ds16(p, Ds[e], Rs[KB + c0 + c]);
-            }
-            workgroupBarrier();
-            accum(&dv, 0u, sg, DOW, go, u.ldq);
-            accum(&dk, 1u, sg, QW, qo, u.ldq);
+            Rs[tid] = x;
+            Rs[KB + tid] = y;
         }
+        workgroupBarrier();
+        for (var c = 0u; c < 16u; c++) {
+            let t = i0 + c0 + c;
+            let e = rr * SS + c0 + c;
+            var p = 0.0;
+            if (j <= t && t < u.L) { p = exp(Ss[e] * fx.sc - Rs[c0 + c]); }
+            Ps[rr * HP + c0 + c] = f16(p);
+            Gs[rr * HP + c0 + c] = ds16(p, Ds[e], Rs[KB + c0 + c]);
+        }
+        workgroupBarrier();
+        accum(&dv, 0u, sg, DOW, go, u.ldq);
+        accum(&dk, 1u, sg, QW, qo, u.ldq);
     }
     store_rows(&dv, fx.dv, 1u, sg, tid, base, k0, u.L, u.o2 + part + g * D, u.ldk);
     store_rows(&dk, fx.dk, 0u, sg, tid, base, k0, u.L, u.o1 + part + g * D, u.ldk);

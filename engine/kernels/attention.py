@@ -123,8 +123,6 @@ SG_SHADER = "attention_sgmat"
 SG_PAD_ROWS = 64        # rows of zeros past the f16 copies' last row (attention_sgmat.wgsl loads
                         # a block's matrices without bounds)
 SG_CEXP = 18            # ds's f16 scale 2^(edo + ev - cexp), cexp = ceil(log2 D) + SG_CEXP
-SG_DKV_SPLIT = True     # dk, dv: a workgroup per query head (REP x the workgroups), its share
-                        # into scratch, then summed; else one per kv head walking its REP heads
 
 
 def sg_head_dim(D: int) -> bool:
@@ -156,11 +154,11 @@ def _sg_clear_pad(rec, t: Tensor, M: int, cols: int) -> None:
     rec.clear(t.view((SG_PAD_ROWS * cols,), M * cols))
 
 
-def _usg(B, L, Hq, Hkv, D, offs, slots, scale, split=0) -> bytes:
+def _usg(B, L, Hq, Hkv, D, offs, slots, scale) -> bytes:
     o = list(offs) + [0] * (8 - len(offs))
     cexp = math.ceil(math.log2(D)) + SG_CEXP
     return struct.pack("<20IiIfI", B, L, Hq, Hq // Hkv, Hq * D, Hkv * D, cdiv(L, 64), cdiv(L, 64), *o, *slots,
-                       cexp, Hkv, float(scale), int(split))
+                       cexp, Hkv, float(scale), 0)
 
 
 def attention_forward_f16(rec: Recorder, o: Tensor, lse: Tensor, q16: Tensor, k16: Tensor, v16: Tensor, *,
@@ -203,14 +201,14 @@ def attention_backward_f16(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, de
     dummy = rt.scratch("attention_sg.dummy", (4,))
     u = rt.uniform(_usg(B, L, Hq, Hkv, D, (oq, ok, ov, og, odq, 0, ol, oe), slots, scale))
     rec.dispatch(SG_SHADER, "attention_sg_dq", {**binds, 4: bdq, 5: dummy, 9: u}, B * Hq * cdiv(L, 64), c)
-    rep = Hq // Hkv
-    if not (SG_DKV_SPLIT and rep > 1):
+    rep = Hq // Hkv   # dk, dv: each query head's share (into scratch where REP > 1), then summed
+    if rep == 1:
         u = rt.uniform(_usg(B, L, Hq, Hkv, D, (oq, ok, ov, og, odk, odv, ol, oe), slots, scale))
-        rec.dispatch(SG_SHADER, "attention_sg_dkv", {**binds, 4: bdk, 5: bdv, 9: u}, B * Hkv * cdiv(L, 64), c)
+        rec.dispatch(SG_SHADER, "attention_sg_dkv", {**binds, 4: bdk, 5: bdv, 9: u}, B * Hq * cdiv(L, 64), c)
         return
-    n = M * Hkv * D   # each head's share into its part of [REP, M, Hkv*D] (dk's and dv's), then summed
+    n = M * Hkv * D
     (bp1, op1), (bp2, op2) = (bound(rt, rt.scratch(f"attention_sg.{x}_parts", (rep * n,))) for x in ("dk", "dv"))
-    u = rt.uniform(_usg(B, L, Hq, Hkv, D, (oq, ok, ov, og, op1, op2, ol, oe), slots, scale, split=1))
+    u = rt.uniform(_usg(B, L, Hq, Hkv, D, (oq, ok, ov, og, op1, op2, ol, oe), slots, scale))
     rec.dispatch(SG_SHADER, "attention_sg_dkv", {**binds, 4: bp1, 5: bp2, 9: u}, B * Hq * cdiv(L, 64), c)
     for (bp, op), (bd, od) in (((bp1, op1), (bdk, odk)), ((bp2, op2), (bdv, odv))):
         u = rt.uniform(struct.pack("<4I", n, rep, op, od))
