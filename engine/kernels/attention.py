@@ -87,6 +87,15 @@ def attention_forward(rec: Recorder, o: Tensor, lse: Tensor, q: Tensor, k: Tenso
         rec.dispatch("attention", "attention_forward", {**binds, 6: u}, B * Hq * (nqb - s0 // 64), _nch(D))
 
 
+def _delta(rec: Recorder, delta: Tensor, do: Tensor, o: Tensor, *, B: int, L: int, Hq: int, Hkv: int, D: int,
+           o_scale: float) -> None:
+    """delta [M, Hq] = rowsum(do * o) / o_scale per head (attention_delta): both backwards' first pass."""
+    rt = rec.rt
+    (bdo, odo), (bo, oo), (be, oe) = (bound(rt, t) for t in (do, o, delta))
+    u = rt.uniform(_u(B, L, Hq, Hkv, D, 0, 0, 0, B * L, (0, 0, 0, oo, 0, 0, odo, oe), 1.0, 1.0 / o_scale))
+    rec.dispatch("attention", "attention_delta", {0: bdo, 1: bo, 2: be, 3: u}, cdiv(B * L * Hq, WG))
+
+
 def attention_backward(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, delta: Tensor, do: Tensor, o: Tensor,
                        lse: Tensor, q: Tensor, k: Tensor, v: Tensor, *, B: int, L: int, Hq: int, Hkv: int, D: int,
                        scale: float, o_scale: float = 1.0) -> None:
@@ -97,10 +106,9 @@ def attention_backward(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, delta:
     if M == 0:
         return
     rt = rec.rt
-    (bq, oq), (bk, ok), (bv, ov), (bdo, odo), (bo, oo), (bm, om), (be, oe) = (
-        bound(rt, t) for t in (q, k, v, do, o, lse, delta))
-    u = rt.uniform(_u(B, L, Hq, Hkv, D, 0, 0, 0, M, (0, 0, 0, oo, 0, 0, odo, oe), scale, 1.0 / o_scale))
-    rec.dispatch("attention", "attention_delta", {0: bdo, 1: bo, 2: be, 3: u}, cdiv(M * Hq, WG))
+    _delta(rec, delta, do, o, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, o_scale=o_scale)
+    (bq, oq), (bk, ok), (bv, ov), (bdo, odo), (bm, om), (be, oe) = (
+        bound(rt, t) for t in (q, k, v, do, lse, delta))
     (bdq, odq), (bdk, odk), (bdv, odv) = (bound(rt, t) for t in (dq, dk, dv))
     _, cq, ckv = block_costs(D, Hq // Hkv)
     c = _nch(D)
@@ -189,10 +197,9 @@ def attention_backward_f16(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, de
     if M == 0:
         return
     rt = rec.rt
-    (bdo, odo), (bo, oo), (be, oe) = (bound(rt, t) for t in (do, o, delta))
-    u = rt.uniform(_u(B, L, Hq, Hkv, D, 0, 0, 0, M, (0, 0, 0, oo, 0, 0, odo, oe), scale, 1.0 / o_scale))
-    rec.dispatch("attention", "attention_delta", {0: bdo, 1: bo, 2: be, 3: u}, cdiv(M * Hq, WG))
+    _delta(rec, delta, do, o, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, o_scale=o_scale)
     _sg_clear_pad(rec, do16, M, Hq * D)
+    (be, oe) = bound(rt, delta)
     table, slots = _sg_table(rt, q16, k16, v16, do16)
     (bq, oq), (bk, ok), (bv, ov), (bg, og) = (bound(rt, t) for t in (q16, k16, v16, do16))
     (bl, ol), (bdq, odq), (bdk, odk), (bdv, odv) = (bound(rt, t) for t in (lse, dq, dk, dv))
