@@ -249,7 +249,8 @@ def _info(o: InfoOptions, ui: UI) -> None:
     ], result=True)
     if plan is not None:
         lim = plan["limits"]
-        ui.table(f"memory plan for batch {o.batch_size} x {o.seq_len} (largest buffer "
+        ui.table(f"memory plan for batch {o.batch_size} x {o.seq_len}"
+                 + (", --precision mixed" if plan.get("precision") == "mixed" else "") + " (largest buffer "
                  f"{mplan.fmt_bytes(lim['max_buffer_bytes'])}, binding {mplan.fmt_bytes(lim['max_binding_bytes'])}"
                  f", memory {'unknown' if lim['memory_bytes'] is None else mplan.fmt_bytes(lim['memory_bytes'])})",
                  ["", *mplan.KINDS, *([f"lora (r {plan['lora_rank']})"] if "lora" in plan else [])],
@@ -271,6 +272,7 @@ The plan estimates what eval, train and adapt need for --batch-size x --seq-len 
     "memengine info my-org/my-mamba --revision v1.0            # a tag, branch or commit",
     "memengine info weights.safetensors --model-type falcon_mamba",
     "memengine info mamba-130m --seq-len 2048 --batch-size 4    # will train fit this adapter?",
+    "memengine info mamba2-130m --seq-len 2048 --batch-size 8 --precision mixed   # with the f16 copies",
     "MEMENGINE_MAX_MEMORY_BYTES=8G memengine info model --json | jq .plan.train",
     "memengine info my-adapter                                  # a LoRA adapter: rank, alpha, targets, base",
 ))

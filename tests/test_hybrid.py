@@ -701,11 +701,12 @@ def test_lora_round_trip_with_peft(rt, tmp_path, case):
     assert rel(np.array(steps), full[2:]) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["eval", "train", "adapt", "lora"])
+@pytest.mark.parametrize("kind", ["eval", "train", "adapt", "lora", "train-mixed"])
 def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
-    """A whole run of a hybrid (eval; train with held-out windows; adapt; a LoRA adapter
-    trained): the memory plan it passed is what it allocated (the Mamba buffers for the
-    Mamba layers only, the attention buffers for the attention layers only)."""
+    """A whole run of a hybrid (eval; train with held-out windows, in fp32 and under
+    --precision mixed; adapt; a LoRA adapter trained): the memory plan it passed is what it
+    allocated (the Mamba buffers for the Mamba layers only, the attention buffers for the
+    attention layers only, mixed's f16 copies)."""
     from memengine.engine.app import plan
     from memengine.engine.app.options import AdaptOptions, EvalOptions, TrainOptions
     from memengine.engine.app.run import run_adapt, run_eval, run_train
@@ -728,6 +729,11 @@ def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
             run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o", lora_rank=4))
         elif kind == "train":
             run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o"))
+        elif kind == "train-mixed":
+            if not rt.has_f16:
+                pytest.skip("the adapter lacks shader-f16")
+            run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o", precision="mixed"))
+            assert seen["plan"].mixed
         else:
             run_adapt(AdaptOptions(**common, epochs=1, output=tmp_path / "o"))
     finally:

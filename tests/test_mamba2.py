@@ -574,10 +574,10 @@ def test_a_bare_file_asks_for_its_config():
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("kind", ["eval", "train", "adapt", "lora"])
+@pytest.mark.parametrize("kind", ["eval", "train", "adapt", "lora", "train-mixed"])
 def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
-    """A whole run (eval; train with held-out windows; adapt; a LoRA adapter trained): the
-    plan it passed is what it allocated."""
+    """A whole run (eval; train with held-out windows, in fp32 and under --precision mixed;
+    adapt; a LoRA adapter trained): the plan it passed is what it allocated."""
     from memengine.engine.app.options import AdaptOptions, EvalOptions, TrainOptions
     from memengine.engine.app.run import run_adapt, run_eval, run_train
     from memengine.engine.io.checkpoint import save_checkpoint
@@ -599,6 +599,11 @@ def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
             run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o", lora_rank=4))
         elif kind == "train":
             run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o"))
+        elif kind == "train-mixed":
+            if not rt.has_f16:
+                pytest.skip("the adapter lacks shader-f16")
+            run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o", precision="mixed"))
+            assert seen["plan"].mixed
         else:
             run_adapt(AdaptOptions(**common, epochs=1, output=tmp_path / "o"))
     finally:

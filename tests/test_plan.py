@@ -18,10 +18,11 @@ SMALL = dict(vocab_size=300, hidden_size=64, state_size=16, num_hidden_layers=2,
              use_bias=True)
 
 
-@pytest.mark.parametrize("kind", plan.KINDS + ("lora",))
+@pytest.mark.parametrize("kind", plan.KINDS + ("lora", "train-mixed"))
 def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
-    """A whole run through the engine (eval; train with held-out windows; adapt, which
-    evaluates before and after): the plan it passed equals the bytes it allocated."""
+    """A whole run through the engine (eval; train with held-out windows, in fp32 and under
+    --precision mixed; adapt, which evaluates before and after): the plan it passed equals
+    the bytes it allocated."""
     from memengine.engine.app.options import AdaptOptions, EvalOptions, TrainOptions
     from memengine.engine.app.run import run_adapt, run_eval, run_train
     from memengine.engine.io.checkpoint import save_checkpoint
@@ -51,6 +52,10 @@ def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
                                    lora_dropout=0.1))
         elif kind == "train":
             run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o"))
+        elif kind == "train-mixed":
+            if not rt.has_f16:
+                pytest.skip("the adapter lacks shader-f16")
+            run_train(TrainOptions(**common, epochs=1, val_fraction=0.3, output=tmp_path / "o", precision="mixed"))
         else:
             run_adapt(AdaptOptions(**common, epochs=1, output=tmp_path / "o"))
     finally:
@@ -59,7 +64,8 @@ def test_plan_equals_what_a_run_allocates(rt, kind, tmp_path):
     got = rt.bytes_allocated
     print(f"\n{kind}: plan {est.total:,} bytes, allocated {got:,} bytes")
     assert got - 4096 <= est.total <= 1.05 * got
-    assert est.ok and est.kind == kind and (est.batch_size, est.seq_len) == (B, L)
+    assert est.ok and est.kind == kind.split("-")[0] and (est.batch_size, est.seq_len) == (B, L)
+    assert est.mixed == kind.endswith("mixed")
 
 
 def _lim(memory=None, binding=128 * 2**20, buffer=2**31):

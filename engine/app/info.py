@@ -91,9 +91,10 @@ def _device_and_plan(o: InfoOptions, cfg, verbose: bool):
     try:
         from memengine.engine.runtime import get_runtime
 
-        rt = get_runtime(o.device or None, verbose=verbose, backend=o.backend)
+        rt = get_runtime(o.device or None, verbose=verbose, backend=o.backend, precision=o.precision)
         return (rt.describe(), rt.capabilities(),
-                mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt), lora=_lora_column(cfg)),
+                mplan.report(cfg, o.batch_size, o.seq_len, mplan.Limits.of(rt), lora=_lora_column(cfg),
+                             mixed=o.precision == "mixed"),
                 rt.backend_name)
     except MemengineError as e:
         if o.device not in (None, "", "auto") or o.backend not in (None, "", "auto"):

@@ -314,6 +314,9 @@ class InfoOptions(Options):
     model_type: Optional[str] = _model_type()
     device: Optional[str] = _device()
     backend: Optional[str] = _backend()
+    precision: str = opt("fp32", panel=RUNTIME, check=one_of("fp32", "mixed"), metavar="fp32|mixed",
+                         help="The plan of runs at this --precision (mixed: with the f16 copies of the "
+                              "parameters and activations and their scratch).")
 
     def check_inputs(self) -> None:
         if self.ckpt is None:

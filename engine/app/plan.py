@@ -37,8 +37,8 @@ from memengine.engine import hostmem, models
 from memengine.engine.errors import MemengineError
 from memengine.engine.kernels import rmsnorm
 from memengine.engine.kernels.lanes import cpu_lanes
-from memengine.engine.kernels.matmul import splitk_slices
-from memengine.engine.models.lm import logits_chunk_rows, workspace_shapes
+from memengine.engine.kernels.matmul import F16_TABLE_REGIONS, f16_split, splitk_slices
+from memengine.engine.models.lm import f16_slot_names, logits_chunk_rows, workspace_shapes
 from memengine.engine.models.store import store_layout
 from memengine.engine.runtime import KernelSettings, binding_refusal, cdiv, env_bytes, fmt_bytes, largest
 from memengine.engine.train.trainer import eval_group
@@ -59,6 +59,7 @@ class Limits:
     memory: int | None = None        # bytes a run may use in all; None: not known
     memory_source: str = "unknown (a GPU reports no memory size)"
     lanes: bool = False              # the 8-lane kernels run (ops/lanes.py: CPU adapters)
+    has_subgroup_matrix: bool = False   # --precision mixed's kernels run on f16 subgroup matrices
     kernels: KernelSettings = field(default_factory=KernelSettings.from_env)  # the runtime's switches
 
     def __post_init__(self):
@@ -68,7 +69,7 @@ class Limits:
     def of(cls, rt) -> "Limits":
         memory, source = memory_budget(getattr(rt, "adapter_type", ""), getattr(rt, "device_memory", None))
         return cls(rt.max_buffer, rt.max_binding, rt.storage_align, rt.adapter_max_binding, memory, source,
-                   cpu_lanes(rt), rt.kernels)
+                   cpu_lanes(rt), bool(getattr(rt, "has_subgroup_matrix", False)), rt.kernels)
 
     def to_dict(self) -> dict:
         return {"max_buffer_bytes": self.max_buffer, "max_binding_bytes": self.max_binding,
@@ -118,6 +119,7 @@ class MemoryPlan:
     problems: list = field(default_factory=list)  # (message, grows with B x L)
     eval_passes: tuple = ()                       # batches of each evaluation pass
     trace_steps: int = 1
+    mixed: bool = False                           # --precision mixed
 
     @property
     def total(self) -> int:
@@ -155,20 +157,25 @@ def _trainable(cfg, kind: str, names: list) -> list:
     return []
 
 
-def _store_bytes(shapes: dict, lim: Limits) -> int:
-    """Bytes of a FlatStore of `shapes` (model.store_layout: aligned views, segments)."""
+def _store_bytes(shapes: dict, lim: Limits, item: int = 4) -> int:
+    """Bytes of a FlatStore of `shapes` (model.store_layout: aligned views, segments); `item`
+    2: of its f16 copy (lm.Half: each segment rounded up to 4 elements)."""
     _, segments = store_layout(shapes, lim.storage_align // 4, lim.max_buffer)
-    return sum(4 * n for n in segments)
+    return sum(4 * n if item == 4 else item * ((n + 3) // 4 * 4) for n in segments)
 
 
-def _splitk_scratch(lim: Limits, products: set) -> int:
+def _splitk_scratch(lim: Limits, products: set, mixed: bool = False) -> int:
     """Bytes of the split-K partial products (one scratch per product shape that splits;
-    none where matmul_lanes takes the products)."""
+    none where matmul_lanes takes the products).  `mixed`: the products whose shapes take
+    f16 operands (K and N multiples of 4) split as the f16 kernels do, on any adapter."""
     total = 0
-    if lim.lanes:
-        return 0
     for M, N, K in products:
-        slices, _ = splitk_slices(lim, M, N, K)
+        if mixed and K % 4 == 0 and N % 4 == 0:
+            _, slices, _ = f16_split(lim, M, N, K)
+        elif lim.lanes:
+            continue
+        else:
+            slices, _ = splitk_slices(lim, M, N, K)
         if slices > 1:
             total += _buf(4 * slices * M * N)
     return total
@@ -187,7 +194,7 @@ SEQUENCE = "at --seq-len {}"
 
 def estimate(cfg, batch_size: int, seq_len: int, kind: str, lim: Limits,
              eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None,
-             sequence: str = SEQUENCE) -> MemoryPlan:
+             sequence: str = SEQUENCE, mixed: bool = False) -> MemoryPlan:
     """The plan of one run (see the module docstring); problems are filled in.
 
     `eval_passes`: the number of batches of each distinct evaluation the run makes (eval:
@@ -197,17 +204,17 @@ def estimate(cfg, batch_size: int, seq_len: int, kind: str, lim: Limits,
     (tensor sizes, widths of its per-row buffers) of a LoRA adapter applied (lora.plan_sizes);
     kind "lora" trains it: no gradient store for the base, moments for the adapter only.
     `sequence`: how the problems name one sequence's length ("{}": the length), by default
-    the flag that sets it."""
+    the flag that sets it.  `mixed`: under --precision mixed (the f16 copies, their scratch)."""
     if kind not in KINDS + ("lora",):
         raise ValueError(f"kind must be one of {KINDS + ('lora',)}")
     B, L = int(batch_size), int(seq_len)
     passes = default_eval_passes(kind) if eval_passes is None else tuple(int(n) for n in eval_passes)
-    plan = MemoryPlan(kind, B, L, eval_passes=passes, trace_steps=int(trace_steps))
+    plan = MemoryPlan(kind, B, L, eval_passes=passes, trace_steps=int(trace_steps), mixed=bool(mixed))
     a_sizes, a_rows = adapter or ((), ())
     shapes = models.of(cfg).shapes(cfg)
     _weights(plan, cfg, shapes, lim, a_sizes)
-    _activations(plan, cfg, lim, a_rows)
-    plan.parts["scratch"] = _scratch(plan, cfg, shapes, lim, a_sizes)
+    _activations(plan, cfg, lim, a_rows, mixed)
+    plan.parts["scratch"] = _scratch(plan, cfg, shapes, lim, a_sizes, mixed)
     _units(plan, cfg, sequence)
     _check(plan, lim)
     return plan
@@ -225,6 +232,11 @@ def _weights(plan: MemoryPlan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -
     # an adapter's store: its tensors one after the other, each aligned for binding
     a_store = _buf(4 * sum(-(-n // (lim.storage_align // 4)) * (lim.storage_align // 4) for n in a_sizes))
     plan.parts["parameters"] = store + (a_store if a_sizes else 0)
+    if plan.mixed:   # the parameters' f16 copy (lm.Half)
+        try:
+            plan.parts["parameters"] += _store_bytes(shapes, lim, 2)
+        except MemengineError:
+            pass   # the problem is the f32 store's, said above
     # a store that trains whole has one flat moment pair per segment (optim.AdamW), else one
     # pair per trained tensor; the gradient store holds the trained tensors only
     trained = _trainable(cfg, plan.kind, list(shapes))
@@ -237,30 +249,37 @@ def _weights(plan: MemoryPlan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -
         plan.parts["moments"] = sum(2 * _buf(4 * _numel(shapes[n])) for n in trained)
 
 
-def _activations(plan: MemoryPlan, cfg, lim: Limits, a_rows: tuple) -> None:
+_ITEM = {"f16": 2}   # bytes an element, where not 4
+
+
+def _activations(plan: MemoryPlan, cfg, lim: Limits, a_rows: tuple, mixed: bool = False) -> None:
     """The workspace (adapt also evaluates before training: a light workspace as well)."""
     B, L, kind = plan.batch_size, plan.seq_len, plan.kind
     acts = logits = 0
     for g in ((False, True) if kind == "adapt" else (kind != "eval",)):
-        for name, (shape, _, copies) in workspace_shapes(cfg, B, L, g, lim.max_binding).items():
-            nbytes = _buf(4 * _numel(shape))
+        for name, (shape, dtype, copies) in workspace_shapes(cfg, B, L, g, lim.max_binding, mixed).items():
+            nbytes = _buf(_ITEM.get(dtype, 4) * _numel(shape))
             if name == "logits":
                 logits += nbytes
                 plan.buffers.append(("the logits chunk", nbytes, True))
                 continue
             acts += copies * nbytes
-            plan.buffers.append((f"activation {name} [{' x '.join(map(str, shape))}]", 4 * _numel(shape), True))
+            plan.buffers.append((f"activation {name} [{' x '.join(map(str, shape))}]",
+                                 _ITEM.get(dtype, 4) * _numel(shape), True))
     plan.parts["activations"] = acts + sum(_buf(4 * B * L * w) for w in a_rows)
     plan.parts["logits chunk"] = logits
 
 
-def _scratch(plan: MemoryPlan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -> int:
+def _scratch(plan: MemoryPlan, cfg, shapes: dict, lim: Limits, a_sizes: tuple, mixed: bool = False) -> int:
     """The kernels' scratch: the layers' own (the architecture's table), then the shell's."""
     B, L, kind = plan.batch_size, plan.seq_len, plan.kind
     M, E, V = B * L, cfg.hidden_size, cfg.vocab_size
     grad = kind != "eval"
     arch = models.of(cfg)
-    scratch = arch.plan_scratch(lim, cfg, B, L, kind)
+    scratch = arch.plan_scratch(lim, cfg, B, L, kind, mixed=mixed)
+    if mixed:   # the f16 scales' table (matmul.F16Scales), the unit loss scale; a trainer's loss scaler
+        scratch += _buf(4 * F16_TABLE_REGIONS * len(f16_slot_names(cfg, arch.block(cfg)))) + _buf(4)
+        scratch += (_buf(4) + _buf(16)) if grad else 0
     scratch += _buf(4)  # the final norm's unused copy binding (kernels/rmsnorm.py)
     chunk = logits_chunk_rows(lim.max_binding, M, V)
     products = arch.products(cfg, M, grad) | {(chunk, V, E)}
@@ -272,7 +291,7 @@ def _scratch(plan: MemoryPlan, cfg, shapes: dict, lim: Limits, a_sizes: tuple) -
         n_partials = sum(cdiv(_numel(shapes[n]), 2048) + 1 for n in _trainable(cfg, kind, list(shapes)))
         n_partials += sum(cdiv(n, 2048) + 1 for n in a_sizes) if kind == "lora" else 0
         scratch += _buf(4 * max(1024, 1 << (n_partials - 1).bit_length()))
-    scratch += _splitk_scratch(lim, products) + _buf(4 * 1024)
+    scratch += _splitk_scratch(lim, products, mixed) + _buf(4 * 1024)
     # evaluation: top-1/top-5 hits per row, a batch's window sums, the sums of the batches
     # read back at a time (trainer.eval_group: at most EVAL_READ_WINDOWS windows')
     if plan.eval_passes:
@@ -328,7 +347,7 @@ def advice(cfg, plan: MemoryPlan, lim: Limits) -> str:
 
     def ok(b, n):  # the same text in windows of b x n: as many tokens per evaluation pass
         passes = tuple(cdiv(k * B * L, b * n) for k in plan.eval_passes)
-        return estimate(cfg, b, n, plan.kind, lim, passes, plan.trace_steps).ok
+        return estimate(cfg, b, n, plan.kind, lim, passes, plan.trace_steps, mixed=plan.mixed).ok
 
     b = largest(lambda b: ok(b, L), B - 1)  # the largest that passes, or 0
     if b:
@@ -340,11 +359,13 @@ def advice(cfg, plan: MemoryPlan, lim: Limits) -> str:
 
 
 def check_run(rt, cfg, batch_size: int, seq_len: int, kind: str,
-              eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None) -> MemoryPlan:
+              eval_passes: tuple | None = None, trace_steps: int = 1, adapter: tuple | None = None,
+              precision: str = "fp32") -> MemoryPlan:
     """Plan a run on `rt`'s adapter before anything is uploaded; MemengineError (exit 2) with
     one line naming the figure and the flag that would help when it cannot work."""
     lim = Limits.of(rt)
-    plan = estimate(cfg, batch_size, seq_len, kind, lim, eval_passes, trace_steps, adapter=adapter)
+    plan = estimate(cfg, batch_size, seq_len, kind, lim, eval_passes, trace_steps, adapter=adapter,
+                    mixed=precision == "mixed")
     if not plan.ok:
         raise MemengineError(f"{plan.problems[0][0]}; {advice(cfg, plan, lim)}")
     return plan
@@ -363,16 +384,18 @@ PLAN_ROWS = ("parameters", "gradients", "moments", "activations", "logits chunk"
 REPORT_KINDS = KINDS + ("lora",)
 
 
-def report(cfg, batch_size: int, seq_len: int, lim: Limits, lora: tuple | None = None) -> dict:
+def report(cfg, batch_size: int, seq_len: int, lim: Limits, lora: tuple | None = None, mixed: bool = False) -> dict:
     """The plans of eval, train and adapt for one shape (what `memengine info` shows), and of
-    training a LoRA adapter when `lora` = (its rank, its `lora.plan_sizes`) is given."""
-    out = {"batch_size": int(batch_size), "seq_len": int(seq_len), "limits": lim.to_dict()}
+    training a LoRA adapter when `lora` = (its rank, its `lora.plan_sizes`) is given;
+    `mixed`: under --precision mixed."""
+    out = {"batch_size": int(batch_size), "seq_len": int(seq_len), "precision": "mixed" if mixed else "fp32",
+           "limits": lim.to_dict()}
     kinds = KINDS
     if lora is not None:
         out["lora_rank"] = int(lora[0])
         kinds = REPORT_KINDS
     for kind in kinds:
-        p = estimate(cfg, batch_size, seq_len, kind, lim, adapter=lora[1] if kind == "lora" else None)
+        p = estimate(cfg, batch_size, seq_len, kind, lim, adapter=lora[1] if kind == "lora" else None, mixed=mixed)
         d = p.to_dict()
         d["advice"] = None if p.ok else advice(cfg, p, lim)
         out[kind] = d

@@ -277,7 +277,8 @@ class _Run:
         o = self.o
         rt = self._open_device(verbose)
         kind, evals, trace, adapter = self._plan_request()
-        plan = check_run(rt, self.ckpt.config, o.batch_size, o.seq_len, kind, evals, trace, adapter=adapter)
+        plan = check_run(rt, self.ckpt.config, o.batch_size, o.seq_len, kind, evals, trace, adapter=adapter,
+                         precision=getattr(o, "precision", "fp32"))
         per_epoch = math.ceil(len(self.windows) / (o.batch_size * o.grad_accum))
         start = int((self.snap.state.get("step") if self.snap is not None else 0) or 0)
         return {"event": "dry_run", "kind": o.KIND, "input": self.input, "output": public_path(self.out),

@@ -64,7 +64,8 @@ def open_model(rt, ckpt, kind: str, batch_size: int, seq_len: int, eval_passes: 
     from memengine.engine.app.plan import check_run
     from memengine.engine.models.lm import LanguageModel
 
-    check_run(rt, ckpt.config, batch_size, seq_len, kind, eval_passes, trace_steps, adapter=adapter)
+    check_run(rt, ckpt.config, batch_size, seq_len, kind, eval_passes, trace_steps, adapter=adapter,
+              precision=precision)
     model = LanguageModel.from_checkpoint(rt, ckpt, lora=make_lora(rt) if make_lora is not None else None)
     model.set_precision(precision)
     return model

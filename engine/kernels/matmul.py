@@ -240,6 +240,19 @@ def _operands(rt, mode, C, A, B, A16, B16, M, N, K, trans_a, trans_b, lda, ldb, 
     return "matmul", A, B, a_col + ea, b_col + eb
 
 
+def f16_split(rt, M: int, N: int, K: int, c_bytes: int | None = None) -> tuple[str, int, int]:
+    """(shader, slices, K per slice) of an f16 product M x N x K (`c_bytes`: its result's
+    bytes, 4 M N if not given): matmul_sgmat where the adapter has subgroup matrices and the
+    result is large enough, else matmul_f16 (128 x 128 tiles, BK 16); split over K where that
+    pays (`rt`: a Runtime or the memory plan's Limits)."""
+    c_bytes = 4 * M * N if c_bytes is None else c_bytes
+    sg = bool(getattr(rt, "has_subgroup_matrix", False) and rt.kernels.sgmat and c_bytes >= SGMAT_MIN_C_BYTES)
+    (bm, bn), bk = (SGMAT_TILE, 32) if sg else ((128, 128), 16)
+    slices = _split_k(rt, M, N, K, cdiv(N, bn) * cdiv(M, bm), bm * bn, bk, _SGMAT_ROUND_K_S if sg else None)
+    ks = cdiv(cdiv(K, slices), bk) * bk if slices > 1 else K
+    return ("matmul_sgmat" if sg else "matmul_f16"), cdiv(K, ks), ks
+
+
 def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, acc, layout,
                   scales=None) -> None:
     """The tiled kernels: matmul_lanes (CPU adapters), else matmul_fast / matmul_f16 (on
@@ -261,24 +274,18 @@ def _record_tiled(rec, shader, mode, C, A, B, bias, M, N, K, trans_a, trans_b, a
                      (cdiv(N, 32), cdiv(M, 32), 1),
                      {"TA": int(trans_a), "TB": int(trans_b), "ACC": int(acc), "BIAS": int(bias is not None)})
         return
-    if (shader == "matmul_f16" and getattr(rt, "has_subgroup_matrix", False) and rt.kernels.sgmat
-            and C.nbytes >= SGMAT_MIN_C_BYTES):
-        shader = "matmul_sgmat"   # the same product on subgroup matrices (tensor cores)
+    if shader == "matmul_f16":   # on subgroup matrices (tensor cores) where they pay
+        shader, slices, ks = f16_split(rt, M, N, K, C.nbytes)
     entry = shader if shader != "matmul" else "matmul_fast"
     if shader == "matmul_sgmat":   # the operands again as 16-byte words (its interior loads;
         # an operand under one word, which only the guarded path reads, binds a word of scratch)
         word = lambda t: t if t.nbytes >= 16 else rt.scratch("matmul_sgmat_word", (4,))
         tab = {**tab, 6: word(A), 7: word(B)}
     if shader == "matmul_f16":   # fixed tiles: 128x128, BK 16
-        bm, bn, bk, consts = 128, 128, 16, None
+        bm, bn, consts = 128, 128, None
     elif shader == "matmul_sgmat":   # its tile and the layouts as constants, BK 32
         bm, bn = SGMAT_TILE
-        bk, consts = 32, {"TA": int(trans_a), "TB": int(trans_b)}
-    if shader != "matmul":
-        slices = _split_k(rt, M, N, K, cdiv(N, bn) * cdiv(M, bm), bm * bn, bk,
-                          _SGMAT_ROUND_K_S if shader == "matmul_sgmat" else None)
-        ks = cdiv(cdiv(K, slices), bk) * bk if slices > 1 else K
-        slices = cdiv(K, ks)
+        consts = {"TA": int(trans_a), "TB": int(trans_b)}
     else:
         cfg = fast_config(rt, M, N, K)
         consts = {k: int(v) for k, v in cfg.items()}
@@ -397,7 +404,7 @@ def _split_call(rec, C, A, B, M, N, K, trans_a, trans_b, lda, ldb, ldc, a_col, b
 F16_TARGET_EXP = 12
 F16_EXP_MAX = 60
 F16_EXP_MIN = F16_TARGET_EXP - 127
-_TABLE_REGIONS = 7   # exponent, amax, changes, least e, greatest e, amax at the last rescale, committed e
+F16_TABLE_REGIONS = 7   # exponent, amax, changes, least e, greatest e, amax at the last rescale, committed e
 
 
 def f16_exponent(amax: float, old: int = 0) -> int:
@@ -440,7 +447,7 @@ class F16Scales:
         self.names = ["unit"] + [str(n) for n in names]
         self.n = len(self.names)
         self.index = {nm: k for k, nm in enumerate(self.names)}
-        self.table: Tensor = rt.zeros((_TABLE_REGIONS * self.n,), "i32", name="f16_scales")
+        self.table: Tensor = rt.zeros((F16_TABLE_REGIONS * self.n,), "i32", name="f16_scales")
         self.calibrate = True
 
     def __getitem__(self, name: str) -> F16Scale:
@@ -465,14 +472,14 @@ class F16Scales:
 
     def state(self) -> np.ndarray:
         """[7, n] i32: what a checkpoint keeps (a GPU sync point)."""
-        return self.rt.read(self.table).reshape(_TABLE_REGIONS, self.n)
+        return self.rt.read(self.table).reshape(F16_TABLE_REGIONS, self.n)
 
     def load(self, state) -> None:
         a = np.asarray(state)
-        if a.shape != (_TABLE_REGIONS, self.n):
+        if a.shape != (F16_TABLE_REGIONS, self.n):
             from memengine.engine.errors import MemengineError
             raise MemengineError(f"the saved f16 scales have shape {list(a.shape)}; this model's table has "
-                                 f"{[_TABLE_REGIONS, self.n]} (the state belongs to another model)")
+                                 f"{[F16_TABLE_REGIONS, self.n]} (the state belongs to another model)")
         a = a.astype(np.int32).copy()
         a[1] = 0
         self.rt.write(self.table, a.reshape(-1))
@@ -492,9 +499,9 @@ class F16Scales:
 
 def unit_scales(rt) -> Tensor:
     """A scale table of the unit scale only (products and casts of operands without one)."""
-    t = rt.scratch("f16.unit_scales", (_TABLE_REGIONS,), "i32")
+    t = rt.scratch("f16.unit_scales", (F16_TABLE_REGIONS,), "i32")
     if not getattr(t, "filled", False):
-        rt.write(t, np.zeros(_TABLE_REGIONS, np.int32))
+        rt.write(t, np.zeros(F16_TABLE_REGIONS, np.int32))
         t.filled = True
     return t
 

@@ -196,8 +196,9 @@ class Architecture:
         """(M, N, K) of every matrix product a step of M rows makes in the layers."""
         return set()
 
-    def plan_scratch(self, lim, cfg, B: int, L: int, kind: str) -> int:
-        """Bytes of the layers' kernel scratch for a `kind` run (eval, train, adapt, lora)."""
+    def plan_scratch(self, lim, cfg, B: int, L: int, kind: str, mixed: bool = False) -> int:
+        """Bytes of the layers' kernel scratch for a `kind` run (eval, train, adapt, lora);
+        `mixed`: under --precision mixed."""
         return 0
 
     def plan_units(self, cfg, B: int, L: int, grad: bool, sequence: str = "at --seq-len {}") -> list:

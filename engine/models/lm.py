@@ -150,6 +150,18 @@ class Full:
 FULL = Full()
 
 
+def f16_slot_names(cfg, block) -> list:
+    """Every f16 activation and output gradient of a model under --precision mixed, in a fixed
+    order (a saved table's slots are these)."""
+    acts = [n for n, (_, dtype, per_layer) in block.workspace_table(1, 1, True, True).items()
+            if dtype == "f16" and per_layer]
+    fields = sorted(set(block.LAYER_FIELDS.values()))
+    names = []
+    for i in range(cfg.num_hidden_layers):
+        names += [f"layers.{i}.{a}" for a in acts] + [f"layers.{i}.{f}.dout" for f in fields]
+    return names + ["hf16", "head.dout"]
+
+
 class Half(Full):
     """--precision mixed: f16 copies of the parameters and of the products' activations."""
 
@@ -167,15 +179,7 @@ class Half(Full):
 
     @staticmethod
     def slot_names(model) -> list:
-        """Every f16 activation and output gradient of the model, in a fixed order (a saved
-        table's slots are these)."""
-        acts = [n for n, (_, dtype, per_layer) in model.block.workspace_table(1, 1, True, True).items()
-                if dtype == "f16" and per_layer]
-        fields = sorted(set(model.block.LAYER_FIELDS.values()))
-        names = []
-        for i in range(model.cfg.num_hidden_layers):
-            names += [f"layers.{i}.{a}" for a in acts] + [f"layers.{i}.{f}.dout" for f in fields]
-        return names + ["hf16", "head.dout"]
+        return f16_slot_names(model.cfg, model.block)
 
     def _slot(self, name16: str, i):
         return self.scales[name16 if i is None else f"layers.{i}.{name16}"]

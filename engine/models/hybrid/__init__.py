@@ -21,6 +21,7 @@ from memengine.engine.kernels import attention, conv1d, ssd
 from memengine.engine.models.base import Architecture
 from memengine.engine.models.hybrid.config import ATTENTION, MAMBA, MODEL_TYPES, HybridConfig
 from memengine.engine.models.hybrid.tensors import BAMBA, GRANITE, iter_expected_shapes
+from memengine.engine.models.ssd_mixer import _buf16
 from memengine.engine.models.ssd_mixer import plan_scratch as ssd_plan_scratch
 
 _LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
@@ -137,10 +138,16 @@ class _Hybrid(Architecture):
             out |= {(M, i, o) for o, i in lin} | {(o, i, M) for o, i in lin}
         return out
 
-    def plan_scratch(self, lim, cfg, B: int, L: int, kind: str) -> int:
-        if len(cfg.attention_layers) == cfg.num_hidden_layers:
-            return 0
-        return ssd_plan_scratch(lim, cfg.mamba, B, L, kind)   # the attention kernels take no scratch
+    def plan_scratch(self, lim, cfg, B: int, L: int, kind: str, mixed: bool = False) -> int:
+        total = 0
+        if len(cfg.attention_layers) < cfg.num_hidden_layers:
+            total += ssd_plan_scratch(lim, cfg.mamba, B, L, kind)
+        # the f32 attention kernels take no scratch; on subgroup matrices (--precision mixed)
+        # the backward's dk and dv shares of each query head of a kv head, summed after
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        if (mixed and kind != "eval" and cfg.attention_layers and rep > 1 and attention.takes_subgroup_matrices(lim, cfg.head_dim)):
+            total += 2 * _buf16(4 * rep * B * L * cfg.num_key_value_heads * cfg.head_dim)
+        return total
 
     def plan_units(self, cfg, B: int, L: int, grad: bool, sequence: str = "at --seq-len {}") -> list:
         out = []

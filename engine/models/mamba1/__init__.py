@@ -137,7 +137,7 @@ class Mamba1(Architecture):
             out |= {(M, i, o) for o, i in self._linears(cfg)} | {(o, i, M) for o, i in self._linears(cfg)}
         return out
 
-    def plan_scratch(self, lim, cfg, B: int, L: int, kind: str) -> int:
+    def plan_scratch(self, lim, cfg, B: int, L: int, kind: str, mixed: bool = False) -> int:
         Di, N, R, K = cfg.intermediate_size, cfg.state_size, cfg.dt_rank, cfg.conv_kernel
         grad = kind != "eval"
         total = 0

@@ -106,7 +106,7 @@ class Mamba2(Architecture):
             out |= {(M, i, o) for o, i in self._linears(cfg)} | {(o, i, M) for o, i in self._linears(cfg)}
         return out
 
-    def plan_scratch(self, lim, cfg, B: int, L: int, kind: str) -> int:
+    def plan_scratch(self, lim, cfg, B: int, L: int, kind: str, mixed: bool = False) -> int:
         return ssd_plan_scratch(lim, cfg, B, L, kind)
 
     def plan_units(self, cfg, B: int, L: int, grad: bool, sequence: str = "at --seq-len {}") -> list:
