@@ -78,20 +78,22 @@ def test_attention_forward_backward_against_torch(rt, monkeypatch, B, L, Hq, Hkv
         assert e < 1e-4, name
 
 
-SG_CASES = [   # B, L, Hq, Hkv, D, v's and dO's magnitudes (their f16 copies' scales take them)
-    (1, 37, 4, 2, 32, 1.0, 1e-4),
-    (2, 45, 3, 3, 16, 3e4, 1e-6),     # GQA 1, two sequences, a partial block each
-    (2, 150, 6, 2, 64, 1e-3, 10.0),  # GQA 3, several blocks of 64 rows and of 32 keys
+SG_CASES = [   # B, L, Hq, Hkv, D, v's and dO's magnitudes (their f16 copies' scales take them), trend
+    (1, 37, 4, 2, 32, 1.0, 1e-4, 0.0),
+    (2, 45, 3, 3, 16, 3e4, 1e-6, 0.0),     # GQA 1, two sequences, a partial block each
+    (2, 150, 6, 2, 64, 1e-3, 10.0, 0.0),   # GQA 3, several blocks of 64 rows and of 32 keys
+    (1, 130, 2, 1, 32, 1.0, 1.0, 0.04),    # scores rising along the keys: the forward's rescales
 ]
 
 
-@pytest.mark.parametrize("B,L,Hq,Hkv,D,vmag,gmag", SG_CASES)
-def test_attention_on_subgroup_matrices_against_torch(rt, B, L, Hq, Hkv, D, vmag, gmag):
+@pytest.mark.parametrize("B,L,Hq,Hkv,D,vmag,gmag,trend", SG_CASES)
+def test_attention_on_subgroup_matrices_against_torch(rt, B, L, Hq, Hkv, D, vmag, gmag, trend):
     """shaders/attention_sgmat.wgsl (--precision mixed on adapters with f16 subgroup matrices)
     against torch autograd in float64: o, lse, dq, dk, dv within 8 f16 roundings (q, k, v and
     dO cast with their own scale slots, p and ds rounded to f16 in the kernels), at magnitudes
-    of v and dO far outside f16's range unscaled.  Where the adapter has no subgroup matrices
-    the kernels run emulated (tests/sgmat_emulation.py)."""
+    of v and dO far outside f16's range unscaled, and with scores that rise along the keys (the
+    last row's max passing the forward's reference by more than twice its threshold).  Where
+    the adapter has no subgroup matrices the kernels run emulated (tests/sgmat_emulation.py)."""
     import contextlib
 
     from sgmat_emulation import emulated
@@ -103,12 +105,20 @@ def test_attention_on_subgroup_matrices_against_torch(rt, B, L, Hq, Hkv, D, vmag
     M, P = B * L, attention.SG_PAD_ROWS
     g = torch.Generator().manual_seed(B * 1000 + L)
     q = torch.randn(M, Hq * D, dtype=torch.float64, generator=g, requires_grad=True)
-    k = torch.randn(M, Hkv * D, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(M, Hkv * D, dtype=torch.float64, generator=g)
+    if trend:   # q . k grows by about trend * D * |mean q| a key
+        with torch.no_grad():
+            q += 2.0
+            k += trend * torch.arange(M, dtype=torch.float64)[:, None]
+    k.requires_grad_()
     v = (torch.randn(M, Hkv * D, dtype=torch.float64, generator=g) * vmag).requires_grad_()
     do = torch.randn(M, Hq * D, dtype=torch.float64, generator=g) * gmag
     scale, r = 0.7 / D ** 0.5, 1.7
     o_ref, lse_ref = torch_attention(q, k, v, B, L, Hq, Hkv, D, scale)
     (o_ref * do).sum().backward()
+    if trend:   # row 0's block-0 max against a later block's, head 0: the threshold passed
+        s0 = (q[:L, :D] @ k[:L, :D].T).detach() * scale
+        assert s0[L - 1, 64:96].max() > s0[L - 1, :32].max() + 2 * 5.5
     f32 = lambda t: t.detach().numpy().astype(np.float32)
     ctx = contextlib.nullcontext() if rt.has_subgroup_matrix else emulated(rt, attention.SG_SHADER)
     with ctx:
