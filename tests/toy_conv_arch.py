@@ -170,7 +170,7 @@ class ToyConv(Architecture):
         out = {(M, D, E), (M, E, D)}
         return out | ({(M, E, D), (M, D, E), (E, D, M), (D, E, M)} if grad else set())
 
-    def plan_scratch(self, lim, cfg, B, L, kind):
+    def plan_scratch(self, lim, cfg, B, L, kind, mixed=False):
         D, K = cfg.inner_size, cfg.conv_kernel
         if kind == "train":
             return 4 * conv1d.partial_rows(B, L) * D * (K + 1) + 4 * D * K + 8 * D
