@@ -284,6 +284,10 @@ def _device() -> Any:
                help="WebGPU adapter: auto, gpu, cpu, or a substring of the adapter's name.")
 
 
+def _precision(help: str) -> Any:
+    return opt("fp32", panel=RUNTIME, check=one_of("fp32", "mixed"), metavar="fp32|mixed", help=help)
+
+
 def _backend() -> Any:
     return opt(None, panel=RUNTIME, envvar=ENV_BACKEND, restore=False, metavar="|".join(BACKENDS),
                show_default="auto", check=one_of(*BACKENDS),
@@ -314,9 +318,8 @@ class InfoOptions(Options):
     model_type: Optional[str] = _model_type()
     device: Optional[str] = _device()
     backend: Optional[str] = _backend()
-    precision: str = opt("fp32", panel=RUNTIME, check=one_of("fp32", "mixed"), metavar="fp32|mixed",
-                         help="The plan of runs at this --precision (mixed: with the f16 copies of the "
-                              "parameters and activations and their scratch).")
+    precision: str = _precision("The plan of runs at this --precision (mixed: with the f16 copies of the "
+                                "parameters and activations and their scratch).")
 
     def check_inputs(self) -> None:
         if self.ckpt is None:
@@ -380,12 +383,11 @@ class TrainOptions(Options):
     prompt_loss: bool = _prompt_loss("--train-on-prompt", "Train on")
     max_grad_norm: float = opt(1.0, check=not_negative(),
                                help="Clip the global gradient L2 norm to this (0 = off).")
-    precision: str = opt("fp32", panel=RUNTIME, check=one_of("fp32", "mixed"), metavar="fp32|mixed",
-                         help="mixed: f16 matmul operands with f32 accumulation, f32 master weights "
-                              "and moments, dynamic loss scaling (skipped steps are reported); needs "
-                              "an adapter with shader-f16. Faster than fp32 where the adapter has f16 "
-                              "subgroup matrices (tensor cores through the Dawn backend: H100 2.39x), "
-                              "slower elsewhere (H200 on wgpu-native 0.74x, lavapipe 0.3x; README).")
+    precision: str = _precision("mixed: f16 matmul operands with f32 accumulation, f32 master weights "
+                                "and moments, dynamic loss scaling (skipped steps are reported); needs "
+                                "an adapter with shader-f16. Faster than fp32 where the adapter has f16 "
+                                "subgroup matrices (tensor cores through the Dawn backend: H100 2.39x), "
+                                "slower elsewhere (H200 on wgpu-native 0.74x, lavapipe 0.3x; README).")
     weight_decay: float = opt(0.01, check=not_negative(), help="Decoupled AdamW weight decay.")
     max_delta: float = opt(0.0, check=not_negative(),
                            help="Trust region: no element moves more than this per step (0 = off).")

@@ -145,7 +145,8 @@ class _Hybrid(Architecture):
         # the f32 attention kernels take no scratch; on subgroup matrices (--precision mixed)
         # the backward's dk and dv shares of each query head of a kv head, summed after
         rep = cfg.num_attention_heads // cfg.num_key_value_heads
-        if (mixed and kind != "eval" and cfg.attention_layers and rep > 1 and attention.takes_subgroup_matrices(lim, cfg.head_dim)):
+        if (mixed and kind != "eval" and cfg.attention_layers and rep > 1
+                and attention.takes_subgroup_matrices(lim, cfg.head_dim)):
             total += 2 * _buf16(4 * rep * B * L * cfg.num_key_value_heads * cfg.head_dim)
         return total
 
