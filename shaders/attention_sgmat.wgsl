@@ -22,10 +22,11 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 // subgroup multiplies them into its D / 16 accumulators (named fields: no private arrays of
 // matrices).
 //
-// Workgroup memory: 32,000 bytes, under the 32 KiB that WebGPU adapters may offer (Dawn on
-// Mesa 25's lavapipe, where CI runs these kernels emulated, refuses more): one f32 patch of scores,
-// which in the backward holds s and then dP (each invocation keeps its 16 p in registers
-// between them), one f16 patch, p and then ds, and the two staged blocks sized for D 128.
+// Workgroup memory: at most 32,000 bytes (D 128; 23,808 at D 64), under the 32 KiB that WebGPU
+// adapters may offer (Dawn on Mesa 25's lavapipe, where CI runs these kernels emulated, refuses
+// more): one f32 patch of scores, which in the backward holds s and then dP (each invocation
+// keeps its 16 p in registers between them), one f16 patch, p and then ds, and the two staged
+// blocks, sized by D.
 //
 // No online rescaling: a result matrix cannot be scaled row by row, so the forward walks the
 // keys twice, first for each row's max and sum (lse), then with p = exp(s - lse) final for
@@ -53,6 +54,7 @@ struct SA { B: u32, L: u32, Hq: u32, REP: u32, ldq: u32, ldk: u32, nqb: u32, nkb
 
 override D16: u32 = 4u;        // head_dim / 16 (1 .. 8)
 override D: u32 = 16u * D16;   // head_dim
+override BS: u32 = D + 8u;     // a staged row (16 bytes of padding)
 const KB: u32 = 32u;           // keys (query rows) a block of the walk
 const SS: u32 = KB + 4u;       // a row of the f32 patches (16 bytes of padding: a row's two halves,
                                // which adjacent invocations read, fall in different banks)
@@ -66,8 +68,8 @@ const DOW: u32 = 3u;
 var<workgroup> Ss: array<f32, 2304>;   // [64][SS] scores, then dP (transposed in dk/dv); the stores' patches
 var<workgroup> Ps: array<f16, 2560>;   // [64][HP] p, then ds (scaled)
 var<workgroup> Rs: array<f32, 64>;     // the walked rows' lse and delta (dk/dv)
-var<workgroup> Ab: array<f16, 4352>;   // [KB][D + 8] a walked block of one operand (D up to 128)
-var<workgroup> Bb: array<f16, 4352>;   // [KB][D + 8] and of another (or rows 32..63 of a held block)
+var<workgroup> Ab: array<f16, KB * BS>;   // [KB][BS] a walked block of one operand
+var<workgroup> Bb: array<f16, KB * BS>;   // [KB][BS] and of another (or rows 32..63 of a held block)
 
 struct LM { m0: subgroup_matrix_left<f16, 16, 16>, m1: subgroup_matrix_left<f16, 16, 16>,
             m2: subgroup_matrix_left<f16, 16, 16>, m3: subgroup_matrix_left<f16, 16, 16>,
@@ -119,7 +121,6 @@ fn store_rows(acc: ptr<function, RM>, f: f32, dst: u32, sg: u32, tid: u32, base:
 // dk/dv) once, into the subgroups' registers, then each block of KB rows of the side it walks,
 // two operands at a time; the four subgroups load their matrices from there, not each from
 // storage.
-override BS: u32 = D + 8u;       // a staged row (16 bytes of padding)
 
 fn put8(dst: u32, i: u32, v: vec4<u32>) {
     let h0 = bitcast<vec2<f16>>(v.x); let h1 = bitcast<vec2<f16>>(v.y);
