@@ -11,22 +11,15 @@ diagnostic(off, chromium_experimental.subgroup_matrix_uniformity);
 //
 // The operands are f16 copies scaled per tensor (q16 = q * 2^eq ..., exponents in the scale
 // table at the slots the uniform names: engine/kernels/matmul.py `F16Scales`), each with at
-// least 64 rows of zeros past its last row, so that a block's rows load without bounds (rows
-// past a sequence read the next one's, finite, and are masked), as 16-byte words through
-// workgroup memory (below: "operands, staged").  A workgroup is 4 subgroups of 32 (128
-// invocations); subgroup sg takes 16 rows of a 64-row block (query rows: forward, dq; keys:
-// dk, dv) as D / 16 left matrices held in registers, and walks the other side in blocks of
-// KB = 32, below the causal diagonal only: per block its 16 x 32 scores (two results) go
-// through workgroup memory, where invocation tid takes row tid / 2 of the 64 and 16 of its 32
-// columns (the mask, the softmax's terms, f16 probabilities for the next product), then the
-// subgroup multiplies them into its D / 16 accumulators (named fields: no private arrays of
-// matrices).
-//
-// Workgroup memory: at most 32,000 bytes (D 128; 23,808 at D 64), under the 32 KiB that WebGPU
-// adapters may offer (Dawn on Mesa 25's lavapipe, where CI runs these kernels emulated, refuses
-// more): one f32 patch of scores, which in the backward holds s and then dP (each invocation
-// keeps its 16 p in registers between them), one f16 patch, p and then ds, and the two staged
-// blocks, sized by D.
+// least 64 rows of zeros past its last row, so that a block's 16 x 16 matrices load straight
+// from storage without bounds (rows past a sequence read the next one's, finite, and are
+// masked).  A workgroup is 4 subgroups of 32 (128 invocations); subgroup sg takes 16 rows of
+// a 64-row block (query rows: forward, dq; keys: dk, dv) as D / 16 left matrices held in
+// registers, and walks the other side in blocks of KB = 32, below the causal diagonal only:
+// per block its 16 x 32 scores (two results) go through workgroup memory, where invocation
+// tid takes row tid / 2 of the 64 and 16 of its 32 columns (the mask, the softmax's terms,
+// f16 probabilities for the next product), then the subgroup multiplies them into its D / 16
+// accumulators (named fields: no private arrays of matrices).
 //
 // No online rescaling: a result matrix cannot be scaled row by row, so the forward walks the
 // keys twice, first for each row's max and sum (lse), then with p = exp(s - lse) final for
@@ -41,10 +34,10 @@ struct SA { B: u32, L: u32, Hq: u32, REP: u32, ldq: u32, ldk: u32, nqb: u32, nkb
             oq: u32, ok: u32, ov: u32, odo: u32, o1: u32, o2: u32, os1: u32, os2: u32,
             sq: u32, sk: u32, sv: u32, sdo: u32, cexp: i32, Hkv: u32, scale: f32, p0: u32 }
 
-@group(0) @binding(0) var<storage, read> q8: array<vec4<u32>>;    // the f16 operands as 16-byte words
-@group(0) @binding(1) var<storage, read> k8: array<vec4<u32>>;    // (8 halves)
-@group(0) @binding(2) var<storage, read> v8: array<vec4<u32>>;
-@group(0) @binding(3) var<storage, read> do8: array<vec4<u32>>;
+@group(0) @binding(0) var<storage, read> q16: array<f16>;
+@group(0) @binding(1) var<storage, read> k16: array<f16>;
+@group(0) @binding(2) var<storage, read> v16: array<f16>;
+@group(0) @binding(3) var<storage, read> do16: array<f16>;
 @group(0) @binding(4) var<storage, read_write> out1: array<f32>;   // o; dq; dk
 @group(0) @binding(5) var<storage, read_write> out2: array<f32>;   // lse; -; dv
 @group(0) @binding(6) var<storage, read> st1: array<f32>;          // lse (backward)
@@ -54,22 +47,21 @@ struct SA { B: u32, L: u32, Hq: u32, REP: u32, ldq: u32, ldk: u32, nqb: u32, nkb
 
 override D16: u32 = 4u;        // head_dim / 16 (1 .. 8)
 override D: u32 = 16u * D16;   // head_dim
-override BS: u32 = D + 8u;     // a staged row (16 bytes of padding)
 const KB: u32 = 32u;           // keys (query rows) a block of the walk
 const SS: u32 = KB + 4u;       // a row of the f32 patches (16 bytes of padding: a row's two halves,
                                // which adjacent invocations read, fall in different banks)
 const HP: u32 = KB + 8u;       // a row of the f16 patches (16 bytes of padding)
 const NEG: f32 = -3.0e38;
-const QW: u32 = 0u;            // the operands, for word()
+const QW: u32 = 0u;            // the operands, for left_of / right_t / right_n
 const KW: u32 = 1u;
 const VW: u32 = 2u;
 const DOW: u32 = 3u;
 
-var<workgroup> Ss: array<f32, 2304>;   // [64][SS] scores, then dP (transposed in dk/dv); the stores' patches
-var<workgroup> Ps: array<f16, 2560>;   // [64][HP] p, then ds (scaled)
-var<workgroup> Rs: array<f32, 64>;     // the walked rows' lse and delta (dk/dv)
-var<workgroup> Ab: array<f16, KB * BS>;   // [KB][BS] a walked block of one operand
-var<workgroup> Bb: array<f16, KB * BS>;   // [KB][BS] and of another (or rows 32..63 of a held block)
+var<workgroup> Ss: array<f32, 2304>;   // [64][SS] scores (transposed in dk/dv); the stores' patches
+var<workgroup> Ds: array<f32, 2304>;   // [64][SS] dO . v (the backward)
+var<workgroup> Ps: array<f16, 2560>;   // [64][HP] p
+var<workgroup> Gs: array<f16, 2560>;   // [64][HP] ds (scaled)
+var<workgroup> Rs: array<f32, 256>;    // row statistics
 
 struct LM { m0: subgroup_matrix_left<f16, 16, 16>, m1: subgroup_matrix_left<f16, 16, 16>,
             m2: subgroup_matrix_left<f16, 16, 16>, m3: subgroup_matrix_left<f16, 16, 16>,
@@ -80,10 +72,94 @@ struct RM { r0: subgroup_matrix_result<f32, 16, 16>, r1: subgroup_matrix_result<
             r4: subgroup_matrix_result<f32, 16, 16>, r5: subgroup_matrix_result<f32, 16, 16>,
             r6: subgroup_matrix_result<f32, 16, 16>, r7: subgroup_matrix_result<f32, 16, 16> }
 
+fn left_of(w: u32, off: u32, ld: u32) -> subgroup_matrix_left<f16, 16, 16> {
+    switch w {
+        case 0u: { return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&q16, off, false, ld); }
+        case 1u: { return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&k16, off, false, ld); }
+        case 2u: { return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&v16, off, false, ld); }
+        default: { return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&do16, off, false, ld); }
+    }
+}
+
+// 16 x 16 of operand w as a right matrix: its rows' elements are the matrix's columns (k^T and
+// the like; right_t) or its rows are the matrix's rows (right_n); col_major must be a constant
+fn right_t(w: u32, off: u32, ld: u32) -> subgroup_matrix_right<f16, 16, 16> {
+    switch w {
+        case 0u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&q16, off, true, ld); }
+        case 1u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&k16, off, true, ld); }
+        case 2u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&v16, off, true, ld); }
+        default: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&do16, off, true, ld); }
+    }
+}
+
+fn right_n(w: u32, off: u32, ld: u32) -> subgroup_matrix_right<f16, 16, 16> {
+    switch w {
+        case 0u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&q16, off, false, ld); }
+        case 1u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&k16, off, false, ld); }
+        case 2u: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&v16, off, false, ld); }
+        default: { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&do16, off, false, ld); }
+    }
+}
+
+// 16 rows of operand w from element off (rows ld apart), all D columns: D16 left matrices
+fn rows_left(w: u32, off: u32, ld: u32) -> LM {
+    var a: LM;
+    a.m0 = left_of(w, off, ld);
+    if (D16 > 1u) { a.m1 = left_of(w, off + 16u, ld); }
+    if (D16 > 2u) { a.m2 = left_of(w, off + 32u, ld); }
+    if (D16 > 3u) { a.m3 = left_of(w, off + 48u, ld); }
+    if (D16 > 4u) { a.m4 = left_of(w, off + 64u, ld); }
+    if (D16 > 5u) { a.m5 = left_of(w, off + 80u, ld); }
+    if (D16 > 6u) { a.m6 = left_of(w, off + 96u, ld); }
+    if (D16 > 7u) { a.m7 = left_of(w, off + 112u, ld); }
+    return a;
+}
+
+// a (16 rows) . (16 rows of operand w from off)^T, summed over D: one 16 x 16 result
+fn dots(a: ptr<function, LM>, w: u32, off: u32, ld: u32) -> subgroup_matrix_result<f32, 16, 16> {
+    var r: subgroup_matrix_result<f32, 16, 16>;
+    r = subgroupMatrixMultiplyAccumulate((*a).m0, right_t(w, off, ld), r);
+    if (D16 > 1u) { r = subgroupMatrixMultiplyAccumulate((*a).m1, right_t(w, off + 16u, ld), r); }
+    if (D16 > 2u) { r = subgroupMatrixMultiplyAccumulate((*a).m2, right_t(w, off + 32u, ld), r); }
+    if (D16 > 3u) { r = subgroupMatrixMultiplyAccumulate((*a).m3, right_t(w, off + 48u, ld), r); }
+    if (D16 > 4u) { r = subgroupMatrixMultiplyAccumulate((*a).m4, right_t(w, off + 64u, ld), r); }
+    if (D16 > 5u) { r = subgroupMatrixMultiplyAccumulate((*a).m5, right_t(w, off + 80u, ld), r); }
+    if (D16 > 6u) { r = subgroupMatrixMultiplyAccumulate((*a).m6, right_t(w, off + 96u, ld), r); }
+    if (D16 > 7u) { r = subgroupMatrixMultiplyAccumulate((*a).m7, right_t(w, off + 112u, ld), r); }
+    return r;
+}
+
 // a block's two 16 x 16 score matrices of the subgroup (rows sg*16..) into workgroup memory
-fn put_scores(sg: u32, s0: subgroup_matrix_result<f32, 16, 16>, s1: subgroup_matrix_result<f32, 16, 16>) {
-    subgroupMatrixStore(&Ss, sg * 16u * SS, s0, false, SS);
-    subgroupMatrixStore(&Ss, sg * 16u * SS + 16u, s1, false, SS);
+fn put_scores(dst: u32, sg: u32, s0: subgroup_matrix_result<f32, 16, 16>, s1: subgroup_matrix_result<f32, 16, 16>) {
+    if (dst == 0u) {
+        subgroupMatrixStore(&Ss, sg * 16u * SS, s0, false, SS);
+        subgroupMatrixStore(&Ss, sg * 16u * SS + 16u, s1, false, SS);
+    } else {
+        subgroupMatrixStore(&Ds, sg * 16u * SS, s0, false, SS);
+        subgroupMatrixStore(&Ds, sg * 16u * SS + 16u, s1, false, SS);
+    }
+}
+
+fn patch_left(src: u32, off: u32) -> subgroup_matrix_left<f16, 16, 16> {
+    if (src == 0u) { return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&Ps, off, false, HP); }
+    return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&Gs, off, false, HP);
+}
+
+// acc += (the subgroup's 16 x KB patch of Ps (src 0) or Gs (1)) . (KB rows of operand w from
+// off, all D columns)
+fn accum(acc: ptr<function, RM>, src: u32, sg: u32, w: u32, off: u32, ld: u32) {
+    for (var c = 0u; c < KB / 16u; c++) {
+        let p = patch_left(src, sg * 16u * HP + c * 16u);
+        let o = off + c * 16u * ld;
+        (*acc).r0 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o, ld), (*acc).r0);
+        if (D16 > 1u) { (*acc).r1 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 16u, ld), (*acc).r1); }
+        if (D16 > 2u) { (*acc).r2 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 32u, ld), (*acc).r2); }
+        if (D16 > 3u) { (*acc).r3 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 48u, ld), (*acc).r3); }
+        if (D16 > 4u) { (*acc).r4 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 64u, ld), (*acc).r4); }
+        if (D16 > 5u) { (*acc).r5 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 80u, ld), (*acc).r5); }
+        if (D16 > 6u) { (*acc).r6 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 96u, ld), (*acc).r6); }
+        if (D16 > 7u) { (*acc).r7 = subgroupMatrixMultiplyAccumulate(p, right_n(w, o + 112u, ld), (*acc).r7); }
+    }
 }
 
 // one 16 x 16 column block j of every subgroup's accumulator, times f, to rows r0 + sg*16 + r
@@ -115,116 +191,6 @@ fn store_rows(acc: ptr<function, RM>, f: f32, dst: u32, sg: u32, tid: u32, base:
     if (D16 > 7u) { store_block((*acc).r7, 7u, f, dst, sg, tid, base, r0, end, col, ld); }
 }
 
-// ---------------------------------------------------------------- operands, staged
-// Every operand goes through workgroup memory as 16-byte words (elements off + r ld + c; off
-// and ld multiples of 8): a workgroup's 64 held rows (queries for the forward and dq, keys for
-// dk/dv) once, into the subgroups' registers, then each block of KB rows of the side it walks,
-// two operands at a time; the four subgroups load their matrices from there, not each from
-// storage.
-
-fn put8(dst: u32, i: u32, v: vec4<u32>) {
-    let h0 = bitcast<vec2<f16>>(v.x); let h1 = bitcast<vec2<f16>>(v.y);
-    let h2 = bitcast<vec2<f16>>(v.z); let h3 = bitcast<vec2<f16>>(v.w);
-    if (dst == 0u) {
-        Ab[i] = h0.x; Ab[i + 1u] = h0.y; Ab[i + 2u] = h1.x; Ab[i + 3u] = h1.y;
-        Ab[i + 4u] = h2.x; Ab[i + 5u] = h2.y; Ab[i + 6u] = h3.x; Ab[i + 7u] = h3.y;
-    } else {
-        Bb[i] = h0.x; Bb[i + 1u] = h0.y; Bb[i + 2u] = h1.x; Bb[i + 3u] = h1.y;
-        Bb[i + 4u] = h2.x; Bb[i + 5u] = h2.y; Bb[i + 6u] = h3.x; Bb[i + 7u] = h3.y;
-    }
-}
-
-// word i of operand w
-fn word(w: u32, i: u32) -> vec4<u32> {
-    switch w {
-        case 0u: { return q8[i]; }
-        case 1u: { return k8[i]; }
-        case 2u: { return v8[i]; }
-        default: { return do8[i]; }
-    }
-}
-
-// KB rows of operand w1 (from element o1, rows ld apart) into Ab and of w2 (from o2) into Bb,
-// between barriers (the block before may still be read)
-fn stage(w1: u32, o1: u32, w2: u32, o2: u32, ld: u32, tid: u32) {
-    workgroupBarrier();
-    let wpr = D / 8u;
-    for (var i = tid; i < KB * wpr; i += 128u) {
-        let r = i / wpr;
-        let c = (i % wpr) * 8u;
-        put8(0u, r * BS + c, word(w1, (o1 + r * ld + c) / 8u));
-        put8(1u, r * BS + c, word(w2, (o2 + r * ld + c) / 8u));
-    }
-    workgroupBarrier();
-}
-
-// a left matrix of Ab (s 0) or Bb (1) from element off
-fn staged_l(s: u32, off: u32) -> subgroup_matrix_left<f16, 16, 16> {
-    if (s == 0u) { return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&Ab, off, false, BS); }
-    return subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&Bb, off, false, BS);
-}
-
-// the subgroup's 16 of 64 held rows of operand w (from element off, rows ld apart) as D16 left
-// matrices: the 64 rows staged in Ab (0..31) and Bb (32..63)
-fn held_rows(w: u32, off: u32, ld: u32, sg: u32, tid: u32) -> LM {
-    stage(w, off, w, off + KB * ld, ld, tid);
-    var a: LM;
-    let s = sg / 2u;
-    let o = (sg % 2u) * 16u * BS;
-    a.m0 = staged_l(s, o);
-    if (D16 > 1u) { a.m1 = staged_l(s, o + 16u); }
-    if (D16 > 2u) { a.m2 = staged_l(s, o + 32u); }
-    if (D16 > 3u) { a.m3 = staged_l(s, o + 48u); }
-    if (D16 > 4u) { a.m4 = staged_l(s, o + 64u); }
-    if (D16 > 5u) { a.m5 = staged_l(s, o + 80u); }
-    if (D16 > 6u) { a.m6 = staged_l(s, o + 96u); }
-    if (D16 > 7u) { a.m7 = staged_l(s, o + 112u); }
-    return a;
-}
-
-// 16 x 16 of a staged block (s 0: Ab, 1: Bb) from element off as a right matrix: transposed
-// (its rows' elements are the matrix's columns: k^T) or not
-fn staged_t(s: u32, off: u32) -> subgroup_matrix_right<f16, 16, 16> {
-    if (s == 0u) { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Ab, off, true, BS); }
-    return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bb, off, true, BS);
-}
-
-fn staged_n(s: u32, off: u32) -> subgroup_matrix_right<f16, 16, 16> {
-    if (s == 0u) { return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Ab, off, false, BS); }
-    return subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>>(&Bb, off, false, BS);
-}
-
-// a (16 rows) . (rows r0..r0+15 of staged block s)^T, summed over D
-fn dots_staged(a: ptr<function, LM>, s: u32, r0: u32) -> subgroup_matrix_result<f32, 16, 16> {
-    let o = r0 * BS;
-    var r: subgroup_matrix_result<f32, 16, 16>;
-    r = subgroupMatrixMultiplyAccumulate((*a).m0, staged_t(s, o), r);
-    if (D16 > 1u) { r = subgroupMatrixMultiplyAccumulate((*a).m1, staged_t(s, o + 16u), r); }
-    if (D16 > 2u) { r = subgroupMatrixMultiplyAccumulate((*a).m2, staged_t(s, o + 32u), r); }
-    if (D16 > 3u) { r = subgroupMatrixMultiplyAccumulate((*a).m3, staged_t(s, o + 48u), r); }
-    if (D16 > 4u) { r = subgroupMatrixMultiplyAccumulate((*a).m4, staged_t(s, o + 64u), r); }
-    if (D16 > 5u) { r = subgroupMatrixMultiplyAccumulate((*a).m5, staged_t(s, o + 80u), r); }
-    if (D16 > 6u) { r = subgroupMatrixMultiplyAccumulate((*a).m6, staged_t(s, o + 96u), r); }
-    if (D16 > 7u) { r = subgroupMatrixMultiplyAccumulate((*a).m7, staged_t(s, o + 112u), r); }
-    return r;
-}
-
-// acc += (the subgroup's 16 x KB patch of Ps) . (staged block s, all D columns)
-fn accum_staged(acc: ptr<function, RM>, sg: u32, s: u32) {
-    for (var c = 0u; c < KB / 16u; c++) {
-        let p = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&Ps, sg * 16u * HP + c * 16u, false, HP);
-        let o = c * 16u * BS;
-        (*acc).r0 = subgroupMatrixMultiplyAccumulate(p, staged_n(s, o), (*acc).r0);
-        if (D16 > 1u) { (*acc).r1 = subgroupMatrixMultiplyAccumulate(p, staged_n(s, o + 16u), (*acc).r1); }
-        if (D16 > 2u) { (*acc).r2 = subgroupMatrixMultiplyAccumulate(p, staged_n(s, o + 32u), (*acc).r2); }
-        if (D16 > 3u) { (*acc).r3 = subgroupMatrixMultiplyAccumulate(p, staged_n(s, o + 48u), (*acc).r3); }
-        if (D16 > 4u) { (*acc).r4 = subgroupMatrixMultiplyAccumulate(p, staged_n(s, o + 64u), (*acc).r4); }
-        if (D16 > 5u) { (*acc).r5 = subgroupMatrixMultiplyAccumulate(p, staged_n(s, o + 80u), (*acc).r5); }
-        if (D16 > 6u) { (*acc).r6 = subgroupMatrixMultiplyAccumulate(p, staged_n(s, o + 96u), (*acc).r6); }
-        if (D16 > 7u) { (*acc).r7 = subgroupMatrixMultiplyAccumulate(p, staged_n(s, o + 112u), (*acc).r7); }
-    }
-}
-
 fn exps(slot: u32) -> i32 { return f16_exps[slot]; }
 
 // the factors of the operands' scales (2^eq ...): sc the scores' (scale 2^-(eq + ek)), dl
@@ -249,8 +215,7 @@ fn query_block(u: SA, w: u32) -> vec4<u32> {
 }
 
 // ---------------------------------------------------------------- forward
-// o (out1, [M, ldq]) and lse (out2, [M, Hq]) of 64 query rows of one (b, h), in two walks over
-// the keys: each row's max and sum (lse) first, then o with p = exp(s - lse) final
+// o (out1, [M, ldq]) and lse (out2, [M, Hq]) of 64 query rows of one (b, h)
 @compute @workgroup_size(128)
 fn attention_sg_forward(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: vec3<u32>,
                         @builtin(num_workgroups) nwg: vec3<u32>, @builtin(subgroup_id) sg: u32) {
@@ -263,17 +228,17 @@ fn attention_sg_forward(@builtin(local_invocation_index) tid: u32, @builtin(work
     let g = qb.w;
     let base = qb.z * u.L;
     let fx = factors(u);
-    var a = held_rows(QW, u.oq + (base + t0) * u.ldq + h * D, u.ldq, sg, tid);
+    var a = rows_left(QW, u.oq + (base + t0 + sg * 16u) * u.ldq + h * D, u.ldq);
     let rr = tid / 2u;          // this invocation's row of the block and its 16 columns
     let c0 = (tid % 2u) * 16u;
     let t = t0 + rr;
     let kend = min(u.L, t0 + 64u);
+    // 1. each row's max and sum (this invocation's half of the row)
     var m = NEG;
     var l = 0.0;
     for (var k0 = 0u; k0 < kend; k0 += KB) {
-        let ko = (base + k0) * u.ldk + g * D;
-        stage(KW, u.ok + ko, KW, u.ok + ko, u.ldk, tid);   // k (twice: Bb unread)
-        put_scores(sg, dots_staged(&a, 0u, 0u), dots_staged(&a, 0u, 16u));
+        let ko = u.ok + (base + k0) * u.ldk + g * D;
+        put_scores(0u, sg, dots(&a, KW, ko, u.ldk), dots(&a, KW, ko + 16u * u.ldk, u.ldk));
         workgroupBarrier();
         var mx = NEG;
         for (var c = 0u; c < 16u; c++) {
@@ -290,24 +255,24 @@ fn attention_sg_forward(@builtin(local_invocation_index) tid: u32, @builtin(work
             l = l * exp(m - mn) + ps;
             m = mn;
         }
+        workgroupBarrier();
     }
+    Rs[tid] = m;
+    Rs[128u + tid] = l;
     workgroupBarrier();
-    Ss[tid] = m;             // the row's other half's statistics
-    Ss[128u + tid] = l;
-    workgroupBarrier();
-    let mo = Ss[tid ^ 1u];
-    let lo = Ss[128u + (tid ^ 1u)];
+    let mo = Rs[tid ^ 1u];
+    let lo = Rs[128u + (tid ^ 1u)];
     let mm = max(m, mo);
     var lse = 0.0;
     if (t < u.L) {
         lse = mm + log(l * exp(m - mm) + lo * exp(mo - mm));
         if (c0 == 0u) { out2[u.o2 + (base + t) * u.Hq + h] = lse; }
     }
+    // 2. o = sum_j exp(s - lse) v_j
     var o: RM;
     for (var k0 = 0u; k0 < kend; k0 += KB) {
-        let ko = (base + k0) * u.ldk + g * D;
-        stage(KW, u.ok + ko, VW, u.ov + ko, u.ldk, tid);   // (its first barrier: Ss read above)
-        put_scores(sg, dots_staged(&a, 0u, 0u), dots_staged(&a, 0u, 16u));
+        let ko = u.ok + (base + k0) * u.ldk + g * D;
+        put_scores(0u, sg, dots(&a, KW, ko, u.ldk), dots(&a, KW, ko + 16u * u.ldk, u.ldk));
         workgroupBarrier();
         for (var c = 0u; c < 16u; c++) {
             let j = k0 + c0 + c;
@@ -316,7 +281,7 @@ fn attention_sg_forward(@builtin(local_invocation_index) tid: u32, @builtin(work
             Ps[rr * HP + c0 + c] = f16(p);
         }
         workgroupBarrier();
-        accum_staged(&o, sg, 1u);
+        accum(&o, 0u, sg, VW, u.ov + (base + k0) * u.ldk + g * D, u.ldk);
     }
     store_rows(&o, fx.o, 0u, sg, tid, base, t0, u.L, u.o1 + h * D, u.ldq);
 }
@@ -340,9 +305,9 @@ fn attention_sg_dq(@builtin(local_invocation_index) tid: u32, @builtin(workgroup
     let g = qb.w;
     let base = qb.z * u.L;
     let fx = factors(u);
-    let rows = (base + t0) * u.ldq + h * D;
-    var a = held_rows(QW, u.oq + rows, u.ldq, sg, tid);
-    var gd = held_rows(DOW, u.odo + rows, u.ldq, sg, tid);
+    let rows = (base + t0 + sg * 16u) * u.ldq + h * D;
+    var a = rows_left(QW, u.oq + rows, u.ldq);
+    var gd = rows_left(DOW, u.odo + rows, u.ldq);
     let rr = tid / 2u;
     let c0 = (tid % 2u) * 16u;
     let t = t0 + rr;
@@ -355,26 +320,20 @@ fn attention_sg_dq(@builtin(local_invocation_index) tid: u32, @builtin(workgroup
     let kend = min(u.L, t0 + 64u);
     var dq: RM;
     for (var k0 = 0u; k0 < kend; k0 += KB) {
-        let ko = (base + k0) * u.ldk + g * D;
-        stage(KW, u.ok + ko, VW, u.ov + ko, u.ldk, tid);   // k, v
-        let dp0 = dots_staged(&gd, 1u, 0u);
-        let dp1 = dots_staged(&gd, 1u, 16u);
-        put_scores(sg, dots_staged(&a, 0u, 0u), dots_staged(&a, 0u, 16u));
+        let ko = u.ok + (base + k0) * u.ldk + g * D;
+        let vo = u.ov + (base + k0) * u.ldk + g * D;
+        put_scores(0u, sg, dots(&a, KW, ko, u.ldk), dots(&a, KW, ko + 16u * u.ldk, u.ldk));
+        put_scores(1u, sg, dots(&gd, VW, vo, u.ldk), dots(&gd, VW, vo + 16u * u.ldk, u.ldk));
         workgroupBarrier();
-        var p: array<f32, 16>;
         for (var c = 0u; c < 16u; c++) {
             let j = k0 + c0 + c;
-            p[c] = 0.0;
-            if (j <= t && t < u.L) { p[c] = exp(Ss[rr * SS + c0 + c] * fx.sc - lse); }
+            let e = rr * SS + c0 + c;
+            var p = 0.0;
+            if (j <= t && t < u.L) { p = exp(Ss[e] * fx.sc - lse); }
+            Gs[rr * HP + c0 + c] = ds16(p, Ds[e], dl);
         }
         workgroupBarrier();
-        put_scores(sg, dp0, dp1);
-        workgroupBarrier();
-        for (var c = 0u; c < 16u; c++) {
-            Ps[rr * HP + c0 + c] = ds16(p[c], Ss[rr * SS + c0 + c], dl);
-        }
-        workgroupBarrier();
-        accum_staged(&dq, sg, 0u);
+        accum(&dq, 1u, sg, KW, ko, u.ldk);
     }
     store_rows(&dq, fx.dq, 0u, sg, tid, base, t0, u.L, u.o1 + h * D, u.ldq);
 }
@@ -399,9 +358,9 @@ fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgrou
     let k0 = kb * 64u;
     let base = b * u.L;
     let fx = factors(u);
-    let keys = (base + k0) * u.ldk + g * D;
-    var ak = held_rows(KW, u.ok + keys, u.ldk, sg, tid);
-    var av = held_rows(VW, u.ov + keys, u.ldk, sg, tid);
+    let keys = (base + k0 + sg * 16u) * u.ldk + g * D;
+    var ak = rows_left(KW, u.ok + keys, u.ldk);
+    var av = rows_left(VW, u.ov + keys, u.ldk);
     let rr = tid / 2u;          // this invocation's key of the block and its 16 query columns
     let c0 = (tid % 2u) * 16u;
     let j = k0 + rr;
@@ -409,11 +368,10 @@ fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgrou
     var dk: RM;
     var dv: RM;
     for (var i0 = k0; i0 < u.L; i0 += KB) {
-        let qo = (base + i0) * u.ldq + h * D;
-        stage(QW, u.oq + qo, DOW, u.odo + qo, u.ldq, tid);   // q, dO
-        let dp0 = dots_staged(&av, 1u, 0u);
-        let dp1 = dots_staged(&av, 1u, 16u);
-        put_scores(sg, dots_staged(&ak, 0u, 0u), dots_staged(&ak, 0u, 16u));
+        let qo = u.oq + (base + i0) * u.ldq + h * D;
+        let go = u.odo + (base + i0) * u.ldq + h * D;
+        put_scores(0u, sg, dots(&ak, QW, qo, u.ldq), dots(&ak, QW, qo + 16u * u.ldq, u.ldq));
+        put_scores(1u, sg, dots(&av, DOW, go, u.ldq), dots(&av, DOW, go + 16u * u.ldq, u.ldq));
         if (tid < KB) {
             var x = 0.0;
             var y = 0.0;
@@ -425,22 +383,17 @@ fn attention_sg_dkv(@builtin(local_invocation_index) tid: u32, @builtin(workgrou
             Rs[KB + tid] = y;
         }
         workgroupBarrier();
-        var p: array<f32, 16>;
         for (var c = 0u; c < 16u; c++) {
             let t = i0 + c0 + c;
-            p[c] = 0.0;
-            if (j <= t && t < u.L) { p[c] = exp(Ss[rr * SS + c0 + c] * fx.sc - Rs[c0 + c]); }
-            Ps[rr * HP + c0 + c] = f16(p[c]);
+            let e = rr * SS + c0 + c;
+            var p = 0.0;
+            if (j <= t && t < u.L) { p = exp(Ss[e] * fx.sc - Rs[c0 + c]); }
+            Ps[rr * HP + c0 + c] = f16(p);
+            Gs[rr * HP + c0 + c] = ds16(p, Ds[e], Rs[KB + c0 + c]);
         }
         workgroupBarrier();
-        put_scores(sg, dp0, dp1);        // dP^T over the scores (read above)
-        accum_staged(&dv, sg, 1u);       // dv += p^T dO
-        workgroupBarrier();
-        for (var c = 0u; c < 16u; c++) {  // p over ds (read above)
-            Ps[rr * HP + c0 + c] = ds16(p[c], Ss[rr * SS + c0 + c], Rs[KB + c0 + c]);
-        }
-        workgroupBarrier();
-        accum_staged(&dk, sg, 0u);       // dk += ds^T q
+        accum(&dv, 0u, sg, DOW, go, u.ldq);
+        accum(&dk, 1u, sg, QW, qo, u.ldq);
     }
     store_rows(&dv, fx.dv, 1u, sg, tid, base, k0, u.L, u.o2 + part + g * D, u.ldk);
     store_rows(&dk, fx.dk, 0u, sg, tid, base, k0, u.L, u.o1 + part + g * D, u.ldk);

@@ -182,7 +182,6 @@ def attention_forward_f16(rec: Recorder, o: Tensor, lse: Tensor, q16: Tensor, k1
         _sg_clear_pad(rec, t, M, c)
     table, (sq, sk, sv) = _sg_table(rt, q16, k16, v16)
     (bq, oq), (bk, ok), (bv, ov), (bo, oo), (bl, ol) = (bound(rt, t) for t in (q16, k16, v16, o, lse))
-    assert not (oq | ok | ov) % 8, "the f16 copies load as 16-byte words"
     u = rt.uniform(_usg(B, L, Hq, Hkv, D, (oq, ok, ov, 0, oo, ol, 0, 0), (sq, sk, sv, 0), scale))
     rec.dispatch(SG_SHADER, "attention_sg_forward", {0: bq, 1: bk, 2: bv, 3: bq, 4: bo, 5: bl, 8: table, 9: u},
                  B * Hq * cdiv(L, 64), {"D16": D // 16})
@@ -204,7 +203,6 @@ def attention_backward_f16(rec: Recorder, dq: Tensor, dk: Tensor, dv: Tensor, de
     table, slots = _sg_table(rt, q16, k16, v16, do16)
     (bq, oq), (bk, ok), (bv, ov), (bg, og) = (bound(rt, t) for t in (q16, k16, v16, do16))
     (bl, ol), (bdq, odq), (bdk, odk), (bdv, odv) = (bound(rt, t) for t in (lse, dq, dk, dv))
-    assert not (oq | ok | ov | og) % 8, "the f16 copies load as 16-byte words"
     c = {"D16": D // 16}
     binds = {0: bq, 1: bk, 2: bv, 3: bg, 6: bl, 7: be, 8: table}
     dummy = rt.scratch("attention_sg.dummy", (4,))
