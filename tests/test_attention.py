@@ -82,7 +82,7 @@ SG_CASES = [   # B, L, Hq, Hkv, D, v's and dO's magnitudes (their f16 copies' sc
     (1, 37, 4, 2, 32, 1.0, 1e-4, 0.0),
     (2, 45, 3, 3, 16, 3e4, 1e-6, 0.0),     # GQA 1, two sequences, a partial block each
     (2, 150, 6, 2, 64, 1e-3, 10.0, 0.0),   # GQA 3, several blocks of 64 rows and of 32 keys
-    (1, 130, 2, 1, 32, 1.0, 1.0, 0.04),    # scores rising along the keys: the forward's rescales
+    (1, 130, 2, 1, 32, 1.0, 1.0, 0.04),    # scores rising along the keys: a row's max moves late
 ]
 
 
@@ -92,7 +92,8 @@ def test_attention_on_subgroup_matrices_against_torch(rt, B, L, Hq, Hkv, D, vmag
     against torch autograd in float64: o, lse, dq, dk, dv within 8 f16 roundings (q, k, v and
     dO cast with their own scale slots, p and ds rounded to f16 in the kernels), at magnitudes
     of v and dO far outside f16's range unscaled, and with scores that rise along the keys (the
-    last row's max passing the forward's reference by more than twice its threshold).  Where
+    last row's max passing its first block's by more than 11, twice the threshold of a one-walk
+    forward that rescales lazily, which gave wrong results on the H100 and is not kept).  Where
     the adapter has no subgroup matrices the kernels run emulated (tests/sgmat_emulation.py)."""
     import contextlib
 
@@ -116,7 +117,7 @@ def test_attention_on_subgroup_matrices_against_torch(rt, B, L, Hq, Hkv, D, vmag
     scale, r = 0.7 / D ** 0.5, 1.7
     o_ref, lse_ref = torch_attention(q, k, v, B, L, Hq, Hkv, D, scale)
     (o_ref * do).sum().backward()
-    if trend:   # row 0's block-0 max against a later block's, head 0: the threshold passed
+    if trend:   # the last row's first-block max against a later block's, head 0
         s0 = (q[:L, :D] @ k[:L, :D].T).detach() * scale
         assert s0[L - 1, 64:96].max() > s0[L - 1, :32].max() + 2 * 5.5
     f32 = lambda t: t.detach().numpy().astype(np.float32)
